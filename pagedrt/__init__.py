@@ -1,0 +1,13 @@
+"""pagedrt: a torch-free paged KV cache runtime for NVIDIA GPUs (CuPy + cuda-python).
+
+Two address translations, in layers (each imports only the ones below it):
+``driver`` -> ``memory`` (the pool: hardware mapping, the MMU translates) ->
+``blocks`` (allocator and block tables: software mapping, the kernel translates) ->
+``cache`` (PagedKVCache, translate) -> ``kernels`` -> ``cli``.
+"""
+
+from .errors import PagedRTError
+from .memory import ChunkRecord, Pool
+
+__version__ = "0.1.0"
+__all__ = ["ChunkRecord", "PagedRTError", "Pool", "__version__"]

@@ -1,0 +1,127 @@
+"""Checked cuda-python driver calls, bound to CuPy's current device and its primary context.
+
+Every driver call goes through :func:`call`, which raises :class:`CudaError` (or
+:class:`DeviceOutOfMemoryError`) with the CUresult's name and text instead of
+returning an error code. :func:`probe` says whether CUDA is usable here and why not.
+"""
+
+from dataclasses import dataclass
+
+from .errors import BackendUnavailableError, CudaError, DeviceOutOfMemoryError
+
+
+def load():
+    """Import and initialise the driver bindings; raise BackendUnavailableError saying why not."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"cuda-python is not installed ({exc}); install pagedrt[cuda13] or pagedrt[cuda12]") from None
+    try:
+        (err,) = driver.cuInit(0)
+    except RuntimeError as exc:  # the bindings raise when libcuda.so cannot be loaded
+        raise BackendUnavailableError(f"no CUDA driver found ({exc})") from None
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise BackendUnavailableError(f"cuInit failed: {_describe(driver, err)}")
+    return driver
+
+
+def _describe(driver, err):
+    _, name = driver.cuGetErrorName(err)
+    _, text = driver.cuGetErrorString(err)
+    return (name or b"?").decode(), (text or b"?").decode()
+
+
+def call(driver, fn, *args):
+    """Call ``driver.<fn>(*args)``; return its outputs (none, one, or a tuple); raise on error."""
+    result = getattr(driver, fn)(*args)
+    err, out = result[0], result[1:]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name, text = _describe(driver, err)
+        cls = DeviceOutOfMemoryError if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY else CudaError
+        raise cls(fn, name, text)
+    if not out:
+        return None
+    return out[0] if len(out) == 1 else out
+
+
+@dataclass(frozen=True)
+class Device:
+    """A CUDA device and its primary context (the one CuPy uses), made current on this thread."""
+
+    driver: object
+    ordinal: int
+    handle: object
+    context: object
+
+    def activate(self):
+        call(self.driver, "cuCtxSetCurrent", self.context)
+
+    def synchronize(self):
+        self.activate()
+        call(self.driver, "cuCtxSynchronize")
+
+    def mem_info(self):
+        """(free, total) device memory in bytes."""
+        self.activate()
+        return call(self.driver, "cuMemGetInfo")
+
+    def attribute(self, name):
+        attr = getattr(self.driver.CUdevice_attribute, name)
+        return call(self.driver, "cuDeviceGetAttribute", attr, self.handle)
+
+
+def current_device():
+    """Bind to CuPy's current device: retain its primary context and make it current."""
+    driver = load()
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"cupy is not installed ({exc}); install pagedrt[cuda13] or pagedrt[cuda12]") from None
+    count = call(driver, "cuDeviceGetCount")
+    if count == 0:
+        raise BackendUnavailableError("the CUDA driver sees no device")
+    ordinal = cupy.cuda.Device().id
+    handle = call(driver, "cuDeviceGet", ordinal)
+    context = call(driver, "cuDevicePrimaryCtxRetain", handle)
+    device = Device(driver, ordinal, handle, context)
+    device.activate()
+    return device
+
+
+def probe():
+    """A dict describing the CUDA side of this machine, or why it is unusable (``reason``)."""
+    try:
+        device = current_device()
+    except BackendUnavailableError as exc:
+        return {"usable": False, "reason": str(exc)}
+    driver = device.driver
+    import cupy
+    name = call(driver, "cuDeviceGetName", 256, device.handle)
+    version = call(driver, "cuDriverGetVersion")
+    vmm = bool(device.attribute("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"))
+    info = {
+        "usable": vmm,
+        "reason": "CUDA driver and a VMM-capable device found" if vmm
+        else "the device does not support CUDA virtual memory management",
+        "device": name.split(b"\0", 1)[0].decode(),
+        "ordinal": device.ordinal,
+        "compute_capability": "{}.{}".format(
+            device.attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+            device.attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")),
+        "multiprocessors": device.attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+        "driver_version": f"{version // 1000}.{version % 1000 // 10}",
+        "runtime_version": _runtime_version(cupy),
+        "cupy_version": cupy.__version__,
+        "memory_total": device.mem_info()[1],
+    }
+    if vmm:
+        from .memory.vmm import page_granularity
+        info["page_bytes"] = page_granularity(device)
+    return info
+
+
+def _runtime_version(cupy):
+    v = cupy.cuda.runtime.runtimeGetVersion()
+    return f"{v // 1000}.{v % 1000 // 10}"

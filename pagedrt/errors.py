@@ -1,0 +1,107 @@
+"""Named errors. Each message says what was wrong and what to do about it.
+
+Every error derives from :class:`PagedRTError` and from the built-in class that
+fits it (``ValueError``, ``KeyError``, ``MemoryError`` ...), so callers can catch
+either. An operation that raises leaves the object it was called on unchanged.
+"""
+
+
+class PagedRTError(Exception):
+    """Base class of every error pagedrt raises on purpose."""
+
+
+# --- backends and the driver -------------------------------------------------
+
+class BackendUnavailableError(PagedRTError, RuntimeError):
+    """The requested backend cannot run here (no driver, no device, no cupy)."""
+
+
+class CudaError(PagedRTError, RuntimeError):
+    """A CUDA driver call returned an error; carries the CUresult name and text."""
+
+    def __init__(self, call, name, text):
+        self.call, self.name, self.text = call, name, text
+        super().__init__(f"{call} failed: {name}: {text}")
+
+
+class DeviceOutOfMemoryError(CudaError, MemoryError):
+    """The device refused to allocate physical memory."""
+
+
+# --- the pool (hardware layer) -----------------------------------------------
+
+class PoolSizeError(PagedRTError, ValueError):
+    """A size is non-positive or not a whole number of pages / chunks."""
+
+
+class ReservationExceededError(PagedRTError, MemoryError):
+    """A grow would map chunks past the end of the reserved range."""
+
+
+class UnknownChunkError(PagedRTError, IndexError):
+    """A chunk index outside the reservation."""
+
+
+class ChunkStateError(PagedRTError, ValueError):
+    """A chunk is not in the state the operation needs (released twice, mapped twice...)."""
+
+
+class UnmappedRangeError(PagedRTError, ValueError):
+    """A view asked for bytes that are not all mapped."""
+
+
+class PoolClosedError(PagedRTError, RuntimeError):
+    """The pool was closed; make a new one."""
+
+
+# --- blocks, sequences and the cache (software layer) -------------------------
+
+class PoolExhaustedError(PagedRTError, MemoryError):
+    """Not enough free blocks even after growing the pool to its reservation."""
+
+
+class UnknownSequenceError(PagedRTError, KeyError):
+    """A sequence id that was never added, or was already freed."""
+
+    def __str__(self):  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
+class DuplicateSequenceError(PagedRTError, ValueError):
+    """A sequence id that is already live."""
+
+
+class DoubleFreeError(PagedRTError, ValueError):
+    """A block freed that is not held."""
+
+
+class SequenceFullError(PagedRTError, ValueError):
+    """An append would need more blocks than a block-table row holds."""
+
+
+class TooManySequencesError(PagedRTError, ValueError):
+    """Every row of the block table is taken."""
+
+
+class InvalidTokenCountError(PagedRTError, ValueError):
+    """A negative or non-integer token count."""
+
+
+class UnsupportedConfigError(PagedRTError, ValueError):
+    """A dtype, head_dim, block_size or shape that the cache or kernels do not support."""
+
+
+# --- kernels ------------------------------------------------------------------
+
+class LaunchArgumentError(PagedRTError, ValueError):
+    """A kernel argument has the wrong shape, dtype, contiguity or device."""
+
+
+class BlockTableError(PagedRTError, ValueError):
+    """A block table refers to blocks outside the pool or lengths past its capacity."""
+
+
+# --- snapshots ----------------------------------------------------------------
+
+class SnapshotError(PagedRTError, ValueError):
+    """A snapshot file is missing, corrupt or of a schema this version cannot read."""

@@ -1,0 +1,88 @@
+"""CUDA backend: the driver's virtual memory management calls, and nothing else.
+
+cuMemAddressReserve reserves the range; a chunk is a cuMemCreate allocation
+mapped with cuMemMap; cuMemSetAccess enables reads and writes (one call per
+contiguous run, since its cost is per call); release is cuMemUnmap + cuMemRelease;
+close frees the range with cuMemAddressFree. Arrays are CuPy arrays over
+``cupy.cuda.UnownedMemory``, so no copy is ever made.
+"""
+
+from .. import driver as drv
+
+
+def _allocation_prop(device):
+    d = device.driver
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device.ordinal
+    return prop
+
+
+def page_granularity(device):
+    """The device's minimum mapping granularity in bytes (the page)."""
+    d = device.driver
+    flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return drv.call(d, "cuMemGetAllocationGranularity", _allocation_prop(device), flag)
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self):
+        from ..errors import BackendUnavailableError
+        self.device = drv.current_device()
+        if not self.device.attribute("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
+            raise BackendUnavailableError(
+                f"device {self.device.ordinal} does not support CUDA virtual memory management")
+        import cupy
+        self.xp = cupy
+        self.reason = f"cuda: device {self.device.ordinal} supports virtual memory management"
+        d = self.device.driver
+        self._d = d
+        self._prop = _allocation_prop(self.device)
+        self.page_bytes = page_granularity(self.device)
+        access = d.CUmemAccessDesc()
+        access.location = self._prop.location
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+
+    def _call(self, fn, *args):
+        self.device.activate()
+        return drv.call(self._d, fn, *args)
+
+    def reserve(self, size):
+        return int(self._call("cuMemAddressReserve", size, self.page_bytes, 0, 0))
+
+    def free(self, base, size):
+        self._call("cuMemAddressFree", base, size)
+
+    def create(self, size):
+        return self._call("cuMemCreate", size, self._prop, 0)
+
+    def map(self, va, size, handle):
+        self._call("cuMemMap", va, size, 0, handle, 0)
+
+    def set_access(self, va, size):
+        self._call("cuMemSetAccess", va, size, self._access, 1)
+
+    def unmap(self, va, size):
+        self._call("cuMemUnmap", va, size)
+
+    def release(self, handle):
+        self._call("cuMemRelease", handle)
+
+    @staticmethod
+    def handle_id(handle):
+        return int(handle)
+
+    def synchronize(self):
+        self.device.synchronize()
+
+    def close(self):
+        self._call("cuDevicePrimaryCtxRelease", self.device.handle)
+
+    def array(self, base, total, offset, shape, dtype, strides, owner):
+        import cupy
+        mem = cupy.cuda.UnownedMemory(base, total, owner, self.device.ordinal)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
