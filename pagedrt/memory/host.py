@@ -3,7 +3,9 @@
 The reservation is an ``mmap(PROT_NONE, MAP_NORESERVE)`` range; a chunk is a memfd
 (anonymous shared memory) mapped into it with ``MAP_FIXED``; access is granted
 with ``mprotect``; releasing a chunk maps the reservation back over it. The same
-two layers, with Linux page tables in place of the GPU's.
+two layers, with Linux page tables in place of the GPU's. Each mapped chunk is
+one kernel mapping (VMA), and Linux allows about 65,000 per process
+(``vm.max_map_count``): use chunks of megabytes, not pages, for large pools.
 """
 
 import ctypes
@@ -38,21 +40,21 @@ def _mmap(addr, size, prot, flags, fd=-1):
 
 
 class Memfd:
-    """A chunk's physical memory: a memfd, closed once mapped (the mapping keeps it alive)."""
+    """A chunk's physical memory: a memfd, opened when mapped and closed at once after
+    (the mapping keeps the memory alive, so a pool holds no file descriptors)."""
 
     def __init__(self, size):
-        self.fd = os.memfd_create("pagedrt-chunk", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, size)
-            self.inode = os.fstat(self.fd).st_ino
-        except OSError:
-            os.close(self.fd)
-            raise
+        self.size = size
+        self.inode = None
 
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+    def map_at(self, va):
+        fd = os.memfd_create("pagedrt-chunk", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, self.size)
+            _mmap(va, self.size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd)
+            self.inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
 
 
 class HostBackend:
@@ -74,8 +76,7 @@ class HostBackend:
         return Memfd(size)
 
     def map(self, va, size, handle):
-        _mmap(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle.fd)
-        handle.close()
+        handle.map_at(va)
 
     def set_access(self, va, size):
         if _libc.mprotect(va, size, PROT_RW):
@@ -87,7 +88,7 @@ class HostBackend:
         _mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE)
 
     def release(self, handle):
-        handle.close()
+        pass  # unmapping freed the memory: nothing else holds it
 
     @staticmethod
     def handle_id(handle):

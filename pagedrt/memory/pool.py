@@ -49,11 +49,12 @@ class Pool:
     """A growable pool of device (CUDA) or host memory at a fixed virtual address.
 
     ``backend`` is "auto" (CUDA when a driver and a VMM-capable device are usable,
-    else host), "cuda" or "host"; ``backend_reason`` says why that one was chosen.
+    else host), "cuda", "host", or a backend made by :func:`select_backend` (to
+    read its page size first); ``backend_reason`` says why that one was chosen.
     """
 
     def __init__(self, max_bytes, chunk_bytes, backend="auto"):
-        self._backend = select_backend(backend)
+        self._backend = select_backend(backend) if isinstance(backend, str) else backend
         page = self._backend.page_bytes
         _positive_multiple("chunk_bytes", chunk_bytes, page, "page size")
         _positive_multiple("max_bytes", max_bytes, chunk_bytes, "chunk size")

@@ -1,0 +1,414 @@
+"""The software layer: block ids over the pool's chunks, and per-sequence block tables.
+
+:class:`BlockAllocator` hands out block ids with reference counts. It is
+chunk-aware: block ``b`` lives in chunk ``b // blocks_per_chunk``; it takes free
+blocks from the fullest mapped chunks first (so that whole chunks fall empty),
+maps more chunks when none are free, and :meth:`~BlockAllocator.trim` hands back
+every chunk whose blocks are all free. With ``planes > 1`` the range is cut into
+that many equal regions (one per layer and K/V) and allocator chunk ``k`` stands
+for the k-th chunk of every region: they are mapped and released together.
+
+:class:`BlockTables` keeps, per sequence, its length and its row of the dense
+block table (logical block -> block id), on the host and as int32 arrays on the
+pool's device, updating only what changed. A sequence's handle is its row.
+All per-step work is vectorised NumPy: no per-token Python loops.
+"""
+
+import numpy as np
+
+from .errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
+                     TooManySequencesError, UnknownSequenceError)
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+class BlockAllocator:
+    """Reference-counted block ids over a :class:`~pagedrt.memory.Pool`'s chunks."""
+
+    def __init__(self, pool, blocks_per_chunk, planes=1):
+        if pool.num_chunks % planes:
+            raise ValueError(f"the pool's {pool.num_chunks} chunks do not split into {planes} planes")
+        self.pool = pool
+        self.planes = planes
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_chunks = pool.num_chunks // planes    # allocator chunks (rows of pool chunks)
+        self.max_blocks = self.num_chunks * blocks_per_chunk
+        self.ref_count = np.zeros(self.max_blocks, np.int32)
+        self.is_free = np.zeros(self.max_blocks, bool)
+        self.free_in_chunk = np.zeros(self.num_chunks, np.int64)
+        self.chunk_mapped = np.zeros(self.num_chunks, bool)
+        self.version = 0  # bumped whenever chunks are mapped or released
+        self.num_shared = 0  # blocks with more than one reference: copy-on-write is possible
+
+    # --- what is where ---------------------------------------------------------------
+
+    def pool_chunks(self, chunk):
+        """The pool chunks that allocator chunk ``chunk`` stands for (one per plane)."""
+        return [p * self.num_chunks + chunk for p in range(self.planes)]
+
+    def chunk_of(self, block_ids):
+        return np.asarray(block_ids) // self.blocks_per_chunk
+
+    @property
+    def num_free(self):
+        return int(self.free_in_chunk.sum())
+
+    @property
+    def num_mapped_blocks(self):
+        return int(self.chunk_mapped.sum()) * self.blocks_per_chunk
+
+    @property
+    def num_held(self):
+        return self.num_mapped_blocks - self.num_free
+
+    def usable_mask(self):
+        """Per block: True where its chunk is mapped (free or held)."""
+        return np.repeat(self.chunk_mapped, self.blocks_per_chunk)
+
+    # --- allocation -------------------------------------------------------------------
+
+    def can_allocate(self, n):
+        unmapped = self.num_chunks - int(self.chunk_mapped.sum())
+        return n <= self.num_free + unmapped * self.blocks_per_chunk
+
+    def allocate(self, n):
+        """``n`` block ids with reference count 1, fullest chunks first; grows the pool if needed."""
+        if n == 0:
+            return np.empty(0, np.int32)
+        if not self.can_allocate(n):
+            raise PoolExhaustedError(
+                f"asked for {n} blocks but only {self.num_free} are free and the reservation holds at most "
+                f"{self.max_blocks} ({self.num_held} held): free sequences, or reserve a larger cache")
+        if n > self.num_free:
+            self.grow(ceil_div(n - self.num_free, self.blocks_per_chunk))
+        free, bpc = self.free_in_chunk, self.blocks_per_chunk
+        fullest = int(np.where(free > 0, free, bpc + 1).argmin())
+        if free[fullest] >= n:  # the common case: one chunk has enough
+            ids = (np.flatnonzero(self.is_free[fullest * bpc:(fullest + 1) * bpc])[:n]
+                   + fullest * bpc).astype(np.int32)
+            free[fullest] -= n
+        else:
+            chunks = np.flatnonzero(free)
+            chunks = chunks[np.argsort(free[chunks], kind="stable")]
+            chunks = chunks[:int(np.searchsorted(np.cumsum(free[chunks]), n)) + 1]
+            pos = np.flatnonzero(self.is_free.reshape(self.num_chunks, bpc)[chunks])[:n]
+            ids = (chunks[pos // bpc] * bpc + pos % bpc).astype(np.int32)
+            free -= np.bincount(ids // bpc, minlength=self.num_chunks)
+        self.is_free[ids] = False
+        self.ref_count[ids] = 1
+        return ids
+
+    def share(self, block_ids):
+        """Add one reference to each held block (a fork); a block may appear more than once."""
+        ids, counts = np.unique(np.asarray(block_ids, np.int64), return_counts=True)
+        self._check_held(ids, np.ones_like(counts), "share")
+        before = self.ref_count[ids]
+        self.ref_count[ids] += counts.astype(np.int32)
+        self.num_shared += int((before == 1).sum())
+
+    def free(self, block_ids):
+        """Drop one reference per occurrence; blocks reaching zero become free. All or nothing."""
+        ids, counts = np.unique(np.asarray(block_ids, np.int64), return_counts=True)
+        if ids.size == 0:
+            return
+        self._check_held(ids, counts, "free")
+        before = self.ref_count[ids]
+        self.ref_count[ids] -= counts.astype(np.int32)
+        after = self.ref_count[ids]
+        self.num_shared -= int(((before > 1) & (after <= 1)).sum())
+        released = ids[after == 0]
+        self.is_free[released] = True
+        self.free_in_chunk += np.bincount(released // self.blocks_per_chunk, minlength=self.num_chunks)
+
+    def _check_held(self, ids, counts, what):
+        bad = (ids < 0) | (ids >= self.max_blocks)
+        if bad.any():
+            raise DoubleFreeError(f"cannot {what} block {ids[bad][0]}: block ids are 0..{self.max_blocks - 1}")
+        short = self.ref_count[ids] < counts
+        if short.any():
+            b = ids[short][0]
+            raise DoubleFreeError(
+                f"cannot {what} block {b}: it holds {self.ref_count[b]} references, "
+                f"{counts[short][0]} were dropped (a double free?)")
+
+    # --- growing and trimming ---------------------------------------------------------
+
+    def grow(self, n_chunks):
+        """Map ``n_chunks`` more chunks, re-using holes (lowest first) before the frontier."""
+        candidates = np.flatnonzero(~self.chunk_mapped)[:n_chunks]
+        if candidates.size < n_chunks:
+            raise PoolExhaustedError(
+                f"cannot map {n_chunks} more chunks: {candidates.size} remain in the reservation")
+        chunks = [int(k) for k in candidates]
+        self.pool.map([c for k in chunks for c in self.pool_chunks(k)])
+        self._adopt(chunks)
+        return chunks
+
+    def _adopt(self, chunks):
+        for k in chunks:
+            self.is_free[k * self.blocks_per_chunk:(k + 1) * self.blocks_per_chunk] = True
+        self.chunk_mapped[chunks] = True
+        self.free_in_chunk[chunks] = self.blocks_per_chunk
+        self.version += 1
+
+    def trim(self):
+        """Release every mapped chunk whose blocks are all free; return their indices."""
+        empty = np.flatnonzero(self.chunk_mapped & (self.free_in_chunk == self.blocks_per_chunk))
+        if empty.size == 0:
+            return []
+        chunks = [int(k) for k in empty]
+        self.pool.release([c for k in chunks for c in self.pool_chunks(k)])
+        self.chunk_mapped[chunks] = False
+        self.free_in_chunk[chunks] = 0
+        self.is_free.reshape(self.num_chunks, self.blocks_per_chunk)[chunks] = False
+        self.version += 1
+        return chunks
+
+
+class BlockTables:
+    """Sequences: length and block-table row each, on the host and on the pool's device.
+
+    ``seq`` handles are rows of the table; a freed handle may be given to a later sequence.
+    """
+
+    def __init__(self, allocator, block_size, max_seqs, max_blocks_per_seq):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.table = np.full((max_seqs, max_blocks_per_seq), -1, np.int32)
+        self.lens = np.zeros(max_seqs, np.int32)
+        self.live = np.zeros(max_seqs, bool)
+        self._shift = block_size.bit_length() - 1  # block sizes are powers of two
+        self._iota = np.arange(max_seqs)
+        self._mark = np.zeros(max_seqs, np.int64)  # scratch for the duplicate check
+        self._live_cache = None                    # np.flatnonzero(live), until add or free
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        xp = allocator.pool.xp
+        if xp is np:  # host backend: the kernels' twins read the host arrays themselves
+            self.device_table, self.device_lens = self.table, self.lens
+        else:
+            self.device_table = xp.asarray(self.table)
+            self.device_lens = xp.asarray(self.lens)
+        self._stale_entries = []   # (rows, cols) of table entries the device has not seen
+        self._stale_lens = []      # rows whose length the device has not seen
+
+    # --- queries ------------------------------------------------------------------------
+
+    @property
+    def sequences(self):
+        return np.flatnonzero(self.live)
+
+    def blocks(self, seq):
+        """The block ids of one sequence, in logical order."""
+        row = self._rows(seq)[0]
+        return self.table[row, :ceil_div(int(self.lens[row]), self.block_size)].copy()
+
+    def _rows(self, seqs):
+        rows = np.atleast_1d(np.asarray(seqs))
+        if rows.dtype.kind not in "iu":
+            raise UnknownSequenceError(f"sequence handles must be ints, got {rows.dtype}")
+        if rows.size and (rows.astype(np.uint64).max() >= self.max_seqs or not self.live[rows].all()):
+            bad = (rows < 0) | (rows >= self.max_seqs)
+            bad[~bad] = ~self.live[rows[~bad]]
+            raise UnknownSequenceError(f"sequence {rows[bad][0]} does not exist (never added, or freed)")
+        return rows.astype(np.int64, copy=False)
+
+    # --- changes ------------------------------------------------------------------------
+
+    def add(self):
+        """A new empty sequence; returns its handle."""
+        if not self._free_rows:
+            raise TooManySequencesError(
+                f"all {self.max_seqs} block-table rows hold live sequences: free one, or make the cache "
+                f"with a larger max_seqs")
+        row = self._free_rows.pop()
+        self.live[row] = True
+        self._live_cache = None
+        return row
+
+    def append(self, seqs, counts):
+        """Make room for ``counts`` more tokens in each of ``seqs``.
+
+        Returns ``(slot_mapping, copies)``: int64 pool slots (block_id * block_size +
+        slot) for the new tokens, sequence by sequence; and int32 ``[n, 2]`` (src,
+        dst) block pairs to copy before writing, where a sequence's shared, partly
+        filled last block was replaced by a private copy (copy-on-write).
+        All or nothing: on error no sequence changes. ``seqs=None`` means every
+        live sequence, in handle order; ``counts`` is one int for every sequence
+        or one per sequence. One token for every live sequence is the decode
+        step, and has a fast path.
+        """
+        if seqs is None:
+            rows = self._live_rows()
+        else:
+            rows = self._rows(seqs)
+            if rows.size > 1:
+                iota = self._iota[:rows.size]
+                self._mark[rows] = iota
+                if (self._mark[rows] != iota).any():
+                    raise InvalidTokenCountError("a sequence appears twice in one append: sum its counts instead")
+        n = rows.size
+        uniform = isinstance(counts, (int, np.integer)) and not isinstance(counts, (bool, np.bool_))
+        if uniform:
+            if counts < 0:
+                raise InvalidTokenCountError(f"token counts must be >= 0, got {counts}")
+            step = int(counts)
+        else:
+            counts = np.asarray(counts)
+            if counts.dtype.kind not in "iu":
+                raise InvalidTokenCountError(f"token counts must be ints, got {counts.dtype}")
+            if counts.shape != rows.shape:
+                raise InvalidTokenCountError(f"{counts.size} token counts given for {n} sequences")
+            if (counts < 0).any():
+                raise InvalidTokenCountError(f"token counts must be >= 0, got {counts[counts < 0][0]}")
+            step = counts.astype(np.int64)
+        if uniform and step == 1 and self.allocator.num_shared == 0:
+            return self._append_one(rows)
+        shift, mask = self._shift, self.block_size - 1
+        old = self.lens[rows]
+        new = old + step
+        old_nb, new_nb = (old + mask) >> shift, (new + mask) >> shift
+        if n and new_nb.max() > self.max_blocks_per_seq:
+            i = int(new_nb.argmax())
+            raise SequenceFullError(
+                f"sequence {rows[i]} would hold {new[i]} tokens ({new_nb[i]} blocks) but a block-table row "
+                f"holds {self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << shift} tokens)")
+        cow_rows, cow_cols, cow_src = self._shared_tails(rows, old, old_nb, step, uniform)
+        need = new_nb - old_nb
+        total = int(need.sum())
+        ids = self.allocator.allocate(total + cow_src.size)  # the only step that can fail
+        copies = _NO_COPIES
+        if cow_src.size:
+            cow_dst = ids[:cow_src.size]
+            self.allocator.free(cow_src)
+            self.table[cow_rows, cow_cols] = cow_dst
+            self._stale_entries.append((cow_rows, cow_cols))
+            copies = np.stack([cow_src, cow_dst], axis=1).astype(np.int32)
+        if total:
+            if uniform and step <= mask + 1:  # at most one new block per sequence
+                grew = need.astype(bool)
+                new_rows, new_cols = rows[grew], old_nb[grew]
+            else:
+                new_rows, new_cols = np.repeat(rows, need), np.repeat(old_nb, need) + _ranks(need)
+            self.table[new_rows, new_cols] = ids[cow_src.size:]
+            self._stale_entries.append((new_rows, new_cols))
+        if uniform and step == 1:
+            slots = (self.table[rows, old >> shift].astype(np.int64) << shift) | (old & mask)
+        else:
+            counts = np.broadcast_to(step, rows.shape)
+            token_rows = np.repeat(rows, counts)
+            pos = np.repeat(old.astype(np.int64), counts) + _ranks(counts)
+            slots = (self.table[token_rows, pos >> shift].astype(np.int64) << shift) | (pos & mask)
+        self.lens[rows] = new
+        self._stale_lens.append(rows)
+        return slots, copies
+
+    def _append_one(self, rows):
+        """append(rows, 1) when no block is shared: the decode step, in about twenty NumPy calls."""
+        shift, mask = self._shift, self.block_size - 1
+        old = self.lens[rows]
+        within, cols = old & mask, old >> shift
+        fresh = np.flatnonzero(within == 0)  # these start a new block
+        if fresh.size and cols[fresh].max() >= self.max_blocks_per_seq:
+            i = fresh[cols[fresh].argmax()]
+            raise SequenceFullError(
+                f"sequence {rows[i]} would hold {old[i] + 1} tokens but a block-table row holds "
+                f"{self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << shift} tokens)")
+        ids = self.allocator.allocate(fresh.size)
+        if fresh.size:
+            new_rows, new_cols = rows[fresh], cols[fresh]
+            self.table[new_rows, new_cols] = ids
+            self._stale_entries.append((new_rows, new_cols))
+        slots = (self.table[rows, cols].astype(np.int64) << shift) | within
+        self.lens[rows] = old + 1
+        self._stale_lens.append(rows)
+        return slots, _NO_COPIES
+
+    def _live_rows(self):
+        if self._live_cache is None:
+            self._live_cache = np.flatnonzero(self.live)
+        return self._live_cache
+
+    def _shared_tails(self, rows, old, old_nb, step, uniform):
+        """(rows, cols, block ids) of partly filled last blocks held by others, about to be written."""
+        if self.allocator.num_shared == 0:
+            return _NO_ROWS, _NO_ROWS, _NO_ROWS
+        tail = (old & (self.block_size - 1)) != 0
+        if not uniform:
+            tail &= step > 0
+        elif step == 0:
+            tail[:] = False
+        tail_rows, tail_cols = rows[tail], old_nb[tail] - 1
+        tail_blocks = self.table[tail_rows, tail_cols]
+        shared = self.allocator.ref_count[tail_blocks] > 1
+        if shared.any():  # when every holder appends now, the first keeps the original
+            blocks, first, holders = np.unique(tail_blocks, return_index=True, return_counts=True)
+            keep = first[self.allocator.ref_count[blocks] == holders]
+            shared[keep] = False
+        return tail_rows[shared], tail_cols[shared], tail_blocks[shared]
+
+    def fork(self, seq):
+        """A new sequence sharing every block of ``seq`` (parallel sampling, beam search)."""
+        parent = self._rows(seq)[0]
+        blocks = self.blocks(parent)
+        child = self.add()
+        self.allocator.share(blocks)
+        self.table[child, :blocks.size] = blocks
+        self.lens[child] = self.lens[parent]
+        self._stale_entries.append((np.full(blocks.size, child), np.arange(blocks.size)))
+        self._stale_lens.append(np.array([child]))
+        return child
+
+    def free(self, seqs):
+        """Free sequences: drop their references to their blocks; their handles may be reused."""
+        rows = np.unique(self._rows(seqs))
+        nb = ceil_div(self.lens[rows].astype(np.int64), self.block_size)
+        held_rows, held_cols = np.repeat(rows, nb), _ranks(nb)
+        self.allocator.free(self.table[held_rows, held_cols])
+        self.table[held_rows, held_cols] = -1
+        self.lens[rows] = 0
+        self.live[rows] = False
+        self._live_cache = None
+        self._free_rows.extend(int(r) for r in rows[::-1])
+        self._stale_entries.append((held_rows, held_cols))
+        self._stale_lens.append(rows)
+
+    # --- the device copy ----------------------------------------------------------------
+
+    def sync_device(self):
+        """Copy the table entries and lengths changed since the last call to the device."""
+        if self.device_table is self.table:
+            self._stale_entries.clear()
+            self._stale_lens.clear()
+            return
+        xp = self.allocator.pool.xp
+        if self._stale_entries:
+            rows = np.concatenate([r for r, _ in self._stale_entries])
+            cols = np.concatenate([c for _, c in self._stale_entries])
+            self._stale_entries.clear()
+            if rows.size:
+                flat = rows * self.max_blocks_per_seq + cols
+                packed = np.stack([flat, self.table.ravel()[flat].astype(np.int64)])
+                packed = xp.asarray(packed)  # one host->device copy
+                self.device_table.ravel()[packed[0]] = packed[1].astype(np.int32)
+        if self._stale_lens:
+            rows = np.unique(np.concatenate(self._stale_lens))
+            self._stale_lens.clear()
+            packed = xp.asarray(np.stack([rows, self.lens[rows].astype(np.int64)]))
+            self.device_lens[packed[0]] = packed[1].astype(np.int32)
+
+
+_NO_COPIES = np.empty((0, 2), np.int32)
+_NO_ROWS = np.empty(0, np.int64)
+for _empty in (_NO_COPIES, _NO_ROWS):
+    _empty.flags.writeable = False
+
+
+def _ranks(counts):
+    """For counts [2, 3] -> [0, 1, 0, 1, 2]: the index of each item within its group."""
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    return np.arange(total) - np.repeat(starts, counts)

@@ -1,0 +1,328 @@
+"""The software layer: allocator invariants (a hypothesis state machine), block tables, translate, snapshots."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedrt.cache import PagedKVCache, load_snapshot
+from pagedrt.errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
+                            SnapshotError, TooManySequencesError, UnknownSequenceError, UnsupportedConfigError)
+from tests.conftest import to_host
+
+LAYERS, HEADS, DIM, BS = 2, 2, 64, 8
+
+
+def small_cache(backend="host", placement="plane", max_tokens=64 * BS, max_seqs=8, max_seq_len=24 * BS):
+    # 4 blocks per chunk, so that sequences spread over many chunks and trims happen
+    plane_block = HEADS * BS * DIM * 4
+    unit = plane_block if placement == "plane" else 2 * LAYERS * plane_block
+    chunk = np.lcm(4 * unit, 4096)
+    return PagedKVCache(LAYERS, HEADS, DIM, BS, "float32", max_tokens=max_tokens, max_seqs=max_seqs,
+                        max_seq_len=max_seq_len, placement=placement, chunk_bytes=int(chunk), backend=backend)
+
+
+def write_tokens(cache, slots, values):
+    """Scatter ``values`` [tokens, planes, heads, dim] to their slots in every plane (NumPy or CuPy)."""
+    xp = cache.xp
+    blocks, within = xp.asarray(slots // BS), xp.asarray(slots % BS)
+    for p, plane in enumerate(cache.planes):
+        plane[blocks, :, within, :] = xp.asarray(values[:, p])
+
+
+def read_sequence(cache, seq):
+    """Gather a sequence's K/V through its block-table row: [len, planes, heads, dim]."""
+    n = cache.length(seq)
+    row = to_host(cache.block_tables([seq]))[0]
+    pos = np.arange(n)
+    blocks, within = row[pos // BS], pos % BS
+    return np.stack([to_host(plane[cache.xp.asarray(blocks), :, cache.xp.asarray(within), :])
+                     for plane in cache.planes], axis=1)
+
+
+def copy_blocks(cache, copies):
+    for plane in cache.planes:
+        src, dst = cache.xp.asarray(copies[:, 0]), cache.xp.asarray(copies[:, 1])
+        plane[dst] = plane[src]
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random add / append / fork / free / trim / grow, checking both layers after every step."""
+
+    backend, placement = "host", "plane"
+
+    def __init__(self):
+        super().__init__()
+        self.cache = small_cache(self.backend, self.placement)
+        self.data = {}  # seq -> what was written, [len, planes, heads, dim]
+        self.rng = np.random.default_rng(0)
+
+    def teardown(self):
+        self.cache.close()
+
+    @rule()
+    def add(self):
+        try:
+            seq = self.cache.add_sequence()
+        except TooManySequencesError:
+            assert len(self.data) == self.cache.tables.max_seqs
+            return
+        self.data[seq] = np.zeros((0, 2 * LAYERS, HEADS, DIM), np.float32)
+
+    @precondition(lambda self: self.data)
+    @rule(picks=st.lists(st.integers(0, 100), min_size=1, max_size=4, unique=True),
+          counts=st.lists(st.integers(0, 3 * BS), min_size=4, max_size=4))
+    def append(self, picks, counts):
+        live = sorted(self.data)
+        seqs = sorted({live[p % len(live)] for p in picks})
+        counts = np.array(counts[:len(seqs)])
+        before = self.cache.snapshot()
+        try:
+            slots, copies = self.cache.append(seqs, counts)
+        except (PoolExhaustedError, SequenceFullError):
+            after = self.cache.snapshot()
+            before.pop("time"), after.pop("time")
+            assert after == before  # nothing changed
+            return
+        assert slots.dtype == np.int64 and slots.size == counts.sum()
+        copy_blocks(self.cache, copies)
+        values = self.rng.standard_normal((slots.size, 2 * LAYERS, HEADS, DIM)).astype(np.float32)
+        write_tokens(self.cache, slots, values)
+        for seq, part in zip(seqs, np.split(values, np.cumsum(counts)[:-1])):
+            self.data[seq] = np.concatenate([self.data[seq], part])
+
+    @precondition(lambda self: self.data)
+    @rule()
+    def decode_step(self):
+        """One token for every live sequence (the fast path when nothing is shared)."""
+        try:
+            slots, copies = self.cache.append(None, 1)
+        except (PoolExhaustedError, SequenceFullError):
+            return
+        seqs = sorted(self.data)
+        assert slots.size == len(seqs)
+        copy_blocks(self.cache, copies)
+        values = self.rng.standard_normal((len(seqs), 2 * LAYERS, HEADS, DIM)).astype(np.float32)
+        write_tokens(self.cache, slots, values)
+        for seq, value in zip(seqs, values):
+            self.data[seq] = np.concatenate([self.data[seq], value[None]])
+
+    @precondition(lambda self: self.data)
+    @rule(pick=st.integers(0, 100))
+    def fork(self, pick):
+        parent = sorted(self.data)[pick % len(self.data)]
+        try:
+            child = self.cache.fork(parent)
+        except TooManySequencesError:
+            return
+        self.data[child] = self.data[parent].copy()
+
+    @precondition(lambda self: self.data)
+    @rule(pick=st.integers(0, 100))
+    def free(self, pick):
+        seq = sorted(self.data)[pick % len(self.data)]
+        self.cache.free(seq)
+        del self.data[seq]
+        with pytest.raises(UnknownSequenceError):
+            self.cache.length(seq)
+
+    @rule()
+    def trim(self):
+        a = self.cache.allocator
+        empty = set(np.flatnonzero(a.chunk_mapped & (a.free_in_chunk == a.blocks_per_chunk)).tolist())
+        assert set(self.cache.trim()) == empty
+        assert not (a.chunk_mapped & (a.free_in_chunk == a.blocks_per_chunk)).any()
+
+    @rule()
+    def grow(self):
+        a = self.cache.allocator
+        if not a.chunk_mapped.all():
+            a.grow(1)
+
+    @invariant()
+    def blocks_are_free_xor_held_and_counted(self):
+        a, t = self.cache.allocator, self.cache.tables
+        holders = np.zeros(a.max_blocks, np.int64)
+        for seq in self.data:
+            np.add.at(holders, t.blocks(seq), 1)
+        assert np.array_equal(a.ref_count, holders)
+        mapped = a.usable_mask()
+        assert not (a.is_free & (a.ref_count > 0)).any()
+        assert np.array_equal(a.is_free | (a.ref_count > 0), mapped)  # released chunks hold nothing
+        assert a.num_free + a.num_held == a.num_mapped_blocks == int(mapped.sum())
+        assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
+        assert a.num_shared == int((a.ref_count > 1).sum())
+        pool_mapped = {r.chunk for r in self.cache.pool.mappings() if r.state == "mapped"}
+        assert pool_mapped == {c for k in np.flatnonzero(a.chunk_mapped) for c in a.pool_chunks(int(k))}
+
+    @invariant()
+    def device_tables_match_and_data_reads_back(self):
+        t = self.cache.tables
+        table, lens = to_host(self.cache.block_tables()), to_host(self.cache.seq_lens())
+        assert np.array_equal(table, t.table) and np.array_equal(lens, t.lens)
+        for seq, expected in self.data.items():
+            assert self.cache.length(seq) == len(expected)
+            assert np.array_equal(read_sequence(self.cache, seq), expected)
+
+    @invariant()
+    def translate_agrees_with_numpy_addresses(self):
+        if not self.data:
+            return
+        seq = max(self.data, key=lambda s: len(self.data[s]))
+        n = len(self.data[seq])
+        if n == 0:
+            return
+        pos = int(self.rng.integers(n))
+        layer, kind, head = int(self.rng.integers(LAYERS)), "kv"[int(self.rng.integers(2))], int(self.rng.integers(HEADS))
+        tr = self.cache.translate(seq, pos, layer, kind, head)
+        block = self.cache.tables.blocks(seq)[pos // BS]
+        plane = self.cache.k(layer) if kind == "k" else self.cache.v(layer)
+        element = plane[block, head, pos % BS]
+        address = element.__array_interface__["data"][0] if isinstance(element, np.ndarray) else element.data.ptr
+        assert (tr.logical_block, tr.slot, tr.block_id) == (pos // BS, pos % BS, block)
+        assert tr.virtual_address == address == self.cache.pool.base + tr.pool_offset
+        chunk_bytes = self.cache.pool.chunk_bytes
+        assert (tr.chunk, tr.chunk_offset) == divmod(tr.pool_offset, chunk_bytes)
+        assert tr.page == tr.chunk_offset // self.cache.pool.page_bytes
+        assert self.cache.pool.is_mapped(tr.chunk)
+
+
+def machine_test(machine, examples, steps):
+    case = machine.TestCase
+    case.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+    return case
+
+
+class BlockMajorMachine(CacheMachine):
+    placement = "block"
+
+
+class CudaMachine(CacheMachine):
+    backend = "cuda"
+
+
+TestPlaneMajor = machine_test(CacheMachine, 30, 30)
+TestBlockMajor = machine_test(BlockMajorMachine, 30, 30)
+TestCudaPlaneMajor = pytest.mark.gpu(machine_test(CudaMachine, 10, 25))
+
+
+# --- bad input: named errors, nothing changed -------------------------------------------------
+
+def frozen(cache):
+    snap = cache.snapshot()
+    snap.pop("time")
+    return json.dumps(snap, sort_keys=True)
+
+
+def test_bad_input_changes_nothing():
+    with small_cache() as cache:
+        a, b, c, d = (cache.add_sequence() for _ in range(4))
+        cache.append([a, b], [30, 9])
+        before = frozen(cache)
+        cases = [
+            (PoolExhaustedError, r"asked for 59 blocks but only 2 are free .* at most 64 \(6 held\)",
+             lambda: cache.append([b, c, d], [7 + 19 * BS, 20 * BS, 20 * BS])),
+            (SequenceFullError, "holds 24 blocks", lambda: cache.append(a, 24 * BS)),
+            (InvalidTokenCountError, ">= 0", lambda: cache.append([a, b], [4, -1])),
+            (InvalidTokenCountError, "must be ints", lambda: cache.append(a, 1.5)),
+            (InvalidTokenCountError, "twice", lambda: cache.append([a, a], 1)),
+            (UnknownSequenceError, "sequence 5 does not exist", lambda: cache.append([a, 5], 1)),
+            (UnknownSequenceError, "sequence 99 does not exist", lambda: cache.fork(99)),
+            (UnknownSequenceError, "-1 does not exist", lambda: cache.free(-1)),
+            (UnknownSequenceError, "has no token 9: its positions are 0..8", lambda: cache.translate(b, 9)),
+            (UnsupportedConfigError, "layer 2 does not exist", lambda: cache.translate(a, 0, layer=2)),
+            (UnsupportedConfigError, "kind", lambda: cache.translate(a, 0, kind="q")),
+            (DoubleFreeError, "holds 0 references", lambda: cache.allocator.free([60])),
+            (DoubleFreeError, "holds 1 references, 2 were dropped",
+             lambda: cache.allocator.free(np.repeat(cache.tables.blocks(b)[:1], 2))),
+        ]
+        for error, message, action in cases:
+            with pytest.raises(error, match=message):
+                action()
+            assert frozen(cache) == before
+        cache.free(a)
+        with pytest.raises(UnknownSequenceError, match="freed"):
+            cache.append(a, 1)
+
+
+def test_too_many_sequences():
+    with small_cache(max_seqs=2) as cache:
+        cache.add_sequence(), cache.add_sequence()
+        with pytest.raises(TooManySequencesError, match="all 2 block-table rows"):
+            cache.add_sequence()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype="int8"), "dtype 'int8' is not supported"),
+    (dict(head_dim=100), "head_dim=100"),
+    (dict(block_size=12), "block_size=12"),
+    (dict(num_layers=0), "num_layers must be a positive int"),
+    (dict(placement="diagonal"), "placement='diagonal'"),
+    (dict(max_bytes=1 << 20), "exactly one of max_tokens or max_bytes"),
+    (dict(max_tokens=-5), "max_tokens must be a positive int"),
+    (dict(chunk_bytes=12345), "chunk_bytes=12345 must be a positive multiple"),
+])
+def test_unsupported_configs(kwargs, message):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16",
+                max_tokens=1024, backend="host") | kwargs
+    with pytest.raises(UnsupportedConfigError, match=message):
+        PagedKVCache(**args)
+
+
+def test_growth_is_lazy_and_trim_gives_chunks_back():
+    with small_cache() as cache:
+        assert cache.pool.mapped_bytes == 0
+        seqs = [cache.add_sequence() for _ in range(4)]
+        cache.append(seqs, 8 * BS)  # 32 blocks = 8 chunks of 4
+        assert cache.allocator.num_mapped_blocks == 32
+        assert cache.pool.mapped_bytes == 8 * cache.layout.planes * cache.pool.chunk_bytes
+        cache.free(seqs[:2])
+        released = cache.trim()
+        assert len(released) == 4  # fullest-first packing left whole chunks empty
+        assert cache.pool.mapped_bytes == 4 * cache.layout.planes * cache.pool.chunk_bytes
+        held = set(cache.tables.blocks(seqs[2])) | set(cache.tables.blocks(seqs[3]))
+        assert not held & {b for k in released for b in range(4 * k, 4 * k + 4)}
+
+
+def test_fork_then_append_copies_only_the_shared_tail():
+    with small_cache() as cache:
+        parent = cache.add_sequence()
+        cache.append(parent, BS + 3)  # one full block, one partial
+        child = cache.fork(parent)
+        _, copies = cache.append(child, 1)
+        pb, cb = cache.tables.blocks(parent), cache.tables.blocks(child)
+        assert pb[0] == cb[0] and pb[1] != cb[1]
+        assert copies.tolist() == [[pb[1], cb[1]]]
+        assert cache.allocator.ref_count[pb[0]] == 2 and cache.allocator.ref_count[pb[1]] == 1
+        _, copies = cache.append(parent, 1)  # no longer shared: no copy
+        assert copies.shape == (0, 2)
+
+
+def test_snapshot_round_trip_and_bad_files(tmp_path):
+    with small_cache() as cache:
+        s = cache.add_sequence()
+        cache.append(s, 20)
+        path = tmp_path / "snap.json"
+        cache.write_snapshot(path)
+        snap = load_snapshot(path)
+        assert snap["version"] == 1 and snap["sequences"] == [
+            {"seq": s, "length": 20, "blocks": cache.tables.blocks(s).tolist()}]
+        assert snap["pool"]["base"] == cache.pool.base
+        assert [c["chunk"] for c in snap["pool"]["chunks"]] == [r.chunk for r in cache.pool.mappings()]
+        assert not list(tmp_path.glob(".snapshot-*"))  # the temp file was renamed, not left
+    with pytest.raises(SnapshotError, match="no snapshot"):
+        load_snapshot(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SnapshotError, match="cannot read"):
+        load_snapshot(tmp_path / "bad.json")
+    snap["version"] = 2
+    (tmp_path / "new.json").write_text(json.dumps(snap))
+    with pytest.raises(SnapshotError, match="version 2"):
+        load_snapshot(tmp_path / "new.json")
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
+    with pytest.raises(SnapshotError, match="not a pagedrt snapshot"):
+        load_snapshot(tmp_path / "other.json")
