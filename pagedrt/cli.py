@@ -1,15 +1,90 @@
-"""The ``pagedrt`` command line: see both mapping layers."""
+"""The ``pagedrt`` command line: see both mapping layers, from a demo or from a live program.
 
+Every command takes ``--backend``; every command that shows state takes ``--json``
+(the snapshot schema of docs/SNAPSHOT.md, or one record) and ``--no-color``.
+Bad input is a usage error (exit 2) or a named error (exit 1) with a message,
+never a traceback.
+"""
+
+import functools
 import json
+import time
 
 import click
 
+from .errors import PagedRTError
 from .memory import BACKENDS
 
-backend_option = click.option(
-    "--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-    help="cuda: the GPU's VMM; host: the OS's virtual memory; auto: cuda when usable.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1
+
+
+def backend_option(fn):
+    return click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                        help="cuda: the GPU's VMM; host: the OS's virtual memory; auto: cuda when usable.")(fn)
+
+
+def output_options(fn):
+    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON (a documented, versioned schema).")(fn)
+    return click.option("--no-color", is_flag=True, help="Plain text, no colour.")(fn)
+
+
+def named_errors(fn):
+    """Turn pagedrt's named errors into a one-line message and exit status 1."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PagedRTError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    return wrapper
+
+
+def styler(no_color):
+    from .render import plain
+    return plain if no_color else click.style
+
+
+def demo_options(fn):
+    from .demo import PRESETS
+    options = [
+        click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama3-8b", show_default=True,
+                     help="Model shape: layers, query heads, KV heads, head_dim."),
+        click.option("--layers", type=int, help="Override the preset's number of layers."),
+        click.option("--q-heads", type=int, help="Override the preset's query heads."),
+        click.option("--kv-heads", type=int, help="Override the preset's KV heads."),
+        click.option("--head-dim", type=int, help="Override the preset's head_dim."),
+        click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+                     show_default=True),
+        click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per block."),
+        click.option("--placement", type=click.Choice(["plane", "block"]), default="plane", show_default=True,
+                     help="plane: a region per layer and K/V; block: every layer's K/V of a block together."),
+        click.option("--steps", type=click.IntRange(1), default=48, show_default=True),
+        click.option("--max-seqs", type=click.IntRange(1), default=8, show_default=True),
+        click.option("--max-tokens", type=click.IntRange(1), default=8192, show_default=True,
+                     help="The cache's capacity in tokens (the reservation)."),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def demo_config(backend, preset, layers, q_heads, kv_heads, head_dim, dtype, block_size, placement, steps,
+                max_seqs, max_tokens, seed):
+    from .demo import PRESETS, DemoConfig
+    p_layers, p_q, p_kv, p_dim = PRESETS[preset]
+    layers, q_heads, kv_heads, head_dim = (layers or p_layers, q_heads or p_q, kv_heads or p_kv, head_dim or p_dim)
+    if q_heads % kv_heads:
+        raise click.UsageError(f"--kv-heads {kv_heads} must divide --q-heads {q_heads} (query heads share KV heads)")
+    if q_heads // kv_heads > 8:
+        raise click.UsageError(f"{q_heads // kv_heads} query heads per KV head: the kernels support 1 to 8")
+    return DemoConfig(layers, q_heads, kv_heads, head_dim, dtype, block_size, placement, steps, max_seqs,
+                      256, max_tokens, seed, backend)
+
+
+def run_demo_quietly(**options):
+    from .demo import run_demo
+    return run_demo(demo_config(**options))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,27 +95,186 @@ def main():
 
 @main.command()
 @backend_option
-@json_option
-def info(backend, as_json):
+@output_options
+@named_errors
+def info(backend, as_json, no_color):
     """Device, driver and runtime versions, VMM support, page size, and the backend in use."""
     from .driver import probe
     from .memory import select_backend
-    from .errors import BackendUnavailableError
     cuda = probe()
-    try:
-        chosen = select_backend(backend)
-    except BackendUnavailableError as exc:
-        raise click.ClickException(str(exc))
+    chosen = select_backend(backend)
     report = {"backend": chosen.name, "reason": chosen.reason, "page_bytes": chosen.page_bytes, "cuda": cuda}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"backend     {chosen.name} ({chosen.reason})")
+    style = styler(no_color)
+    click.echo(f"backend     {style(chosen.name, bold=True)} ({chosen.reason})")
     click.echo(f"page size   {chosen.page_bytes} bytes")
-    if cuda["usable"] or "device" in cuda:
+    if "device" in cuda:
         for key in ("device", "compute_capability", "multiprocessors", "driver_version",
                     "runtime_version", "cupy_version", "memory_total"):
             click.echo(f"{key.replace('_', ' '):<11} {cuda[key]}")
         click.echo(f"VMM         {'supported' if cuda['usable'] else 'not supported'}")
     else:
         click.echo(f"CUDA        unavailable: {cuda['reason']}")
+
+
+@main.command()
+@demo_options
+@backend_option
+@output_options
+@click.option("--show-seqs", type=click.IntRange(0), default=4, show_default=True,
+              help="How many sequences' block tables to print.")
+@click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False),
+              help="Also write the final snapshot here (for `pagedrt inspect`).")
+@named_errors
+def demo(as_json, no_color, show_seqs, snapshot_path, **options):
+    """Run a seeded workload on a real cache and show both mapping layers and the figures.
+
+    Sequences arrive with prompts, grow token by token, some fork and some finish;
+    K/V are written through the slot mapping and decode attention is computed through
+    the block tables (the CUDA kernel on a GPU, its NumPy twin on the host), checked
+    against float64 attention over contiguous K/V.
+    """
+    from .demo import run_demo
+    from .render import block_tables, chain_lines, chunk_table, pool_map, size
+    config = demo_config(**options)
+    with click.progressbar(length=config.steps, label="demo steps", file=click.get_text_stream("stderr"),
+                           show_pos=True) as bar:
+        result = run_demo(config, progress=bar.update)
+    with result.cache as cache:
+        snap = cache.snapshot()
+        if snapshot_path:
+            cache.write_snapshot(snapshot_path)
+        figures = result.figures()
+        tr = _sample_translation(cache)
+    if as_json:
+        click.echo(json.dumps({"schema": DEMO_SCHEMA, "version": DEMO_VERSION, "config": vars(config),
+                               "figures": figures, "translation": tr.as_dict() if tr else None,
+                               "snapshot": snap}, indent=1))
+        return
+    style = styler(no_color)
+    echo = lambda lines: click.echo("\n".join(lines) + "\n")
+    lay = snap["layout"]
+    click.echo(f"{options['preset']}: {lay['num_layers']} layers, {config.q_heads} query / {lay['num_kv_heads']} KV "
+               f"heads x {lay['head_dim']}, {lay['dtype']}, block {lay['block_size']}, {lay['placement']}-major, "
+               f"{snap['pool']['backend']} backend\n")
+    echo(chunk_table(snap, style))
+    echo(block_tables(snap, limit=show_seqs, style=style))
+    echo(pool_map(snap, style))
+    if tr:
+        echo(["one token's translation:"] + chain_lines(snap, tr, style))
+    ok = figures["max_error"] <= figures["tolerance"]
+    verdict = style("ok" if ok else "TOO LARGE", fg="green" if ok else "red", bold=True)
+    echo([
+        f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished, "
+        f"{figures['tokens']} decode tokens; {figures['sequences']} sequences hold {figures['tokens']} tokens now",
+        f"memory     tokens hold {size(figures['token_bytes'])} of {size(figures['mapped_bytes'])} mapped "
+        f"({figures['utilisation_of_mapped']:.1%}) and of {size(figures['held_bytes'])} in held blocks "
+        f"({figures['utilisation_of_held']:.1%})",
+        f"contiguous reserving {cache.max_blocks_per_seq * lay['block_size']} tokens per sequence would need "
+        f"{size(figures['contiguous_bytes'])} now, {size(figures['peak_contiguous_bytes'])} at the peak "
+        f"(paged peak mapped: {size(figures['peak_mapped_bytes'])})",
+        f"attention  max relative error {figures['max_error']:.2e} over {figures['checks']} checks "
+        f"(tolerance {figures['tolerance']:.0e} for {lay['dtype']}): {verdict}",
+    ])
+    if not ok:
+        raise click.ClickException("attention through the block tables disagrees with contiguous attention")
+
+
+def _sample_translation(cache):
+    seqs = cache.sequences
+    if not seqs:
+        return None
+    seq = max(seqs, key=cache.length)
+    return cache.translate(seq, cache.length(seq) - 1, cache.num_layers - 1, "v", cache.num_kv_heads - 1)
+
+
+def snapshot_source(fn):
+    """A SNAPSHOT file argument, or --from-demo with the demo's options."""
+    fn = click.option("--from-demo", is_flag=True, help="Run the demo (its options below) and use its final state.")(fn)
+    fn = demo_options(fn)
+    return click.argument("snapshot", required=False, type=click.Path(dir_okay=False))(fn)
+
+
+def load_state(snapshot, from_demo, backend, options):
+    from .cache import load_snapshot
+    if snapshot and from_demo:
+        raise click.UsageError("give a SNAPSHOT file or --from-demo, not both")
+    if snapshot:
+        return load_snapshot(snapshot)
+    if not from_demo:
+        raise click.UsageError("give a SNAPSHOT file (written by cache.write_snapshot) or --from-demo")
+    with run_demo_quietly(backend=backend, **options).cache as cache:
+        return cache.snapshot()
+
+
+@main.command("map")
+@snapshot_source
+@backend_option
+@output_options
+@click.option("--show-seqs", type=click.IntRange(0), default=8, show_default=True)
+@named_errors
+def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, **options):
+    """The chunk table, the block tables and the pool map, side by side."""
+    snap = load_state(snapshot, from_demo, backend, options)
+    if as_json:
+        click.echo(json.dumps(snap, indent=1))
+        return
+    show_map(snap, styler(no_color), show_seqs)
+
+
+def show_map(snap, style, show_seqs=8):
+    from .render import block_tables, chunk_table, pool_map
+    for lines in (chunk_table(snap, style), block_tables(snap, limit=show_seqs, style=style), pool_map(snap, style)):
+        click.echo("\n".join(lines) + "\n")
+
+
+@main.command()
+@click.argument("seq", type=int)
+@click.argument("pos", type=int)
+@snapshot_source
+@click.option("--layer", type=int, default=0, show_default=True)
+@click.option("--kv", type=click.Choice(["k", "v"]), default="k", show_default=True)
+@click.option("--head", type=int, default=0, show_default=True, help="KV head.")
+@backend_option
+@output_options
+@named_errors
+def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, no_color, **options):
+    """The whole chain for token POS of sequence SEQ: block, table, pool offset, address, chunk, page."""
+    from .render import chain, chain_lines
+    snap = load_state(snapshot, from_demo, backend, options)
+    tr = chain(snap, seq, pos, layer, kv, head)
+    if as_json:
+        click.echo(json.dumps(tr.as_dict(), indent=1))
+        return
+    click.echo("\n".join(chain_lines(snap, tr, styler(no_color))))
+
+
+@main.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
+              help="Re-read the file every SECONDS until interrupted.")
+@backend_option
+@output_options
+@named_errors
+def inspect(path, watch, backend, as_json, no_color):
+    """Show the map of a snapshot file that a running program writes (cache.write_snapshot)."""
+    from .cache import load_snapshot
+    style = styler(no_color)
+    while True:
+        snap = load_snapshot(path)
+        if as_json:
+            click.echo(json.dumps(snap))
+        else:
+            if watch:
+                click.clear()
+            age = time.time() - snap["time"]
+            click.echo(style(f"{path}: written {age:.1f} s ago", bold=True) + "\n")
+            show_map(snap, style)
+        if not watch:
+            return
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return

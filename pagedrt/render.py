@@ -1,0 +1,150 @@
+"""Text views of a snapshot (``PagedKVCache.snapshot()``): chunk table, block tables, pool map, chain.
+
+Pure functions from the snapshot dict to lines; ``style`` (``click.style`` or a
+no-op) adds colour. Everything here works as well on a snapshot read from a file
+written by another process as on a live cache.
+"""
+
+import math
+
+from .cache import Layout, translate
+
+SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+COLOURS = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
+           "bright_yellow", "bright_blue", "bright_magenta", "bright_cyan")
+MAP_WIDTH, MAP_ROWS = 64, 24
+
+
+def plain(text, **_):
+    return text
+
+
+def size(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def seq_symbol(seq, style=plain):
+    return style(SYMBOLS[seq % len(SYMBOLS)], fg=COLOURS[seq % len(COLOURS)], bold=True)
+
+
+def chunk_table(snap, style=plain):
+    """One line per allocator chunk ever mapped: place, VA range, size, state, blocks held."""
+    lay, pool, blocks = Layout(**snap["layout"]), snap["pool"], snap["blocks"]
+    planes, per_plane = lay.planes, blocks["num_chunks"]
+    records = {c["chunk"]: c for c in pool["chunks"]}
+    held = _block_owners(snap)
+    bpc = blocks["blocks_per_chunk"]
+    lines = [f"pool   {pool['backend']} range at {pool['base']:#x}, {size(pool['max_bytes'])} reserved, "
+             f"{size(sum(c['size'] for c in pool['chunks'] if c['state'] == 'mapped'))} mapped; "
+             f"page {size(pool['page_bytes'])}, chunk {size(pool['chunk_bytes'])}"]
+    if planes > 1:
+        lines.append(f"       plane-major: {planes} planes (K and V of {lay.num_layers} layers), "
+                     f"{size(per_plane * pool['chunk_bytes'])} each; chunk k of the table is chunk k of every plane")
+    lines.append(f"{'chunk':>5}  {'virtual range (plane 0)':<33} {'size':>12}  {'state':<8}  blocks held/total")
+    for k in range(per_plane):
+        record = records.get(k)
+        if record is None:
+            continue
+        mapped = record["state"] == "mapped"
+        n_held = sum(1 for b in range(k * bpc, (k + 1) * bpc) if b in held) if mapped else 0
+        span = f"{record['va_start']:#x}-{record['va_end']:#x}"
+        total = size(record["size"]) + (f" x{planes}" if planes > 1 else "")
+        state = style(record["state"], fg="green" if mapped else "bright_black")
+        lines.append(f"{k:>5}  {span:<33} {total:>12}  {state:<8}  {n_held}/{bpc}" if mapped
+                     else f"{k:>5}  {span:<33} {total:>12}  {state:<8}  (hole: no physical memory)")
+    return lines
+
+
+def block_tables(snap, limit=8, per_line=12, style=plain):
+    """Sequence, length, and logical -> block id for up to ``limit`` sequences."""
+    seqs = snap["sequences"]
+    lines = [f"block tables ({min(limit, len(seqs))} of {len(seqs)} sequences; block size "
+             f"{snap['layout']['block_size']})", f"{'seq':>4} {'len':>6}  logical:block id"]
+    for entry in seqs[:limit]:
+        pairs = [f"{i}:{b}" for i, b in enumerate(entry["blocks"])]
+        shown = " ".join(pairs[:per_line]) + (f" ... ({len(pairs)} blocks)" if len(pairs) > per_line else "")
+        lines.append(f"{entry['seq']:>3}{seq_symbol(entry['seq'], style)} {entry['length']:>6}  {shown}")
+    return lines
+
+
+def _block_owners(snap):
+    """block id -> list of sequences holding it."""
+    owners = {}
+    for entry in snap["sequences"]:
+        for b in entry["blocks"]:
+            owners.setdefault(b, []).append(entry["seq"])
+    return owners
+
+
+def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
+    """A grid of blocks up to the frontier: owner letter, '*' shared, '.' free, blank unmapped."""
+    blocks = snap["blocks"]
+    bpc, mapped = blocks["blocks_per_chunk"], blocks["chunk_mapped"]
+    frontier = max((c["chunk"] % blocks["num_chunks"] + 1 for c in snap["pool"]["chunks"]), default=0)
+    if frontier == 0:
+        return ["pool map: nothing mapped yet"]
+    chunks_per_row = math.ceil(frontier / max_rows)
+    row_blocks = chunks_per_row * bpc
+    cell = math.ceil(row_blocks / width)
+    owners = _block_owners(snap)
+    lines = [f"pool map: {frontier} chunks of {bpc} blocks; one cell = {cell} block{'s' if cell > 1 else ''}, "
+             f"one row = {chunks_per_row} chunk{'s' if chunks_per_row > 1 else ''}",
+             "  letters: owning sequence, *: shared (copy-on-write), .: free, blank: not mapped (hole)"]
+    for first in range(0, frontier, chunks_per_row):
+        cells = []
+        for start in range(first * bpc, min(frontier, first + chunks_per_row) * bpc, cell):
+            cells.append(_cell(range(start, start + cell), owners, mapped, bpc, style))
+            if cell <= bpc and (start + cell) % bpc == 0 and start + cell < (first + chunks_per_row) * bpc:
+                cells.append("|")
+        label = f"{first}" if chunks_per_row == 1 else f"{first}-{min(frontier, first + chunks_per_row) - 1}"
+        lines.append(f"chunk {label:>7} [{''.join(cells)}]")
+    return lines
+
+
+def _cell(block_range, owners, mapped, bpc, style):
+    if not mapped[block_range.start // bpc]:
+        return " "
+    held = [owners[b] for b in block_range if b in owners]
+    if not held:
+        return style(".", fg="bright_black")
+    if any(len(o) > 1 for o in held):
+        return style("*", fg="white", bold=True)
+    counts = {}
+    for o in held:
+        counts[o[0]] = counts.get(o[0], 0) + 1
+    return seq_symbol(max(counts, key=counts.get), style)
+
+
+def chain(snap, seq, pos, layer=0, kind="k", head=0):
+    """The Translation of token ``pos`` of ``seq`` from a snapshot."""
+    from .errors import UnknownSequenceError
+    entry = next((e for e in snap["sequences"] if e["seq"] == seq), None)
+    if entry is None:
+        raise UnknownSequenceError(f"sequence {seq} does not exist in this snapshot: it holds "
+                                   f"{[e['seq'] for e in snap['sequences']]}")
+    return translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
+                     seq, pos, layer, kind, head)
+
+
+def chain_lines(snap, tr, style=plain):
+    """One line per step, token -> HBM chunk."""
+    lay = Layout(**snap["layout"])
+    bold = lambda text: style(str(text), bold=True)
+    plane = lay.plane_offset(tr.layer, tr.kind)
+    inner = tr.pool_offset - plane - tr.block_id * lay.block_stride_bytes
+    return [
+        f"token    sequence {tr.seq}, position {tr.pos}, layer {tr.layer}, {tr.kind.upper()}, kv head {tr.kv_head}",
+        f"block    logical block {bold(tr.logical_block)} = {tr.pos} // {lay.block_size}, "
+        f"slot {bold(tr.slot)} = {tr.pos} % {lay.block_size}",
+        f"table    block_table[{tr.seq}][{tr.logical_block}] = block id {bold(tr.block_id)}   "
+        "(software layer: the kernel reads this)",
+        f"pool     offset {bold(tr.pool_offset)} = plane {plane} + {tr.block_id} x {lay.block_stride_bytes} "
+        f"(block stride) + {inner} (head, slot)",
+        f"address  virtual address {bold(hex(tr.virtual_address))} = base {snap['pool']['base']:#x} + offset",
+        f"MMU      chunk {bold(tr.chunk)}, offset {tr.chunk_offset} in it, page {bold(tr.page)} of "
+        f"{size(lay.page_bytes)}   (hardware layer: the GPU MMU maps it)",
+        f"HBM      {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in chunk {tr.chunk}'s physical memory",
+    ]

@@ -1,0 +1,112 @@
+"""The command line: every command, its JSON, and every bad input (exit 2 or 1, never a traceback)."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from pagedrt.cli import main
+
+TINY = ["--preset", "tiny", "--steps", "12", "--max-tokens", "2048", "--backend", "host"]
+
+
+def run(*args, code=0):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    if code:
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    path = tmp_path_factory.mktemp("snap") / "state.json"
+    run("demo", *TINY, "--no-color", "--snapshot", path)
+    return path
+
+
+def test_info():
+    out = run("info", "--backend", "host", "--no-color")
+    assert "backend     host" in out and "page size" in out
+    report = json.loads(run("info", "--backend", "host", "--json"))
+    assert report["backend"] == "host" and report["page_bytes"] > 0 and "usable" in report["cuda"]
+
+
+def test_demo_shows_both_layers(snapshot):
+    out = run("demo", *TINY, "--no-color")
+    for text in ("chunk", "block tables", "pool map", "virtual address", "MMU", "max relative error", ": ok"):
+        assert text in out
+    assert snapshot.exists()
+
+
+def test_demo_json_is_consistent():
+    report = json.loads(run("demo", *TINY, "--json", "--dtype", "float32"))
+    assert (report["schema"], report["version"]) == ("pagedrt-demo", 1)
+    f, snap, tr = report["figures"], report["snapshot"], report["translation"]
+    assert f["checks"] > 0 and 0 <= f["max_error"] <= f["tolerance"] == 1e-5
+    mapped = [c for c in snap["pool"]["chunks"] if c["state"] == "mapped"]
+    assert f["mapped_bytes"] == len(mapped) * snap["pool"]["chunk_bytes"]
+    assert tr["virtual_address"] == snap["pool"]["base"] + tr["pool_offset"]
+    assert 0 < f["utilisation_of_mapped"] <= 1 and 0 < f["utilisation_of_held"] <= 1
+
+
+def test_map_from_snapshot_and_from_demo(snapshot):
+    out = run("map", snapshot, "--no-color")
+    assert "pool map" in out and "block tables" in out and "virtual range" in out
+    assert json.loads(run("map", snapshot, "--json")) == json.loads(snapshot.read_text())
+    out = run("map", "--from-demo", *TINY, "--no-color", "--placement", "block")
+    assert "pool map" in out and "plane-major" not in out
+
+
+def test_translate(snapshot):
+    snap = json.loads(snapshot.read_text())
+    entry = snap["sequences"][0]
+    pos = entry["length"] - 1
+    tr = json.loads(run("translate", entry["seq"], pos, snapshot, "--layer", 1, "--kv", "v", "--json"))
+    assert tr["block_id"] == entry["blocks"][pos // snap["layout"]["block_size"]]
+    assert tr["virtual_address"] == snap["pool"]["base"] + tr["pool_offset"]
+    out = run("translate", entry["seq"], pos, snapshot, "--no-color")
+    assert len(out.strip().splitlines()) == 7 and "block_table[" in out
+    run("translate", 0, 0, "--from-demo", *TINY, "--no-color")
+
+
+def test_inspect(snapshot):
+    out = run("inspect", snapshot, "--no-color")
+    assert "written" in out and "pool map" in out
+    assert json.loads(run("inspect", snapshot, "--json"))["schema"] == "pagedrt-snapshot"
+
+
+def test_bad_input(snapshot, tmp_path):
+    assert "invalid choice" in run("demo", "--preset", "gpt-5", code=2)
+    assert "must divide" in run("demo", *TINY, "--q-heads", "6", "--kv-heads", "4", code=2)
+    assert "head_dim=100" in run("demo", *TINY, "--head-dim", "100", code=1)
+    assert "UnsupportedConfigError" in run("demo", *TINY, "--block-size", "12", code=1)
+    assert "no snapshot" in run("map", tmp_path / "missing.json", code=1)
+    (tmp_path / "corrupt.json").write_text("{\"schema\": ")
+    assert "cannot read" in run("inspect", tmp_path / "corrupt.json", code=1)
+    newer = json.loads(snapshot.read_text()) | {"version": 99}
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    assert "version 99" in run("map", tmp_path / "newer.json", code=1)
+    assert "sequence 999 does not exist" in run("translate", 999, 0, snapshot, code=1)
+    assert "has no token 100000" in run("translate", 0, 100000, snapshot, code=1)
+    assert "layer 99 does not exist" in run("translate", 0, 0, snapshot, "--layer", 99, code=1)
+    assert "SNAPSHOT file" in run("map", code=2)
+    assert "not both" in run("map", snapshot, "--from-demo", code=2)
+
+
+def test_installed_console_script(tmp_path):
+    exe = shutil.which("pagedrt")
+    if exe is None:
+        pytest.skip("the pagedrt console script is not installed (pip install . first)")
+    proc = subprocess.run([exe, "demo", *TINY, "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    f = report["figures"]
+    assert f["max_error"] <= f["tolerance"]
+    assert report["translation"]["virtual_address"] == report["snapshot"]["pool"]["base"] + \
+        report["translation"]["pool_offset"]
+    assert f["mapped_bytes"] == sum(c["size"] for c in report["snapshot"]["pool"]["chunks"]
+                                    if c["state"] == "mapped")
