@@ -18,17 +18,19 @@ replayed step by step against the same KV budget, a 1-D space of token slots:
   needs more blocks than are free, the latest admitted sequences are preempted
   (freed and queued again at the front, recomputed later: vLLM's default).
 
-A step: arrivals join a FCFS queue; the queue head is admitted while it fits
-(contiguous: a hole as large as its region; paged: free blocks for its tokens and
-the next one); every running request gains one token; the state is sampled;
-finished requests leave. Every sample splits the budget into
+A step: arrivals join a FCFS queue; every running request gains one token (paged:
+after preempting, if the free blocks do not suffice); finished requests leave; the
+queue head is admitted while it fits (contiguous: a hole as large as its region;
+paged: free blocks for its tokens and the next one), bringing its prompt (after a
+preemption, all it held) and gaining tokens from the next step; the state is
+sampled. A sample taken while a request waits splits the budget into
 
 - used: slots holding tokens;
 - internal waste: reserved or held but empty (the region's unused tail, or the
   empty slots of each sequence's last block);
 - external waste: free space while the queue head waits although the free total
   would hold it, i.e. free space in holes too small for it (fragmentation);
-- idle: any other free space (no one waits, or the free total is too small).
+- idle: other free space (the free total is too small for the queue head).
 
 Means are over the steps in which a request waited (memory was the limit). The
 paged rows also check, every step, from the allocator's own block table, that no
