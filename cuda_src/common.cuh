@@ -64,6 +64,12 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src,
                  :: "r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
 }
 
+// The same with the destination as a shared-space address (see __cvta_generic_to_shared).
+__device__ __forceinline__ void cp_async16_shared(unsigned smem_dst, const void* gmem_src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_dst), "l"(gmem_src), "r"(src_bytes) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

@@ -335,7 +335,7 @@ def test_instances_name_every_swept_kernel():
     for cfg in configs.sweep():
         for paged in (True, False):
             assert set(decode.kernel_names(cfg, paged)) <= set(names["decode.cu"])
-    assert "pagedrt::decode<__half, 128, 16, 4, true, 32, 4>" in names["decode.cu"]
+    assert "pagedrt::decode<__half, 128, 16, 4, true, 8, 32, 4>" in names["decode.cu"]
 
 
 def test_geometry_stages_one_tile_of_k_and_v():

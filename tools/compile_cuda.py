@@ -27,6 +27,7 @@ from pagedrt.kernels import instances  # noqa: E402
 from pagedrt.kernels.source import CUDA_SRC, text  # noqa: E402
 
 PER_UNIT = 12  # instances per translation unit
+NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with NVRTC (it adds -ftz=true)
 
 
 def units(tmp):
@@ -50,7 +51,7 @@ def units(tmp):
 
 
 def compile_unit(arch, path):
-    cmd = ["nvcc", f"-arch={arch}", "-std=c++17", f"-I{CUDA_SRC}", "-Xptxas", "-v", "-c", str(path),
+    cmd = ["nvcc", f"-arch={arch}", *NVCC_OPTIONS, f"-I{CUDA_SRC}", "-Xptxas", "-v", "-c", str(path),
            "-o", str(path.with_suffix(".o"))]
     run = subprocess.run(cmd, capture_output=True, text=True)
     return run.returncode, run.stdout + run.stderr

@@ -35,23 +35,38 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class Geometry:
+    lanes: int       # lanes sharing one token's dot product (each holds head_dim/lanes dims of q)
     tile: int        # tokens per pipeline stage
     stages: int
     smem_bytes: int  # dynamic shared memory per thread block
 
 
+def _pow2_floor(x):
+    return 1 << (max(1, x).bit_length() - 1)
+
+
 def geometry(cfg):
-    """Tile and pipeline of a configuration: a stage holds TILE_BYTES of K (a power-of-two token count)."""
+    """How a thread block of THREADS threads cuts the work of a configuration.
+
+    Lanes per token: the fewer, the fewer shuffles and the less softmax work repeated
+    across lanes, but each lane then holds more dims of q and of the output for every
+    query head; keep those 2 * dims * group floats near 128 registers. A stage holds
+    TILE_BYTES of K (a power-of-two token count, at least one per lane group).
+    """
+    vec = 16 // cfg.itemsize
+    row_vecs = cfg.head_dim // vec
+    lane_vecs = min(4, _pow2_floor(64 // (vec * cfg.group)))
+    lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
     row = cfg.head_dim * cfg.itemsize
-    tile = 1 << (TILE_BYTES // row).bit_length() - 1
-    return Geometry(tile, STAGES, STAGES * 2 * tile * row)
+    tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
+    return Geometry(lanes, tile, STAGES, STAGES * 2 * tile * row)
 
 
 def kernel_names(cfg, paged):
     """(decode, merge) name expressions of a configuration."""
     geo = geometry(cfg)
     decode = (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
-              f"{'true' if paged else 'false'}, {geo.tile}, {geo.stages}>")
+              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}>")
     return decode, f"pagedrt::merge<{cfg.cuda_type}>"
 
 
