@@ -350,3 +350,18 @@ def test_source_text_inlines_local_headers_once():
     code = source.text("decode.cu")
     assert '#include "' not in code and "#pragma once" not in code
     assert code.count("struct Vec16") == 1 and "#include <cuda_fp16.h>" in code
+
+
+def test_every_supported_config_meets_the_kernel_static_asserts():
+    """Mirror of DecodeShape's static_asserts for all 600 configurations (the compile check builds a sweep)."""
+    for dtype in configs.CUDA_TYPES:
+        for h in configs.HEAD_DIMS:
+            for g in configs.GROUPS:
+                cfg = Config(dtype, h, 16, g)
+                geo = decode.geometry(cfg)
+                row_vecs = h * cfg.itemsize // 16
+                lane_groups = decode.THREADS // geo.lanes
+                assert geo.lanes & (geo.lanes - 1) == 0 and geo.lanes <= 32
+                assert -(-row_vecs // geo.lanes) <= 4
+                assert geo.tile % lane_groups == 0
+                assert lane_groups * g * (h + 2) * 4 <= geo.smem_bytes <= 227 * 1024
