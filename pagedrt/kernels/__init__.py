@@ -6,12 +6,12 @@ it checks every argument, then launches the kernel.
 
 from .copy import copy_blocks, copy_blocks_reference
 from .decode import (contiguous_decode, contiguous_decode_reference, merge_partials_reference, paged_decode,
-                     paged_decode_reference, plan_splits)
+                     paged_decode_reference, plan_splits, split_plan)
 from .write import write_kv, write_kv_reference
 
 __all__ = ["contiguous_decode", "contiguous_decode_reference", "copy_blocks", "copy_blocks_reference",
            "instances", "merge_partials_reference", "paged_decode", "paged_decode_reference", "plan_splits",
-           "write_kv", "write_kv_reference"]
+           "split_plan", "write_kv", "write_kv_reference"]
 
 
 def instances():

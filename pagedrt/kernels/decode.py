@@ -137,6 +137,13 @@ def _workspace(device_id, stream_ptr, rows, num_splits, head_dim):
             cupy.empty((rows, num_splits, 2), np.float32))
 
 
+def _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device):
+    """The split plan, from the paged kernel's occupancy (so the contiguous twin runs the same plan)."""
+    kern = _kernels(cfg, True, device)
+    return plan_splits(batch, kv_heads, max_seq_len, kern.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
+                       kern.slots, num_splits)
+
+
 def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, scale, out, cfg, paged,
             max_seq_len, num_splits):
     import cupy
@@ -144,8 +151,7 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
     kv_heads = q_heads // cfg.group
     device = cupy.cuda.Device().id
     kern = _kernels(cfg, paged, device)
-    plan = plan_splits(batch, kv_heads, max_seq_len, kern.geometry.tile, 2 * head_dim * cfg.itemsize,
-                       kern.slots, num_splits)
+    plan = _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device)
     check(plan.num_splits <= MAX_GRID_YZ, f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
     if plan.num_splits == 1:
         part_o = part_ml = NULL
@@ -161,7 +167,6 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
     if plan.num_splits > 1:
         kern.merge((q_heads, batch), (head_dim,), (part_o, part_ml, np.int32(plan.num_splits),
                                                    np.int32(head_dim), ptr(out)))
-    return plan
 
 
 # --- public launchers -----------------------------------------------------------------
@@ -273,6 +278,15 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=Non
         _launch(q, ptr(k), ptr(v), kv_heads * block_size * head_dim, (NULL, np.int64(0)), max_blocks,
                 seq_lens, scale, out, cfg, False, max_seq_len, num_splits)
     return out
+
+
+def split_plan(q, k_cache, block_tables, *, num_splits=None, max_seq_len=None):
+    """The :class:`Plan` :func:`paged_decode` uses for device arrays of these shapes (compiles the kernel)."""
+    import cupy
+    pk = plane("k_cache", k_cache)
+    cfg = config(k_cache.dtype, pk.head_dim, pk.block_size, q.shape[1] // pk.num_kv_heads)
+    capacity = block_tables.shape[1] * pk.block_size
+    return _plan(cfg, q.shape[0], pk.num_kv_heads, max_seq_len or capacity, num_splits, cupy.cuda.Device().id)
 
 
 def _store(result, out):
