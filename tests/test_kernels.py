@@ -193,6 +193,7 @@ def decode_args(case, **over):
     (lambda c: dict(q=np.concatenate([c.q, c.q, c.q], axis=1)), UnsupportedConfigError, "group"),
     (lambda c: dict(k_cache=c.k[:, :, :, :64]), LaunchArgumentError, "C-contiguous inside a block"),
     (lambda c: dict(k_cache=c.k[..., None]), LaunchArgumentError, "4-D"),
+    (lambda c: dict(k_cache=c.k[:, :0], v_cache=c.v[:, :0]), LaunchArgumentError, "empty dimension"),
     (lambda c: dict(k_cache=c.buffer[:, 0]), LaunchArgumentError, "4-D"),
     (lambda c: dict(v_cache=c.v[:-1]), LaunchArgumentError, "same shape and block stride"),
     (lambda c: dict(v_cache=c.buffer[:, 1, 0].astype(np.float32)), LaunchArgumentError, "must match"),

@@ -84,6 +84,7 @@ def plane(name, a):
     """Check a plane's layout (HND blocks, any block stride >= a block, 16-byte multiple) and describe it."""
     check(a.ndim == 4, f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_dim], got shape {a.shape}")
     n, h, b, d = (int(x) for x in a.shape)
+    check(min(n, h, b, d) >= 1, f"{name} has an empty dimension: shape {a.shape}")
     size = a.itemsize
     inner = (h * b * d * size, b * d * size, d * size, size)
     check(tuple(a.strides[1:]) == inner[1:],
@@ -91,7 +92,7 @@ def plane(name, a):
           f"bytes), got strides {a.strides}: a plane is [blocks, kv heads, slots, head_dim] with only the "
           "block stride free")
     stride = a.strides[0]
-    check(n >= 1 and stride >= inner[0] and stride % 16 == 0,
+    check(stride >= inner[0] and stride % 16 == 0,
           f"{name} has block stride {stride} bytes: it must be at least one block ({inner[0]} bytes) "
           "and a multiple of 16 bytes")
     return Plane(n, h, b, d, stride // size)
