@@ -1,15 +1,83 @@
 """Compile every file in cuda_src/ with nvcc (CI's compile check), printing ptxas' resource report.
 
     python3 tools/compile_cuda.py --arch sm_90
+
+A .cu file is compiled as the launchers hand it to NVRTC (local includes inlined,
+``pagedrt.kernels.source.text``) together with every template instance the
+launchers name for the representative configurations (``pagedrt.kernels.instances()``),
+so template code is really compiled. Instances are spread over several translation
+units compiled in parallel. Headers are compiled on their own. Prints registers,
+stack and spills per kernel; any compile error exits non-zero.
 """
 
 import argparse
+import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-CUDA_SRC = Path(__file__).resolve().parent.parent / "cuda_src"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pagedrt.kernels import instances  # noqa: E402
+from pagedrt.kernels.source import CUDA_SRC, text  # noqa: E402
+
+PER_UNIT = 12  # instances per translation unit
+NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with NVRTC (it adds -ftz=true)
+
+
+def units(tmp):
+    """(label, path) of every translation unit to compile."""
+    names = instances()
+    out = []
+    for src in sorted(CUDA_SRC.glob("*.cu")):
+        body = text(src.name)
+        listed = names.get(src.name, ())
+        chunks = [listed[i:i + PER_UNIT] for i in range(0, len(listed), PER_UNIT)] or [()]
+        for i, chunk in enumerate(chunks):
+            unit = tmp / f"{src.stem}_{i}.cu"
+            refs = "".join(f"    (void*)&{name},\n" for name in chunk)
+            unit.write_text(body + (f"\nvoid* pagedrt_instances[] = {{\n{refs}}};\n" if chunk else ""))
+            out.append((f"{src.name} [{len(chunk)} instances]" if chunk else src.name, unit))
+    for header in sorted(CUDA_SRC.glob("*.cuh")):
+        unit = tmp / f"{header.stem}_header.cu"
+        unit.write_text(f'#include "{header.name}"\n')
+        out.append((header.name, unit))
+    return out
+
+
+def compile_unit(arch, path):
+    cmd = ["nvcc", f"-arch={arch}", *NVCC_OPTIONS, f"-I{CUDA_SRC}", "-Xptxas", "-v", "-c", str(path),
+           "-o", str(path.with_suffix(".o"))]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    return run.returncode, run.stdout + run.stderr
+
+
+def resources(log):
+    """[(kernel, registers, stack, spill stores, spill loads)] from a ptxas -v log."""
+    rows, current, frame = [], None, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            current = m.group(1)
+        elif m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            frame = tuple(int(x) for x in m.groups())
+        elif (m := re.search(r"Used (\d+) registers", line)) and current:
+            rows.append((current, int(m.group(1)), *(frame or (0, 0, 0))))
+            current, frame = None, None
+    return rows
+
+
+def demangle(names):
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if not tool or not names:
+        return list(names)
+    run = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
+    out = run.stdout.splitlines()
+    return out if run.returncode == 0 and len(out) == len(names) else list(names)
 
 
 def main():
@@ -17,17 +85,24 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     args = ap.parse_args()
     failed = 0
-    sources = sorted(CUDA_SRC.glob("*.cu")) + sorted(CUDA_SRC.glob("*.cuh"))
     with tempfile.TemporaryDirectory() as tmp:
-        for src in sources:
-            unit = Path(tmp) / (src.stem + "_check.cu")
-            unit.write_text(f'#include "{src.name}"\n')
-            cmd = ["nvcc", f"-arch={args.arch}", "-std=c++17", f"-I{CUDA_SRC}", "-Xptxas", "-v",
-                   "-c", str(unit), "-o", str(Path(tmp) / (src.stem + ".o"))]
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            print(f"== {src.name}: {'ok' if run.returncode == 0 else 'FAILED'}")
-            print(run.stdout + run.stderr, end="")
-            failed += run.returncode != 0
+        todo = units(Path(tmp))
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            results = list(pool.map(lambda u: compile_unit(args.arch, u[1]), todo))
+    flagged = []
+    for (label, _), (rc, log) in zip(todo, results):
+        print(f"== {label}: {'ok' if rc == 0 else 'FAILED'}")
+        failed += rc != 0
+        if rc != 0:
+            print(log, end="")
+            continue
+        rows = resources(log)
+        for name, (_, regs, stack, stores, loads) in zip(demangle([r[0] for r in rows]), rows):
+            print(f"  {regs:4d} regs  {stack:5d} B stack  {stores:5d}/{loads:<5d} B spill st/ld  {name}")
+            if stack or stores or loads:
+                flagged.append(name)
+    print(f"{len(todo) - failed}/{len(todo)} units compiled; "
+          + (f"{len(flagged)} kernels use stack or spill: {flagged}" if flagged else "no stack frames, no spills"))
     sys.exit(1 if failed else 0)
 
 

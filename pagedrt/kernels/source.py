@@ -1,15 +1,22 @@
 """The CUDA sources in the top-level ``cuda_src/``, compiled with ``cupy.RawModule`` once per configuration.
 
 From a source tree, ``cuda_src/`` sits beside the package; an installed wheel carries
-it as ``pagedrt/cuda_src``. :func:`module` compiles a file for a set of template
+it as ``pagedrt/cuda_src``. :func:`text` gives a file with its local ``#include "..."``
+files inlined: CuPy's on-disk cache is keyed on the source text only, so an edited
+header must change that text. :func:`module` compiles a file for a set of template
 instances (``name_expressions``) and caches the result for the process; CuPy also
 caches the binary on disk, so a configuration is compiled once per machine.
+:func:`function` finds a kernel in any module compiled so far, compiling it alone
+only when none holds it; :func:`preload` compiles many instances in one NVRTC call
+(one compile costs seconds, mostly per call rather than per instance).
 """
 
 import functools
+import re
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent.parent
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
 def _find_cuda_src():
@@ -20,13 +27,51 @@ def _find_cuda_src():
 
 
 CUDA_SRC = _find_cuda_src()
-OPTIONS = ("-std=c++17", f"-I{CUDA_SRC}")
+OPTIONS = ("-std=c++17",)
+
+_functions = {}  # (filename, name expression) -> cupy.RawKernel
+
+
+def text(filename):
+    """``cuda_src/<filename>`` with its local includes inlined, each file once."""
+    seen = set()
+
+    def expand(name):
+        if name in seen:
+            return ""
+        seen.add(name)
+        out = []
+        for line in (CUDA_SRC / name).read_text().splitlines():
+            match = _LOCAL_INCLUDE.match(line)
+            if match:
+                out.append(expand(match.group(1)))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return expand(filename) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
 def module(filename, name_expressions):
     """A compiled ``cupy.RawModule`` of ``cuda_src/<filename>`` holding ``name_expressions``."""
     import cupy
-    code = (CUDA_SRC / filename).read_text()
-    return cupy.RawModule(code=code, options=OPTIONS, name_expressions=tuple(name_expressions))
+    return cupy.RawModule(code=text(filename), options=OPTIONS, name_expressions=tuple(name_expressions))
 
+
+def preload(filename, name_expressions):
+    """Compile all ``name_expressions`` of ``filename`` in one module and register them."""
+    names = tuple(sorted(set(name_expressions)))
+    mod = module(filename, names)
+    for name in names:
+        _functions.setdefault((filename, name), mod.get_function(name))
+
+
+def function(filename, name):
+    """The kernel ``name`` of ``filename``, from a preloaded module or compiled on first use."""
+    key = (filename, name)
+    fn = _functions.get(key)
+    if fn is None:
+        preload(filename, (name,))
+        fn = _functions[key]
+    return fn

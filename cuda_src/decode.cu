@@ -1,0 +1,403 @@
+// Decode attention over a paged KV cache: one query token per sequence.
+//
+// One thread block handles one (sequence, KV head, split segment) and all GROUP
+// query heads that share the KV head, so every K/V byte is read from HBM once.
+//
+// Data path: a STAGES-deep cp.async pipeline stages TILE tokens of K and V per
+// stage into shared memory (16-byte copies, coalesced: a (block, head) chunk is
+// contiguous in the HND layout). The block ids a tile needs are read from the
+// table one tile ahead and turned into source addresses then, so a copy never
+// waits for the table. Only a segment's last tile checks for missing tokens.
+//
+// Math: a token's head_dim is spread over LANES lanes (LANES chosen by the
+// launcher from the group size: fewer lanes, fewer shuffles, more registers);
+// the lanes' partial dot products are summed with xor shuffles. q is held in
+// registers pre-scaled by scale*log2(e), so scores are in the log2 domain
+// (exp2f). Each lane group keeps a running max m, sum l and fp32 output per
+// query head; the output is rescaled only when m grows by more than 2^8 (one
+// warp vote per STEP tokens), which after the first tokens is rare. At the end
+// the lane groups are merged through shared memory. dot_scores/accumulate are
+// the part a tensor-core version replaces.
+//
+// PAGED=false is the contiguous twin: block id = seq * max_blocks + logical
+// block, no table read; the rest of the code is shared.
+//
+// Split-K: with a partial-output workspace (part_o != nullptr) a block writes
+// its unnormalised output, m and l for its segment; `merge` combines segments.
+#include "common.cuh"
+
+namespace pagedrt {
+
+constexpr int kDecodeThreads = 128;
+
+constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
+constexpr int min_int(int a, int b) { return a < b ? a : b; }
+
+template <typename X, X VALUE> struct integral_constant { static constexpr X value = VALUE; };
+
+// Work decomposition of one thread block. LANES, TILE and STAGES come from the
+// launcher (pagedrt/kernels/decode.py: geometry), which also sizes shared memory.
+template <typename T, int HEAD_DIM, int GROUP, int LANES, int TILE, int STAGES>
+struct DecodeShape {
+    static constexpr int kThreads = kDecodeThreads;
+    static constexpr int kVec = Vec16<T>::kElems;                  // elements per 16-byte vector
+    static constexpr int kRowVecs = HEAD_DIM / kVec;               // vectors in one token's K (or V) row
+    static constexpr int kLaneVecs = (kRowVecs + LANES - 1) / LANES;  // vectors per lane
+    static constexpr int kLaneGroups = kThreads / LANES;           // tokens in progress at once
+    static constexpr int kTokensPerGroup = TILE / kLaneGroups;     // per lane group per tile
+    // tokens per online-softmax step: keeps the score registers (STEP x GROUP) near 8
+    static constexpr int kStep = min_int(kTokensPerGroup, pow2_floor(8 / GROUP > 0 ? 8 / GROUP : 1));
+    static constexpr int kCopies = (TILE * kRowVecs + kThreads - 1) / kThreads;  // per thread per tile
+    static constexpr bool kEvenCopies = (TILE * kRowVecs) % kThreads == 0;
+    static constexpr int kTileElems = TILE * HEAD_DIM;
+    static constexpr int kSmemBytes = STAGES * 2 * kTileElems * (int)sizeof(T);
+    static constexpr int kReduceFloats = kLaneGroups * GROUP * (HEAD_DIM + 2);
+
+    static_assert(HEAD_DIM % kVec == 0, "head_dim must be a whole number of 16-byte vectors");
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two <= 32");
+    static_assert(kLaneVecs <= 4 && LANES * kLaneVecs >= kRowVecs, "at most four vectors per lane");
+    static_assert(TILE % kLaneGroups == 0, "TILE must be a multiple of the lane groups");
+    static_assert(kTokensPerGroup % kStep == 0, "STEP must divide the tokens per lane group");
+    static_assert(STAGES >= 2, "the pipeline needs at least two stages");
+    static_assert(kReduceFloats * 4 <= kSmemBytes, "the final merge reuses the pipeline's shared memory");
+};
+
+// Rescale the running output only when the running max grows by more than this
+// (log2 units): exp2(score - m) then stays <= 2^8, and most steps skip the rescale.
+constexpr float kRescaleLog2 = 8.f;
+
+// One token row (K or V) as floats: lane's vectors j = 0..LV-1 are lane + j*LANES;
+// vectors past the row (head_dim not a power-of-two number of vectors) are zeros.
+template <typename T, int NV, int LANES, int LV>
+__device__ __forceinline__ void load_row(const T* row, int lane, float (&out)[LV][Vec16<T>::kElems]) {
+    constexpr int V = Vec16<T>::kElems;
+#pragma unroll
+    for (int j = 0; j < LV; ++j) {
+        const int vec = lane + j * LANES;
+        if (LANES * (j + 1) <= NV || vec < NV) {
+            unpack<T>(*reinterpret_cast<const uint4*>(row + vec * V), out[j]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) out[j][e] = 0.f;
+        }
+    }
+}
+
+// Scores (log2 domain) of STEP tokens for every query head of the group, summed over the lanes.
+template <typename T, int HEAD_DIM, int GROUP, int NV, int LANES, int LV, int STEP, int LG>
+__device__ __forceinline__ void dot_scores(const T* tile, int first, int lane,
+                                           const float (&q)[GROUP][LV][Vec16<T>::kElems],
+                                           float (&s)[STEP][GROUP]) {
+    constexpr int V = Vec16<T>::kElems;
+#pragma unroll
+    for (int u = 0; u < STEP; ++u) {
+        float kf[LV][V];
+        load_row<T, NV, LANES, LV>(tile + (first + u * LG) * HEAD_DIM, lane, kf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float dot = 0.f;
+#pragma unroll
+            for (int j = 0; j < LV; ++j)
+#pragma unroll
+                for (int e = 0; e < V; ++e) dot = fmaf(q[g][j][e], kf[j][e], dot);
+            s[u][g] = dot;
+        }
+    }
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2)
+#pragma unroll
+        for (int u = 0; u < STEP; ++u)
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], offset);
+}
+
+// acc[g] += p[u][g] * V row of token u, for STEP tokens.
+template <typename T, int HEAD_DIM, int GROUP, int NV, int LANES, int LV, int STEP, int LG>
+__device__ __forceinline__ void accumulate(const T* tile, int first, int lane, const float (&p)[STEP][GROUP],
+                                           float (&acc)[GROUP][LV][Vec16<T>::kElems]) {
+    constexpr int V = Vec16<T>::kElems;
+#pragma unroll
+    for (int u = 0; u < STEP; ++u) {
+        float vf[LV][V];
+        load_row<T, NV, LANES, LV>(tile + (first + u * LG) * HEAD_DIM, lane, vf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int j = 0; j < LV; ++j)
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[g][j][e] = fmaf(p[u][g], vf[j][e], acc[g][j][e]);
+    }
+}
+
+// q, out:       [batch, num_kv_heads * GROUP, HEAD_DIM], contiguous
+// k, v:         planes; element (block b, kv head h, slot s, dim d) at b*block_stride + (h*BLOCK_SIZE + s)*HEAD_DIM + d
+// block_tables: [batch, >= max_blocks] int32 with row stride table_stride (unused when !PAGED)
+// seq_lens:     [batch] int32, clamped to [0, max_blocks*BLOCK_SIZE]
+// grid:         (num_kv_heads, batch, num_splits); segment `split` covers tokens
+//               [split*segment_tokens, (split+1)*segment_tokens), the last one up to the end;
+//               segment_tokens is a multiple of TILE
+// part_o, part_ml: nullptr (write out) or the split workspace
+//               [batch*q_heads, num_splits, HEAD_DIM] floats and [batch*q_heads, num_splits] (m, l)
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int LANES, int TILE, int STAGES>
+__global__ void __launch_bounds__(kDecodeThreads)
+decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
+       const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+       const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml) {
+    using S = DecodeShape<T, HEAD_DIM, GROUP, LANES, TILE, STAGES>;
+    constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
+    constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* const smem_k = reinterpret_cast<T*>(smem_raw);
+    T* const smem_v = smem_k + STAGES * S::kTileElems;
+
+    const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+    const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
+    const long long head_row = ((long long)seq * gridDim.x + kv_head) * GROUP;  // row of query head g=0
+
+    const int len = min(max(seq_lens[seq], 0), max_blocks * BLOCK_SIZE);
+    const int begin = split * segment_tokens;
+    const int end = split == num_splits - 1 ? len : min(len, begin + segment_tokens);
+    if (begin >= end) {  // nothing to attend: an empty segment, or (unsplit) an empty sequence
+        if (part_o != nullptr) {
+            if (tid < GROUP) part_ml[(head_row + tid) * num_splits + split] = make_float2(neg_inf(), 0.f);
+        } else {
+            for (int i = tid; i < GROUP * HEAD_DIM; i += NT) out[head_row * HEAD_DIM + i] = from_float<T>(0.f);
+        }
+        return;
+    }
+
+    float qf[GROUP][LV][V];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        load_row<T, NV, LANES, LV>(q + (head_row + g) * HEAD_DIM, lane, qf[g]);
+#pragma unroll
+        for (int j = 0; j < LV; ++j)
+#pragma unroll
+            for (int e = 0; e < V; ++e) qf[g][j][e] *= scale_log2;
+    }
+
+    // Copy c of a tile moves vector i = c*NT + tid: token row i / NV, vector i % NV.
+    // A (block, head) chunk is BLOCK_SIZE*NV contiguous vectors, so the block a copy
+    // falls in, relative to the tile's first block, is fixed per thread (and known at
+    // compile time when a chunk is a whole number of copy rounds); so is its offset
+    // inside the block, except that a tile shorter than a block adds its slot offset.
+    constexpr int CHUNK = BLOCK_SIZE * NV;
+    const int* const table_row = block_tables + (PAGED ? seq * table_stride : 0);
+    const char* const k_bytes = reinterpret_cast<const char*>(k);
+    const long long stride_bytes = block_stride * (long long)sizeof(T);
+    const long long v_minus_k = reinterpret_cast<const char*>(v) - k_bytes;  // same offset in the V plane
+    const unsigned smem_k_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_k));
+    constexpr unsigned V_SMEM = STAGES * S::kTileElems * sizeof(T);  // smem_v - smem_k, bytes
+    int row_of[COPIES], block_of[COPIES], src_off[COPIES];
+#pragma unroll
+    for (int c = 0; c < COPIES; ++c) {
+        const int i = c * NT + tid, t = i / NV;
+        row_of[c] = t;
+        block_of[c] = TILE <= BLOCK_SIZE ? 0 : CHUNK % NT == 0 ? c * NT / CHUNK : i / CHUNK;
+        src_off[c] = ((kv_head * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM + (i % NV) * V) * (int)sizeof(T);
+    }
+    auto copy_exists = [&](int c) { return S::kEvenCopies || c * NT + tid < TILE * NV; };
+
+    // K source address of each copy of a tile (nullptr past the end). The table is read
+    // here, one tile before the copies are issued, so its latency hides behind a tile
+    // of math. FULL: the whole tile exists (every tile but the last).
+    const char* src[COPIES];
+    auto fetch = [&](int tile, auto full) {
+        constexpr bool FULL = decltype(full)::value;
+        const int first = begin + tile * TILE;
+        const int* const ids = table_row + first / BLOCK_SIZE;
+#pragma unroll
+        for (int c = 0; c < COPIES; ++c) {
+            src[c] = nullptr;
+            if (copy_exists(c) && (FULL || first + row_of[c] < end)) {
+                const long long id = PAGED ? (long long)__ldg(ids + block_of[c])
+                                           : (long long)seq * max_blocks + first / BLOCK_SIZE + block_of[c];
+                src[c] = k_bytes + id * stride_bytes + src_off[c];
+            }
+        }
+    };
+    auto issue = [&](int tile, auto full) {
+        constexpr bool FULL = decltype(full)::value;
+        const int first = begin + tile * TILE;
+        const unsigned stage = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(T);
+        // a tile inside one block starts at slot first % BLOCK_SIZE of it
+        const int slot_bytes = TILE < BLOCK_SIZE ? (first % BLOCK_SIZE) * HEAD_DIM * (int)sizeof(T) : 0;
+#pragma unroll
+        for (int c = 0; c < COPIES; ++c) {
+            if (copy_exists(c)) {
+                const unsigned dst = stage + (row_of[c] * HEAD_DIM + (c * NT + tid) % NV * V) * sizeof(T);
+                const bool live = FULL || src[c] != nullptr;  // else zero-fill, reading nothing
+                const char* const from = live ? src[c] + slot_bytes : reinterpret_cast<const char*>(q);
+                cp_async16_shared(dst, from, live ? 16 : 0);
+                cp_async16_shared(dst + V_SMEM, live ? from + v_minus_k : from, live ? 16 : 0);
+            }
+        }
+    };
+    // The whole tile exists: every tile but a segment's last.
+    auto is_full = [&](int tile) { return begin + (tile + 1) * TILE <= end; };
+    auto fetch_tile = [&](int tile) {
+        if (is_full(tile)) fetch(tile, integral_constant<bool, true>());
+        else fetch(tile, integral_constant<bool, false>());
+    };
+    auto issue_tile = [&](int tile) {
+        if (is_full(tile)) issue(tile, integral_constant<bool, true>());
+        else issue(tile, integral_constant<bool, false>());
+    };
+
+    float m[GROUP], l[GROUP], acc[GROUP][LV][V];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < LV; ++j)
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[g][j][e] = 0.f;
+    }
+
+    // STEP tokens of a staged tile: scores, online softmax, weighted V. MASK: the tile
+    // runs past the end (only the last one), so scores of missing tokens become -inf.
+    auto consume = [&](const T* sk, const T* sv, int first, int live, auto mask) {
+        constexpr bool MASK = decltype(mask)::value;
+        float s[STEP][GROUP];
+        dot_scores<T, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sk, first, lane, qf, s);
+        float top[GROUP];
+        bool grow = false;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            top[g] = neg_inf();
+#pragma unroll
+            for (int u = 0; u < STEP; ++u) {
+                if (MASK && first + u * LG >= live) s[u][g] = neg_inf();
+                top[g] = fmaxf(top[g], s[u][g]);
+            }
+            grow |= top[g] > m[g] + kRescaleLog2;
+        }
+        if (__any_sync(0xffffffffu, grow)) {  // warp-uniform, rare after the first tokens
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const bool up = top[g] > m[g] + kRescaleLog2;
+                const float alpha = up ? exp2f(m[g] - top[g]) : 1.f;  // m = -inf: 0
+                m[g] = up ? top[g] : m[g];
+                l[g] *= alpha;
+#pragma unroll
+                for (int j = 0; j < LV; ++j)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[g][j][e] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float shift = m[g] == neg_inf() ? 0.f : m[g];  // m = -inf only while every score is -inf
+#pragma unroll
+            for (int u = 0; u < STEP; ++u) {
+                s[u][g] = exp2f(s[u][g] - shift);
+                l[g] += s[u][g];
+            }
+        }
+        accumulate<T, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sv, first, lane, s, acc);
+    };
+
+    const int num_tiles = (end - begin + TILE - 1) / TILE;
+    fetch_tile(0);
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) {
+        if (p < num_tiles) issue_tile(p);
+        cp_async_commit();
+        if (p + 1 < num_tiles) fetch_tile(p + 1);
+    }
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        cp_async_wait<STAGES - 2>();  // this thread's copies of `tile` have landed
+        __syncthreads();              // everyone's have, and everyone is done with tile-1's stage
+        const int ahead = tile + STAGES - 1;
+        if (ahead < num_tiles) issue_tile(ahead);
+        cp_async_commit();
+        if (ahead + 1 < num_tiles) fetch_tile(ahead + 1);
+
+        const T* const sk = smem_k + (tile % STAGES) * S::kTileElems;
+        const T* const sv = smem_v + (tile % STAGES) * S::kTileElems;
+        const int live = end - (begin + tile * TILE);  // tokens of this tile that exist
+        if (is_full(tile)) {
+#pragma unroll
+            for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
+                consume(sk, sv, lane_group + u0 * LG, live, integral_constant<bool, false>());
+        } else {
+#pragma unroll
+            for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
+                consume(sk, sv, lane_group + u0 * LG, live, integral_constant<bool, true>());
+        }
+    }
+
+    // Merge the lane groups' states through shared memory (the pipeline's, now idle).
+    cp_async_wait<0>();
+    __syncthreads();
+    float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [LG][GROUP][HEAD_DIM]
+    float* const red_m = red_acc + LG * GROUP * HEAD_DIM;        // [LG][GROUP]
+    float* const red_l = red_m + LG * GROUP;                     // [LG][GROUP]
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) red_m[lane_group * GROUP + g] = m[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float top = neg_inf();
+        for (int x = 0; x < LG; ++x) top = fmaxf(top, red_m[x * GROUP + g]);
+        const float f = exp2f(m[g] - (top == neg_inf() ? 0.f : top));
+        if (lane == 0) red_l[lane_group * GROUP + g] = l[g] * f;
+        float* const dst = red_acc + (lane_group * GROUP + g) * HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < LV; ++j) {
+            const int vec = lane + j * LANES;
+            if (LANES * (j + 1) <= NV || vec < NV) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) dst[vec * V + e] = acc[g][j][e] * f;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < GROUP * HEAD_DIM; i += NT) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+        float sum = 0.f, total = 0.f, top = neg_inf();
+        for (int x = 0; x < LG; ++x) {
+            sum += red_acc[(x * GROUP + g) * HEAD_DIM + d];
+            total += red_l[x * GROUP + g];
+            top = fmaxf(top, red_m[x * GROUP + g]);
+        }
+        const long long row = head_row + g;
+        if (part_o != nullptr) {
+            part_o[(row * num_splits + split) * HEAD_DIM + d] = sum;
+            if (d == 0) part_ml[row * num_splits + split] = make_float2(top, total);
+        } else {
+            out[row * HEAD_DIM + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
+        }
+    }
+}
+
+// Combine split segments exactly: m = max m_i, l = sum l_i 2^(m_i - m),
+// out = sum o_i 2^(m_i - m) / l. Empty segments (m_i = -inf) are skipped; their
+// o_i was never written. grid: (q_heads, batch); block: any number of threads.
+template <typename T>
+__global__ void merge(const float* __restrict__ part_o, const float2* __restrict__ part_ml, int num_splits,
+                      int head_dim, T* __restrict__ out) {
+    const long long row = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+    const float2* const ml = part_ml + row * num_splits;
+    float top = neg_inf();
+    for (int s = 0; s < num_splits; ++s) top = fmaxf(top, ml[s].x);
+    const float shift = top == neg_inf() ? 0.f : top;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.f, total = 0.f;
+        for (int s = 0; s < num_splits; ++s) {
+            const float2 seg = ml[s];
+            if (seg.x == neg_inf()) continue;
+            const float w = exp2f(seg.x - shift);
+            total += w * seg.y;
+            sum += w * part_o[(row * num_splits + s) * head_dim + d];
+        }
+        out[row * head_dim + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
+    }
+}
+
+}  // namespace pagedrt

@@ -1,0 +1,124 @@
+"""Checks the launchers share: which array module, shapes, strides, dtypes, alignment.
+
+Every check raises :class:`LaunchArgumentError` (or UnsupportedConfigError from
+``configs``) before anything is launched or written. Helpers that talk to the
+device import cupy lazily, so the NumPy path works without it.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import LaunchArgumentError
+
+
+def array_module(**arrays):
+    """numpy if every given array is a NumPy array, cupy if every one is a CuPy array (one device)."""
+    kinds = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        top = type(a).__module__.split(".")[0]
+        if top not in ("numpy", "cupy") or not hasattr(a, "dtype"):
+            raise LaunchArgumentError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
+        kinds.setdefault(top, []).append(name)
+    if len(kinds) > 1:
+        raise LaunchArgumentError(
+            f"arrays mix NumPy ({', '.join(kinds['numpy'])}) and CuPy ({', '.join(kinds['cupy'])}): "
+            "pass all of them on the host or all on the device")
+    if "cupy" not in kinds:
+        return np
+    import cupy
+    device = cupy.cuda.Device().id
+    for name, a in arrays.items():
+        if a is not None and a.device.id != device:
+            raise LaunchArgumentError(
+                f"{name} is on device {a.device.id} but the current device is {device}: "
+                "move it, or launch under `with cupy.cuda.Device(...)`")
+    return cupy
+
+
+def check(condition, message):
+    if not condition:
+        raise LaunchArgumentError(message)
+
+
+def c_contiguous(name, a, ndim):
+    check(a.ndim == ndim, f"{name} must be {ndim}-D, got shape {a.shape}")
+    check(a.flags.c_contiguous, f"{name} (shape {a.shape}, strides {a.strides}) must be C-contiguous: "
+                                f"pass {name}.copy() or an array made contiguous")
+
+
+def int_array(name, a, dtype, ndim):
+    check(a.dtype == dtype, f"{name} must be {np.dtype(dtype).name}, got {a.dtype}: convert with "
+                            f"{name}.astype({np.dtype(dtype).name})")
+    check(a.ndim == ndim, f"{name} must be {ndim}-D, got shape {a.shape}")
+
+
+def positive_int(name, value, upper=None):
+    if value is None:
+        return None
+    check(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1,
+          f"{name} must be a positive int, got {value!r}")
+    check(upper is None or value <= upper, f"{name}={value} exceeds its limit {upper}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """A checked K or V plane: [num_blocks, num_kv_heads, block_size, head_dim], blocks block_stride apart."""
+
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    block_stride: int  # elements
+
+    @property
+    def block_elems(self):
+        return self.num_kv_heads * self.block_size * self.head_dim
+
+
+def plane(name, a):
+    """Check a plane's layout (HND blocks, any block stride >= a block, 16-byte multiple) and describe it."""
+    check(a.ndim == 4, f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_dim], got shape {a.shape}")
+    n, h, b, d = (int(x) for x in a.shape)
+    check(min(n, h, b, d) >= 1, f"{name} has an empty dimension: shape {a.shape}")
+    size = a.itemsize
+    inner = (h * b * d * size, b * d * size, d * size, size)
+    check(tuple(a.strides[1:]) == inner[1:],
+          f"{name} must be C-contiguous inside a block (strides [..., {inner[1]}, {inner[2]}, {inner[3]}] "
+          f"bytes), got strides {a.strides}: a plane is [blocks, kv heads, slots, head_dim] with only the "
+          "block stride free")
+    stride = a.strides[0]
+    check(stride >= inner[0] and stride % 16 == 0,
+          f"{name} has block stride {stride} bytes: it must be at least one block ({inner[0]} bytes) "
+          "and a multiple of 16 bytes")
+    return Plane(n, h, b, d, stride // size)
+
+
+def same_plane(name_a, a, pa, name_b, b, pb):
+    check(a.dtype == b.dtype, f"{name_a} is {a.dtype} but {name_b} is {b.dtype}: they must match")
+    check(pa == pb, f"{name_a} {a.shape} (block stride {pa.block_stride}) and {name_b} {b.shape} "
+                    f"(block stride {pb.block_stride}) must have the same shape and block stride")
+
+
+def aligned(name, a):
+    """Device pointers are read in 16-byte vectors."""
+    check(a.data.ptr % 16 == 0, f"{name} starts at {a.data.ptr:#x}, not 16-byte aligned: pass an array "
+                                "whose data starts on a 16-byte boundary (e.g. a fresh copy)")
+
+
+def ptr(a):
+    """A device array's address as a kernel argument (independent of how CuPy treats its dtype)."""
+    return np.uint64(a.data.ptr)
+
+
+NULL = np.uint64(0)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_id):
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]

@@ -1,0 +1,384 @@
+"""Decode attention over a paged KV cache (one query token per sequence), and its twins.
+
+:func:`paged_decode` reads K/V through the block table; :func:`contiguous_decode`
+runs the same kernel source over K/V stored one sequence after another (the
+baseline that shows what paging itself costs). Given NumPy arrays they run the
+float64 twins :func:`paged_decode_reference` / :func:`contiguous_decode_reference`.
+
+Long sequences in small batches are split (split-K): each thread block handles
+one segment of a sequence and writes a partial state (m, l, unnormalised o)
+that a merge kernel combines exactly. :func:`plan_splits` picks the split count.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import source
+from .args import (NULL, aligned, array_module, c_contiguous, check, int_array, multiprocessors, plane,
+                   positive_int, ptr, same_plane)
+from .configs import config, sweep
+from .validate import check_block_tables
+
+FILE = "decode.cu"
+THREADS = 128                   # kDecodeThreads in decode.cu
+STAGES = 4                      # cp.async pipeline depth
+TILE_BYTES = 8192               # bytes of K (and again of V) per pipeline stage
+MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
+MAX_GRID_YZ = 65535             # batch and splits are grid dimensions y and z
+LOG2E = 1.4426950408889634
+
+
+# --- configurations -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Geometry:
+    lanes: int       # lanes sharing one token's dot product (each holds head_dim/lanes dims of q)
+    tile: int        # tokens per pipeline stage
+    stages: int
+    smem_bytes: int  # dynamic shared memory per thread block
+
+
+def _pow2_floor(x):
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def geometry(cfg):
+    """How a thread block of THREADS threads cuts the work of a configuration.
+
+    Lanes per token: the fewer, the fewer shuffles and the less softmax work repeated
+    across lanes, but each lane then holds more dims of q and of the output for every
+    query head; keep those 2 * dims * group floats near 128 registers. A stage holds
+    TILE_BYTES of K (a power-of-two token count, at least one per lane group).
+    """
+    vec = 16 // cfg.itemsize
+    row_vecs = cfg.head_dim // vec
+    lane_vecs = min(4, _pow2_floor(64 // (vec * cfg.group)))
+    lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
+    row = cfg.head_dim * cfg.itemsize
+    tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
+    return Geometry(lanes, tile, STAGES, STAGES * 2 * tile * row)
+
+
+def kernel_names(cfg, paged):
+    """(decode, merge) name expressions of a configuration."""
+    geo = geometry(cfg)
+    decode = (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
+              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}>")
+    return decode, f"pagedrt::merge<{cfg.cuda_type}>"
+
+
+def instances(configs=None, paged=(True, False)):
+    """{file: name expressions} for ``configs`` (default: the representative sweep)."""
+    names = [n for c in (configs or sweep()) for p in paged for n in kernel_names(c, p)]
+    return {FILE: tuple(dict.fromkeys(names))}
+
+
+# --- the split plan ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    num_splits: int
+    segment_tokens: int  # split i covers tokens [i*segment_tokens, (i+1)*segment_tokens); the last, the rest
+
+
+def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, num_splits=None):
+    """Cut sequences into segments for split-K; ``num_splits`` overrides the choice.
+
+    Without a request: ``batch * num_kv_heads`` thread blocks; if they leave some of
+    the device's resident slots (SMs x blocks per SM) empty, split each sequence
+    into as many segments as fill the slots in one wave, but never into segments
+    of fewer than MIN_SEGMENT_BYTES of K+V (per thread block overheads: pipeline
+    fill, final merge). Segments are whole tiles; splits the rounding left empty
+    are dropped. A requested count is kept even if some segments are then empty.
+    """
+    units = batch * num_kv_heads
+    if num_splits is None:
+        by_slots = max(1, slots // units)
+        by_length = max(1, max_seq_len * bytes_per_token // MIN_SEGMENT_BYTES)
+        wanted = min(by_slots, by_length)
+    else:
+        wanted = num_splits
+    segment = -(-max_seq_len // wanted)
+    segment = -(-segment // tile) * tile
+    if num_splits is None:
+        wanted = -(-max_seq_len // segment)
+    return Plan(wanted, segment)
+
+
+# --- device launch ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Kernels:
+    decode: object
+    merge: object
+    geometry: Geometry
+    slots: int  # thread blocks resident at once on the whole device
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(cfg, paged, device_id):
+    from cupy_backends.cuda.api import driver
+    decode_name, merge_name = kernel_names(cfg, paged)
+    fn = source.function(FILE, decode_name)
+    geo = geometry(cfg)
+    fn.max_dynamic_shared_size_bytes = geo.smem_bytes
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, THREADS, geo.smem_bytes)
+    return _Kernels(fn, source.function(FILE, merge_name), geo, max(1, per_sm) * multiprocessors(device_id))
+
+
+@functools.lru_cache(maxsize=8)
+def _workspace(device_id, stream_ptr, rows, num_splits, head_dim):
+    """Split partials, kept per shape and stream: o [rows, splits, head_dim], (m, l) [rows, splits, 2]."""
+    import cupy
+    return (cupy.empty((rows, num_splits, head_dim), np.float32),
+            cupy.empty((rows, num_splits, 2), np.float32))
+
+
+def _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device):
+    """The split plan, from the paged kernel's occupancy (so the contiguous twin runs the same plan)."""
+    kern = _kernels(cfg, True, device)
+    return plan_splits(batch, kv_heads, max_seq_len, kern.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
+                       kern.slots, num_splits)
+
+
+def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, scale, out, cfg, paged,
+            max_seq_len, num_splits):
+    import cupy
+    batch, q_heads, head_dim = q.shape
+    kv_heads = q_heads // cfg.group
+    device = cupy.cuda.Device().id
+    kern = _kernels(cfg, paged, device)
+    plan = _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device)
+    check(plan.num_splits <= MAX_GRID_YZ, f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
+    if plan.num_splits == 1:
+        part_o = part_ml = NULL
+    else:
+        stream = cupy.cuda.get_current_stream().ptr
+        o, ml = _workspace(device, stream, batch * q_heads, plan.num_splits, head_dim)
+        part_o, part_ml = ptr(o), ptr(ml)
+    kern.decode((kv_heads, batch, plan.num_splits), (THREADS,),
+                (ptr(q), k_base, v_base, np.int64(block_stride), *table_args, np.int32(max_blocks),
+                 ptr(seq_lens), np.float32(scale * LOG2E), np.int32(plan.segment_tokens), ptr(out),
+                 part_o, part_ml),
+                shared_mem=kern.geometry.smem_bytes)
+    if plan.num_splits > 1:
+        kern.merge((q_heads, batch), (head_dim,), (part_o, part_ml, np.int32(plan.num_splits),
+                                                   np.int32(head_dim), ptr(out)))
+
+
+# --- public launchers -----------------------------------------------------------------
+
+def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len):
+    """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len)."""
+    batch, q_heads, q_dim = (int(x) for x in q.shape)
+    check(q.dtype == dtype, f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
+    check(q_dim == head_dim, f"q has head_dim {q_dim} but the K/V cache has {head_dim}")
+    check(q_heads % kv_heads == 0, f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
+    cfg = config(dtype, head_dim, block_size, q_heads // kv_heads)
+    check(batch <= MAX_GRID_YZ, f"batch {batch} exceeds {MAX_GRID_YZ}: split the batch")
+    if out is not None:
+        c_contiguous("out", out, 3)
+        check(out.shape == q.shape and out.dtype == q.dtype,
+              f"out must be {q.dtype} of q's shape {q.shape}, got {out.dtype} {out.shape}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    check(math.isfinite(scale), f"scale must be finite, got {scale}")
+    positive_int("num_splits", num_splits, MAX_GRID_YZ)
+    max_seq_len = positive_int("max_seq_len", max_seq_len, capacity) or capacity
+    return cfg, scale, max_seq_len
+
+
+def _lens(seq_lens, batch):
+    int_array("seq_lens", seq_lens, np.int32, 1)
+    check(seq_lens.shape[0] == batch and seq_lens.flags.c_contiguous,
+          f"seq_lens must be contiguous with one length per query row ({batch}), got shape {seq_lens.shape}")
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
+                 max_seq_len=None, block_mask=None, validate=True):
+    """Attention of one query token per sequence over its paged K/V; returns ``out``.
+
+    q: [batch, q_heads, head_dim]; k_cache, v_cache: planes [num_blocks, kv_heads,
+    block_size, head_dim] (any block stride); block_tables: int32 [batch, width]
+    (row stride may exceed width); seq_lens: int32 [batch]. Query head h uses KV head
+    h // (q_heads // kv_heads). ``max_seq_len`` (default width * block_size) sizes
+    the split plan only. ``validate`` checks lengths and every used block id (against
+    ``block_mask`` too, when given) on the device first, at the cost of one small
+    device-to-host read; NumPy inputs are always checked.
+    """
+    xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                      out=out, block_mask=block_mask)
+    c_contiguous("q", q, 3)
+    pk, pv = plane("k_cache", k_cache), plane("v_cache", v_cache)
+    same_plane("k_cache", k_cache, pk, "v_cache", v_cache, pv)
+    int_array("block_tables", block_tables, np.int32, 2)
+    width = int(block_tables.shape[1])
+    check(block_tables.shape[0] == q.shape[0],
+          f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
+    check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
+          f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have contiguous "
+          "columns and rows at least a row apart")
+    cfg, scale, max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size, out,
+                                      scale, num_splits, width * pk.block_size, max_seq_len)
+    _lens(seq_lens, q.shape[0])
+    if block_mask is not None:
+        check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
+              and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
+              f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per block), "
+              f"got {block_mask.dtype} {block_mask.shape}")
+    if xp is np:
+        check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
+        result = paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                        num_splits=num_splits or 1, max_seq_len=max_seq_len)
+        return _store(result, out)
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if a is not None:
+            aligned(name, a)
+    if validate:
+        check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
+    out = xp.empty_like(q) if out is None else out
+    if q.shape[0]:
+        _launch(q, ptr(k_cache), ptr(v_cache), pk.block_stride,
+                (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width, seq_lens, scale, out, cfg,
+                True, max_seq_len, num_splits)
+    return out
+
+
+def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=None, max_seq_len=None,
+                      validate=True):
+    """The same attention over contiguous K/V: k, v [batch, max_blocks, kv_heads, block_size, head_dim].
+
+    Sequence i's token t is k[i, t // block_size, :, t % block_size]: the paged
+    kernel with block id i*max_blocks + t // block_size instead of a table read.
+    ``validate`` checks the lengths on the device first.
+    """
+    xp = array_module(q=q, k=k, v=v, seq_lens=seq_lens, out=out)
+    c_contiguous("q", q, 3)
+    for name, a in (("k", k), ("v", v)):
+        c_contiguous(name, a, 5)
+    check(k.shape == v.shape and k.dtype == v.dtype,
+          f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must have the same shape and dtype")
+    batch, max_blocks, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
+    check(q.shape[0] == batch, f"k holds {batch} sequences but q has {q.shape[0]}")
+    cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, out, scale, num_splits,
+                                      max_blocks * block_size, max_seq_len)
+    _lens(seq_lens, batch)
+    if xp is np:
+        check_block_tables(None, seq_lens, block_size, 0, width=max_blocks)
+        return _store(contiguous_decode_reference(q, k, v, seq_lens, scale), out)
+    for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if a is not None:
+            aligned(name, a)
+    if validate:
+        check_block_tables(None, seq_lens, block_size, 0, width=max_blocks)
+    out = xp.empty_like(q) if out is None else out
+    if batch:
+        _launch(q, ptr(k), ptr(v), kv_heads * block_size * head_dim, (NULL, np.int64(0)), max_blocks,
+                seq_lens, scale, out, cfg, False, max_seq_len, num_splits)
+    return out
+
+
+def split_plan(q, k_cache, block_tables, *, num_splits=None, max_seq_len=None):
+    """The :class:`Plan` :func:`paged_decode` uses for device arrays of these shapes (compiles the kernel)."""
+    import cupy
+    pk = plane("k_cache", k_cache)
+    cfg = config(k_cache.dtype, pk.head_dim, pk.block_size, q.shape[1] // pk.num_kv_heads)
+    capacity = block_tables.shape[1] * pk.block_size
+    return _plan(cfg, q.shape[0], pk.num_kv_heads, max_seq_len or capacity, num_splits, cupy.cuda.Device().id)
+
+
+def _store(result, out):
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
+# --- float64 twins -------------------------------------------------------------------------
+
+def _partial(q, k, v, scale):
+    """Unnormalised attention state of query heads q [kv, group, d] over k, v [kv, n, d] (float64).
+
+    Returns (m [kv, group], l [kv, group], o [kv, group, d]): max score, sum of
+    exp(score - m), sum of exp(score - m) * v. n = 0 gives m = -inf, l = 0, o = 0.
+    """
+    if k.shape[1] == 0:
+        shape = q.shape[:2]
+        return np.full(shape, -np.inf), np.zeros(shape), np.zeros(q.shape)
+    scores = np.einsum("hgd,hnd->hgn", q, k) * scale
+    m = scores.max(axis=2)
+    p = np.exp(scores - m[..., None])
+    return m, p.sum(axis=2), np.einsum("hgn,hnd->hgd", p, v)
+
+
+def merge_partials_reference(m, l, o):
+    """Combine split states along axis 0: m, l [splits, ...], o [splits, ..., d] -> normalised output.
+
+    m* = max m_i; l* = sum l_i exp(m_i - m*); out = sum o_i exp(m_i - m*) / l*.
+    Empty splits (m_i = -inf) get weight 0.
+    """
+    top = m.max(axis=0)
+    with np.errstate(invalid="ignore"):
+        w = np.where(np.isneginf(m), 0.0, np.exp(m - top))
+    total = (w * l).sum(axis=0)
+    return (w[..., None] * o).sum(axis=0) / total[..., None]
+
+
+def _segments(length, num_splits, segment_tokens):
+    """Token ranges of the splits of one sequence, as the kernel cuts them (the last takes the rest)."""
+    out = []
+    for i in range(num_splits):
+        begin = i * segment_tokens
+        end = length if i == num_splits - 1 else min(length, begin + segment_tokens)
+        out.append((begin, max(begin, end)))
+    return out
+
+
+def _attend(q, rows, scale, num_splits, max_seq_len, block_size):
+    """Float64 attention of q [batch, q_heads, d] over per-sequence K/V given by ``rows(i)``."""
+    batch, q_heads, d = q.shape
+    out = np.empty(q.shape, np.float64)
+    plan = plan_splits(batch, 1, max_seq_len, block_size, 1, 1, num_splits)
+    for i in range(batch):
+        k, v = rows(i)  # [kv, len, d] float64
+        qi = q[i].astype(np.float64).reshape(k.shape[0], -1, d)
+        parts = [_partial(qi, k[:, a:b], v[:, a:b], scale)
+                 for a, b in _segments(k.shape[1], plan.num_splits, plan.segment_tokens)]
+        m, l, o = (np.stack(x) for x in zip(*parts))
+        out[i] = merge_partials_reference(m, l, o).reshape(q_heads, d)
+    return out.astype(q.dtype)
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, num_splits=1,
+                           max_seq_len=None):
+    """Float64 twin of :func:`paged_decode` (no checks): gather through the table, softmax, weighted sum.
+
+    With ``num_splits`` > 1 it cuts each sequence by the kernel's rule (here into
+    whole blocks rather than tiles), computes each segment's state and merges
+    them: the twin of split-K, empty segments included.
+    """
+    block_size = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    max_seq_len = max_seq_len or block_tables.shape[1] * block_size
+
+    def rows(i):
+        n = int(seq_lens[i])
+        blocks = block_tables[i, :-(-n // block_size)]
+        return tuple(_tokens(c[blocks], n) for c in (k_cache, v_cache))
+
+    return _attend(q, rows, scale, num_splits, max_seq_len, block_size)
+
+
+def contiguous_decode_reference(q, k, v, seq_lens, scale=None):
+    """Float64 twin of :func:`contiguous_decode`."""
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    return _attend(q, lambda i: (_tokens(k[i], int(seq_lens[i])), _tokens(v[i], int(seq_lens[i]))),
+                   scale, 1, k.shape[1] * k.shape[3], k.shape[3])
+
+
+def _tokens(blocks, n):
+    """[nb, kv, bs, d] blocks -> [kv, n, d] float64, the first n tokens in order."""
+    nb, kv, bs, d = blocks.shape
+    return blocks.astype(np.float64).transpose(1, 0, 2, 3).reshape(kv, nb * bs, d)[:, :n]

@@ -1,0 +1,242 @@
+"""Decode attention on the standard workloads: time, bandwidth against measured ceilings, paging cost.
+
+    python3 tools/bench_decode.py [--cases b8,big,...] [--repeats 100] [--out results.json]
+
+The cases are the standard decode workloads, unchanged: fp16 (and `big` again in
+bf16), 32 query heads, 8 KV heads, head_dim 128, block size 16, one query token
+per sequence, block ids a seeded random permutation of the pool. K and V are two
+plane views of a CUDA Pool. Per case it prints the median time (CUDA events,
+warm-up first), effective bandwidth = (K and V bytes of the valid tokens + q + out)
+/ time, that bandwidth against two ceilings measured in the same run (a
+device-to-device copy, bytes read + written, and a read-only streaming kernel,
+both over 4 GiB), the contiguous twin's time and the paging overhead (paged/twin
+- 1), the split count the plan chose, and what validation costs.
+
+Timing: before the timed calls a spin kernel keeps the GPU busy long enough for
+the host to queue them all, so each call's events measure GPU time, not Python
+launch overhead. validate=True reads a result back to the host before launching,
+so it cannot be queued: it is timed call by call as it runs, and the validation
+cost (validated - unvalidated) includes that round trip.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pagedrt import Pool  # noqa: E402
+from pagedrt.kernels import contiguous_decode, paged_decode, source, split_plan  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+CEILING_BYTES = 4 << 30
+CHUNK = 64 << 20
+CASES = {  # name: (dtype, batch, lengths)
+    "long-1": ("float16", 1, [32768]),
+    "b8": ("float16", 8, [8192] * 8),
+    "b32": ("float16", 32, [4096] * 32),
+    "b64": ("float16", 64, [2048] * 64),
+    "b128": ("float16", 128, [1024] * 128),
+    "b256": ("float16", 256, [512] * 256),
+    "big": ("float16", 64, [8192] * 64),
+    "var": ("float16", 64, np.random.default_rng(0).integers(1, 8193, 64).tolist()),
+    "big-bf16": ("bfloat16", 64, [8192] * 64),
+}
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def random_bits(cp, shape, dtype):
+    """Random normal values of dtype as uint16 bits (bfloat16: a float32's upper half)."""
+    x = cp.random.standard_normal(shape, dtype=np.float32)
+    if dtype == "bfloat16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype(np.float16).view(np.uint16)
+
+
+class Timer:
+    """Median GPU time of calls, measured with events around each, behind a spin kernel."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.spin = source.function("bench.cu", "pagedrt::spin")
+        self.spin((1,), (1,), (np.int64(1000),))
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        self.spin((1,), (1,), (np.int64(10**7),))
+        end.record()
+        end.synchronize()
+        self.cycles_per_s = 1e7 / (cp.cuda.get_elapsed_time(start, end) * 1e-3)
+
+    def gpu_us(self, fn, repeats, warmup=5):
+        cp = self.cp
+        for _ in range(warmup):
+            fn()
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        host_s = time.perf_counter() - t  # host time to queue `repeats` calls
+        cp.cuda.Device().synchronize()
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
+        spin_s = 2 * host_s + 1e-3
+        self.spin((1,), (1,), (np.int64(spin_s * self.cycles_per_s),))
+        t = time.perf_counter()
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        queued_s = time.perf_counter() - t
+        events[-1][1].synchronize()
+        times = [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in events]
+        if queued_s > spin_s:
+            print(f"  warning: queueing took {queued_s * 1e3:.1f} ms > spin {spin_s * 1e3:.1f} ms; "
+                  "the first calls may include launch gaps")
+        return statistics.median(times)
+
+    def wall_us(self, fn, repeats, warmup=5):
+        """Median event time of calls run one at a time (for calls that synchronise inside)."""
+        cp = self.cp
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+        return statistics.median(times)
+
+
+def ceilings(cp, timer, repeats):
+    """(copy, stream) bandwidth in bytes/s over CEILING_BYTES: copy counts bytes read + written."""
+    src = cp.empty(CEILING_BYTES, np.uint8)
+    dst = cp.empty(CEILING_BYTES, np.uint8)
+    src.fill(1)
+    stream = cp.cuda.get_current_stream().ptr
+    copy_us = timer.gpu_us(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, CEILING_BYTES,
+                                                                 cp.cuda.runtime.memcpyDeviceToDevice, stream),
+                           repeats)
+    read = source.function("bench.cu", "pagedrt::stream_read")
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    sink = cp.zeros(1, np.uint32)
+    read_us = timer.gpu_us(lambda: read((sms * 8,), (256,), (src, np.int64(CEILING_BYTES // 16),
+                                                             np.uint32(0x9E3779B9), sink)), repeats)
+    return 2 * CEILING_BYTES / (copy_us * 1e-6), CEILING_BYTES / (read_us * 1e-6)
+
+
+def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes):
+    dtype, batch, lens = CASES[name]
+    dt = np_dtype(dtype)
+    lens = np.asarray(lens, np.int32)
+    used = -(-lens // BLOCK)
+    num_blocks, width = int(used.sum()), int(used.max())
+    block_bytes = KV_HEADS * BLOCK * HEAD_DIM * dt.itemsize
+    plane_bytes = num_blocks * block_bytes
+    total = -(-2 * plane_bytes // CHUNK) * CHUNK
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    table = np.full((batch, width), -1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(used)[:-1]])
+    for i, (s, n) in enumerate(zip(starts, used)):
+        table[i, :n] = perm[s:s + n]
+    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    with Pool(total, CHUNK, backend="cuda") as pool:
+        pool.grow(total // CHUNK)
+        bits = [pool.view(i * plane_bytes, shape, np.uint16) for i in range(2)]
+        for plane in bits:
+            for lo in range(0, num_blocks, 4096):
+                plane[lo:lo + 4096] = random_bits(cp, plane[lo:lo + 4096].shape, dtype)
+        k, v = (pool.view(i * plane_bytes, shape, dt) for i in range(2))
+        q = random_bits(cp, (batch, Q_HEADS, HEAD_DIM), dtype).view(dt)
+        out, twin_out = cp.empty_like(q), cp.empty_like(q)
+        d_table, d_lens = cp.asarray(table), cp.asarray(lens)
+        gather = cp.asarray(np.maximum(table, 0))
+        k_twin, v_twin = (b[gather].view(dt) for b in bits)  # [batch, width, kv, block, dim]
+        plan = split_plan(q, k, d_table)
+
+        paged = lambda: paged_decode(q, k, v, d_table, d_lens, out=out, validate=False)  # noqa: E731
+        checked = lambda: paged_decode(q, k, v, d_table, d_lens, out=out)  # noqa: E731
+        twin = lambda: contiguous_decode(q, k_twin, v_twin, d_lens, out=twin_out, validate=False)  # noqa: E731
+        paged_us = timer.gpu_us(paged, repeats)
+        twin_us = timer.gpu_us(twin, repeats)
+        checked_us = timer.wall_us(checked, repeats)
+        unchecked_us = timer.wall_us(paged, repeats)
+        a, b = (cp.asnumpy(x.view(np.uint16)).view(dt).astype(np.float64) for x in (out, twin_out))
+        agree = float(np.abs(a - b).max()) if np.isfinite(a).all() else float("nan")
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * dt.itemsize * 2
+    moved = kv_bytes + 2 * batch * Q_HEADS * HEAD_DIM * dt.itemsize
+    bw = moved / (paged_us * 1e-6)
+    return {
+        "case": name, "dtype": dtype, "batch": batch, "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20,
+        "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / copy_bw, "pct_stream": 100 * bw / stream_bw,
+        "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
+        "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
+        "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
+        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes,
+    }
+
+
+def table(rows, copy_bw, stream_bw):
+    head = (f"{'case':<9} {'dtype':<8} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%strm':>6} {'twin us':>8} "
+            f"{'paging':>7} {'splits':>6} {'valid us':>8}  note")
+    lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s",
+             head, "-" * len(head)]
+    for r in rows:
+        note = "fits in L2: measures the cache" if r["fits_l2"] else ""
+        if not r["paged_vs_twin_max_abs_diff"] < 1e-2:
+            note += f" paged and twin disagree ({r['paged_vs_twin_max_abs_diff']})"
+        lines.append(f"{r['case']:<9} {r['dtype']:<8} {r['us']:8.1f} {r['tb_s']:6.2f} {r['pct_copy']:6.1f} "
+                     f"{r['pct_stream']:6.1f} {r['twin_us']:8.1f} {r['paging_overhead_pct']:+6.1f}% "
+                     f"{r['num_splits']:6d} {r['validate_us']:8.1f}  {note}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--repeats", type=int, default=100, help="timed calls per measurement (>= 50)")
+    ap.add_argument("--out", help="also write the results and the table here as JSON")
+    args = ap.parse_args()
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown or args.repeats < 50:
+        ap.error(f"unknown cases {unknown}" if unknown else "--repeats must be at least 50")
+    import cupy as cp
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    timer = Timer(cp)
+    copy_bw, stream_bw = ceilings(cp, timer, max(10, args.repeats // 10))
+    cp.get_default_memory_pool().free_all_blocks()
+    print(f"{props['name'].decode()}: {props['multiProcessorCount']} SMs, L2 {props['l2CacheSize'] >> 20} MiB; "
+          f"copy ceiling {copy_bw / 1e12:.2f} TB/s, stream ceiling {stream_bw / 1e12:.2f} TB/s")
+    rows = []
+    for name in names:
+        row = run_case(cp, timer, name, args.repeats, copy_bw, stream_bw, props["l2CacheSize"])
+        rows.append(row)
+        cp.get_default_memory_pool().free_all_blocks()
+        print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s ({row['pct_copy']:.1f}% of copy, "
+              f"{row['pct_stream']:.1f}% of stream), twin {row['twin_us']:.1f} us "
+              f"(paging {row['paging_overhead_pct']:+.1f}%), {row['num_splits']} splits, "
+              f"validation +{row['validate_us']:.1f} us" + ("  [fits in L2]" if row["fits_l2"] else ""))
+    text = table(rows, copy_bw, stream_bw)
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "device": props["name"].decode(), "copy_bytes_per_s": copy_bw, "stream_bytes_per_s": stream_bw,
+            "repeats": args.repeats, "cases": rows, "table": text}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
