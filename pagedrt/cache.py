@@ -101,6 +101,12 @@ class Layout:
         return 2 * self.num_layers if self.placement == "plane" else 1
 
     @property
+    def chunk_step(self):
+        """Chunk sizes must be multiples of this: whole pages, and whole blocks of one plane."""
+        unit = self.plane_block_bytes if self.placement == "plane" else self.block_bytes
+        return math.lcm(self.page_bytes, unit)
+
+    @property
     def plane_block_bytes(self):
         """One block of one layer's K (or V)."""
         return self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
@@ -200,7 +206,8 @@ class PagedKVCache:
 
     Give the capacity as ``max_tokens`` or ``max_bytes`` (KV bytes); the pool reserves
     that much address space and maps chunks only as sequences need blocks.
-    ``max_seqs`` and ``max_seq_len`` size the dense block table.
+    ``max_seqs`` and ``max_seq_len`` size the dense block table. ``backend`` is a name
+    or a backend made by :func:`pagedrt.memory.select_backend`.
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
@@ -218,7 +225,7 @@ class PagedKVCache:
         token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize
         max_blocks = (ceil_div(max_tokens, block_size) if max_bytes is None
                       else max(max_bytes // (token_bytes * block_size), 1))
-        backend = select_backend(backend)
+        backend = select_backend(backend) if isinstance(backend, str) else backend
         self.layout = Layout.plan(num_layers, num_kv_heads, head_dim, block_size, dtype, placement,
                                   backend.page_bytes, max_blocks, chunk_bytes)
         if max_seq_len is None:

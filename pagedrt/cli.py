@@ -167,8 +167,9 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     ok = figures["max_error"] <= figures["tolerance"]
     verdict = style("ok" if ok else "TOO LARGE", fg="green" if ok else "red", bold=True)
     echo([
-        f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished, "
-        f"{figures['tokens']} decode tokens; {figures['sequences']} sequences hold {figures['tokens']} tokens now",
+        f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished "
+        f"({figures['chunks_released']} chunks handed back), {figures['decode_tokens']} decode tokens; "
+        f"{figures['sequences']} sequences hold {figures['tokens']} tokens now",
         f"memory     tokens hold {size(figures['token_bytes'])} of {size(figures['mapped_bytes'])} mapped "
         f"({figures['utilisation_of_mapped']:.1%}) and of {size(figures['held_bytes'])} in held blocks "
         f"({figures['utilisation_of_held']:.1%})",

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import kernels
-from .cache import PagedKVCache
+from .cache import Layout, PagedKVCache
+from .memory import select_backend
 
 PRESETS = {  # name: (layers, query heads, kv heads, head_dim)
     "llama2-7b": (32, 32, 32, 128),
@@ -20,6 +21,7 @@ PRESETS = {  # name: (layers, query heads, kv heads, head_dim)
     "tiny": (2, 4, 2, 64),
 }
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+DEMO_CHUNKS = 16
 
 
 @dataclass
@@ -44,7 +46,8 @@ class DemoResult:
     cache: PagedKVCache
     checks: int = 0
     max_error: float = 0.0
-    events: dict = field(default_factory=lambda: {"arrived": 0, "forked": 0, "finished": 0, "tokens": 0})
+    events: dict = field(default_factory=lambda: {"arrived": 0, "forked": 0, "finished": 0, "decode_tokens": 0,
+                                                  "chunks_released": 0})
     peak: dict = field(default_factory=lambda: {"mapped_bytes": 0, "token_bytes": 0, "contiguous_bytes": 0})
 
     @property
@@ -181,15 +184,21 @@ def _host64(a):
 def run_demo(config, progress=None):
     """Run the workload; ``progress(n)`` is called after each step. Returns a DemoResult (cache open)."""
     c = config
+    backend = select_backend(c.backend)
+    shape = (c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, c.placement, backend.page_bytes)
+    plane_bytes = Layout.plan(*shape, -(-c.max_tokens // c.block_size)).pool_bytes // (
+        2 * c.layers if c.placement == "plane" else 1)
+    step = Layout.plan(*shape, 1).chunk_step
+    chunk = step * max(1, plane_bytes // (DEMO_CHUNKS * step))  # about DEMO_CHUNKS chunks: growth to watch
     cache = PagedKVCache(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, max_tokens=c.max_tokens,
                          max_seqs=c.max_seqs, max_seq_len=c.max_prompt + 4 * c.steps + 16,
-                         placement=c.placement, backend=c.backend)
+                         placement=c.placement, chunk_bytes=chunk, backend=backend)
     result = DemoResult(cache)
     work = _Workload(c, cache)
     for _ in range(c.steps):
         result.events["arrived"] += work.arrive()
         result.events["forked"] += work.fork()
-        result.events["tokens"] += work.decode()
+        result.events["decode_tokens"] += work.decode()
         errors = work.check()
         if errors:
             result.checks += len(errors)
@@ -199,7 +208,10 @@ def run_demo(config, progress=None):
         for key, value in (("mapped_bytes", stats["mapped_bytes"]), ("token_bytes", stats["token_bytes"]),
                            ("contiguous_bytes", contiguous)):
             result.peak[key] = max(result.peak[key], value)
-        result.events["finished"] += work.finish()
+        finished = work.finish()
+        if finished:
+            result.events["finished"] += finished
+            result.events["chunks_released"] += len(cache.trim())
         if progress:
             progress(1)
     return result

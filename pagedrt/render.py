@@ -62,11 +62,11 @@ def block_tables(snap, limit=8, per_line=12, style=plain):
     """Sequence, length, and logical -> block id for up to ``limit`` sequences."""
     seqs = snap["sequences"]
     lines = [f"block tables ({min(limit, len(seqs))} of {len(seqs)} sequences; block size "
-             f"{snap['layout']['block_size']})", f"{'seq':>4} {'len':>6}  logical:block id"]
+             f"{snap['layout']['block_size']})", f"{'seq':>5} {'len':>5}  logical:block id"]
     for entry in seqs[:limit]:
         pairs = [f"{i}:{b}" for i, b in enumerate(entry["blocks"])]
         shown = " ".join(pairs[:per_line]) + (f" ... ({len(pairs)} blocks)" if len(pairs) > per_line else "")
-        lines.append(f"{entry['seq']:>3}{seq_symbol(entry['seq'], style)} {entry['length']:>6}  {shown}")
+        lines.append(f"{entry['seq']:>3} {seq_symbol(entry['seq'], style)} {entry['length']:>5}  {shown}")
     return lines
 
 
@@ -135,6 +135,8 @@ def chain_lines(snap, tr, style=plain):
     bold = lambda text: style(str(text), bold=True)
     plane = lay.plane_offset(tr.layer, tr.kind)
     inner = tr.pool_offset - plane - tr.block_id * lay.block_stride_bytes
+    where = (f" (chunk {tr.chunk % lay.chunks_per_plane} of plane {tr.chunk // lay.chunks_per_plane})"
+             if lay.planes > 1 else "")
     return [
         f"token    sequence {tr.seq}, position {tr.pos}, layer {tr.layer}, {tr.kind.upper()}, kv head {tr.kv_head}",
         f"block    logical block {bold(tr.logical_block)} = {tr.pos} // {lay.block_size}, "
@@ -144,7 +146,7 @@ def chain_lines(snap, tr, style=plain):
         f"pool     offset {bold(tr.pool_offset)} = plane {plane} + {tr.block_id} x {lay.block_stride_bytes} "
         f"(block stride) + {inner} (head, slot)",
         f"address  virtual address {bold(hex(tr.virtual_address))} = base {snap['pool']['base']:#x} + offset",
-        f"MMU      chunk {bold(tr.chunk)}, offset {tr.chunk_offset} in it, page {bold(tr.page)} of "
+        f"MMU      pool chunk {bold(tr.chunk)}{where}, offset {tr.chunk_offset} in it, page {bold(tr.page)} of "
         f"{size(lay.page_bytes)}   (hardware layer: the GPU MMU maps it)",
         f"HBM      {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in chunk {tr.chunk}'s physical memory",
     ]
