@@ -200,21 +200,22 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     }
     auto copy_exists = [&](int c) { return S::kEvenCopies || c * NT + tid < TILE * NV; };
 
-    // K source address of each copy of a tile (nullptr past the end). The table is read
-    // here, one tile before the copies are issued, so its latency hides behind a tile
-    // of math. FULL: the whole tile exists (every tile but the last).
-    const char* src[COPIES];
+    // Block id of each copy of a tile (-1 past the end). The table is read here, one
+    // tile before the copies are issued, and the ids are used only then: a load's
+    // latency stalls a warp at the first use of its result, so the address arithmetic
+    // must not follow the load directly, or every tile would wait for the table.
+    // FULL: the whole tile exists (every tile but the last).
+    long long ids[COPIES];
     auto fetch = [&](int tile, auto full) {
         constexpr bool FULL = decltype(full)::value;
         const int first = begin + tile * TILE;
-        const int* const ids = table_row + first / BLOCK_SIZE;
+        const int* const row = table_row + first / BLOCK_SIZE;
 #pragma unroll
         for (int c = 0; c < COPIES; ++c) {
-            src[c] = nullptr;
+            ids[c] = -1;
             if (copy_exists(c) && (FULL || first + row_of[c] < end)) {
-                const long long id = PAGED ? (long long)__ldg(ids + block_of[c])
-                                           : (long long)seq * max_blocks + first / BLOCK_SIZE + block_of[c];
-                src[c] = k_bytes + id * stride_bytes + src_off[c];
+                ids[c] = PAGED ? (long long)__ldg(row + block_of[c])
+                               : (long long)seq * max_blocks + first / BLOCK_SIZE + block_of[c];
             }
         }
     };
@@ -228,8 +229,9 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         for (int c = 0; c < COPIES; ++c) {
             if (copy_exists(c)) {
                 const unsigned dst = stage + (row_of[c] * HEAD_DIM + (c * NT + tid) % NV * V) * sizeof(T);
-                const bool live = FULL || src[c] != nullptr;  // else zero-fill, reading nothing
-                const char* const from = live ? src[c] + slot_bytes : reinterpret_cast<const char*>(q);
+                const bool live = FULL || ids[c] >= 0;  // else zero-fill, reading nothing
+                const char* const from = live ? k_bytes + ids[c] * stride_bytes + src_off[c] + slot_bytes
+                                              : reinterpret_cast<const char*>(q);
                 cp_async16_shared(dst, from, live ? 16 : 0);
                 cp_async16_shared(dst + V_SMEM, live ? from + v_minus_k : from, live ? 16 : 0);
             }

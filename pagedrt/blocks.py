@@ -16,6 +16,7 @@ All per-step work is vectorised NumPy: no per-token Python loops.
 
 import numpy as np
 
+from . import source
 from .errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
                      TooManySequencesError, UnknownSequenceError)
 
@@ -186,12 +187,12 @@ class BlockTables:
         self._mark = np.zeros(max_seqs, np.int64)  # scratch for the duplicate check
         self._live_cache = None                    # np.flatnonzero(live), until add or free
         self._free_rows = list(range(max_seqs - 1, -1, -1))
-        xp = allocator.pool.xp
-        if xp is np:  # host backend: the kernels' twins read the host arrays themselves
+        if allocator.pool.xp is np:  # host backend: the kernels' twins read the host arrays themselves
+            self._device = None
             self.device_table, self.device_lens = self.table, self.lens
         else:
-            self.device_table = xp.asarray(self.table)
-            self.device_lens = xp.asarray(self.lens)
+            self._device = _DeviceTables(self.table, self.lens)
+            self.device_table, self.device_lens = self._device.table, self._device.lens
         self._stale_entries = []   # (rows, cols) of table entries the device has not seen
         self._stale_lens = []      # rows whose length the device has not seen
 
@@ -379,26 +380,64 @@ class BlockTables:
     # --- the device copy ----------------------------------------------------------------
 
     def sync_device(self):
-        """Copy the table entries and lengths changed since the last call to the device."""
-        if self.device_table is self.table:
-            self._stale_entries.clear()
-            self._stale_lens.clear()
+        """Bring the device table and lengths up to date: one host-to-device copy, one launch."""
+        entries, lens = self._stale_entries, self._stale_lens
+        if self._device is None or not (entries or lens):
+            entries.clear()
+            lens.clear()
             return
-        xp = self.allocator.pool.xp
-        if self._stale_entries:
-            rows = np.concatenate([r for r, _ in self._stale_entries])
-            cols = np.concatenate([c for _, c in self._stale_entries])
-            self._stale_entries.clear()
-            if rows.size:
-                flat = rows * self.max_blocks_per_seq + cols
-                packed = np.stack([flat, self.table.ravel()[flat].astype(np.int64)])
-                packed = xp.asarray(packed)  # one host->device copy
-                self.device_table.ravel()[packed[0]] = packed[1].astype(np.int32)
-        if self._stale_lens:
-            rows = np.unique(np.concatenate(self._stale_lens))
-            self._stale_lens.clear()
-            packed = xp.asarray(np.stack([rows, self.lens[rows].astype(np.int64)]))
-            self.device_lens[packed[0]] = packed[1].astype(np.int32)
+        flat = (np.concatenate([r * self.max_blocks_per_seq + c for r, c in entries]) if entries
+                else _NO_ROWS)
+        rows = np.concatenate(lens) if lens else _NO_ROWS
+        entries.clear()
+        lens.clear()
+        self._device.apply(flat, self.table.ravel()[flat], rows, self.lens[rows])
+
+
+class _DeviceTables:
+    """Device copies of the block table and lengths, updated from the host's change log.
+
+    The changes travel as (index, value) pairs through a pinned staging buffer (two,
+    used in turn, so the host never overwrites one a copy may still read) in one
+    asynchronous copy, and one small kernel (cuda_src/tables.cu) applies them.
+    """
+
+    def __init__(self, table, lens):
+        import cupy
+        self.cupy = cupy
+        self.table, self.lens = cupy.asarray(table), cupy.asarray(lens)
+        self._kernel = source.function("tables.cu", "pagedrt::apply_table_updates")
+        self._capacity = 0
+        self._turn = 0
+
+    def _reserve(self, pairs):
+        if pairs <= self._capacity:
+            return
+        import cupyx
+        cupy = self.cupy
+        cupy.cuda.get_current_stream().synchronize()  # the old buffers may still be read
+        self._capacity = max(pairs, 2 * self._capacity, 1024)
+        self._staging = [cupyx.empty_pinned(2 * self._capacity, np.int64) for _ in range(2)]
+        self._copied = [None, None]
+        self._updates = cupy.empty(2 * self._capacity, np.int64)
+
+    def apply(self, flat, values, rows, lens):
+        cupy = self.cupy
+        n_entries, n_lens = flat.size, rows.size
+        self._reserve(n_entries + n_lens)
+        turn = self._turn = 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        pairs = self._staging[turn][:2 * (n_entries + n_lens)].reshape(-1, 2)
+        pairs[:n_entries, 0], pairs[:n_entries, 1] = flat, values
+        pairs[n_entries:, 0], pairs[n_entries:, 1] = rows, lens
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self._updates.data.ptr, pairs.ctypes.data, pairs.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self._copied[turn] = stream.record()
+        n = n_entries + n_lens
+        self._kernel(((n + 255) // 256,), (256,),
+                     (self.table, self.lens, self._updates, np.int32(n_entries), np.int32(n_lens)))
 
 
 _NO_COPIES = np.empty((0, 2), np.int32)

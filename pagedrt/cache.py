@@ -295,20 +295,26 @@ class PagedKVCache:
         return list(self._planes)
 
     def block_tables(self, seqs=None):
-        """The device block table (int32), all rows or those of ``seqs`` in order."""
+        """The device block table (int32), all rows or those of ``seqs`` in order.
+
+        Consecutive handles give a view of the table (no copy); others a gathered copy.
+        """
         self.tables.sync_device()
-        if seqs is None:
-            return self.tables.device_table
-        rows = self.tables._rows(seqs)
-        return self.tables.device_table[self.xp.asarray(rows)]
+        return self._select(self.tables.device_table, seqs)
 
     def seq_lens(self, seqs=None):
         """The device lengths (int32), all rows or those of ``seqs`` in order."""
         self.tables.sync_device()
+        return self._select(self.tables.device_lens, seqs)
+
+    def _select(self, array, seqs):
         if seqs is None:
-            return self.tables.device_lens
+            return array
         rows = self.tables._rows(seqs)
-        return self.tables.device_lens[self.xp.asarray(rows)]
+        first = int(rows[0]) if rows.size else 0
+        if rows.size and int(rows[-1]) - first + 1 == rows.size and (np.diff(rows) == 1).all():
+            return array[first:first + rows.size]
+        return array[self.xp.asarray(rows)]
 
     def block_mask(self):
         """Per block, on the device: 1 where its chunk is mapped. Kernels validate tables against it."""

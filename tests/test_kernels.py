@@ -11,7 +11,8 @@ from pagedrt import Pool
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import (contiguous_decode, copy_blocks, instances, merge_partials_reference, paged_decode,
                              plan_splits, write_kv)
-from pagedrt.kernels import configs, decode, source
+from pagedrt import source
+from pagedrt.kernels import configs, decode
 from pagedrt.kernels.configs import BASE, Config
 from tests.kernel_cases import Case, naive_attention, np_dtype, rel_error
 
@@ -112,6 +113,16 @@ def test_plan_fills_the_device_without_tiny_segments(case):
     assert plan.num_splits == 1 or plan.segment_tokens * per_token >= decode.MIN_SEGMENT_BYTES
     if batch * 8 < slots // 2:
         assert plan.num_splits > 1
+
+
+def test_plan_splits_a_full_batch_only_when_lengths_are_uneven():
+    slots, tile, per_token = 264, 32, 2 * 128 * 2
+    even = plan_splits(64, 8, 8192, tile, per_token, slots, mean_seq_len=8192)
+    uneven = plan_splits(64, 8, 8192, tile, per_token, slots, mean_seq_len=4100)
+    assert even.num_splits == 1
+    assert uneven.num_splits == 8 and uneven.segment_tokens == 1024  # about a quarter of the mean
+    tiny_mean = plan_splits(64, 8, 8192, tile, per_token, slots, mean_seq_len=100)
+    assert tiny_mean.segment_tokens * per_token >= decode.MIN_SEGMENT_BYTES
 
 
 def test_plan_keeps_a_requested_split_count():

@@ -13,7 +13,8 @@ from pagedrt import Pool
 from pagedrt.errors import BlockTableError, LaunchArgumentError
 from pagedrt.kernels import (contiguous_decode, copy_blocks, copy_blocks_reference, paged_decode,
                              paged_decode_reference, write_kv, write_kv_reference)
-from pagedrt.kernels import configs, copy, decode, source, validate, write
+from pagedrt import source
+from pagedrt.kernels import configs, copy, decode, validate, write
 from pagedrt.kernels.configs import BASE, Config
 from tests.conftest import to_host
 from tests.kernel_cases import Case, np_dtype, rel_error

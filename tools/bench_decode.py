@@ -1,6 +1,7 @@
 """Decode attention on the standard workloads: time, bandwidth against measured ceilings, paging cost.
 
     python3 tools/bench_decode.py [--cases b8,big,...] [--repeats 100] [--out results.json]
+                                  [--chunk-mib 64] [--splits 1,2,4,...]
 
 The cases are the standard decode workloads, unchanged: fp16 (and `big` again in
 bf16), 32 query heads, 8 KV heads, head_dim 128, block size 16, one query token
@@ -17,6 +18,14 @@ the host to queue them all, so each call's events measure GPU time, not Python
 launch overhead. validate=True reads a result back to the host before launching,
 so it cannot be queued: it is timed call by call as it runs, and the validation
 cost (validated - unvalidated) includes that round trip.
+
+``--chunk-mib`` sets the pool's chunk size (the hardware layer: how much memory
+one physical allocation, and so one run of contiguous pages, covers); ``--splits``
+also times the paged kernel with each given split count, to check the plan.
+Experiments only (the standard figures use neither): ``--order sequential`` gives
+each sequence consecutive block ids, to separate the cost of scattered blocks from
+that of reading the table; ``--stages`` and ``--tile-bytes`` override the decode
+pipeline's depth and stage size.
 """
 
 import argparse
@@ -31,11 +40,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedrt import Pool  # noqa: E402
-from pagedrt.kernels import contiguous_decode, paged_decode, source, split_plan  # noqa: E402
+from pagedrt import source  # noqa: E402
+from pagedrt.kernels import contiguous_decode, decode, paged_decode, split_plan  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 CEILING_BYTES = 4 << 30
-CHUNK = 64 << 20
 CASES = {  # name: (dtype, batch, lengths)
     "long-1": ("float16", 1, [32768]),
     "b8": ("float16", 8, [8192] * 8),
@@ -137,7 +146,7 @@ def ceilings(cp, timer, repeats):
     return 2 * CEILING_BYTES / (copy_us * 1e-6), CEILING_BYTES / (read_us * 1e-6)
 
 
-def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes):
+def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, sweep, order):
     dtype, batch, lens = CASES[name]
     dt = np_dtype(dtype)
     lens = np.asarray(lens, np.int32)
@@ -145,16 +154,16 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes):
     num_blocks, width = int(used.sum()), int(used.max())
     block_bytes = KV_HEADS * BLOCK * HEAD_DIM * dt.itemsize
     plane_bytes = num_blocks * block_bytes
-    total = -(-2 * plane_bytes // CHUNK) * CHUNK
+    total = -(-2 * plane_bytes // chunk) * chunk
     rng = np.random.default_rng(1)
-    perm = rng.permutation(num_blocks).astype(np.int32)
+    perm = (rng.permutation(num_blocks) if order == "random" else np.arange(num_blocks)).astype(np.int32)
     table = np.full((batch, width), -1, np.int32)
     starts = np.concatenate([[0], np.cumsum(used)[:-1]])
     for i, (s, n) in enumerate(zip(starts, used)):
         table[i, :n] = perm[s:s + n]
     shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
-    with Pool(total, CHUNK, backend="cuda") as pool:
-        pool.grow(total // CHUNK)
+    with Pool(total, chunk, backend="cuda") as pool:
+        pool.grow(total // chunk)
         bits = [pool.view(i * plane_bytes, shape, np.uint16) for i in range(2)]
         for plane in bits:
             for lo in range(0, num_blocks, 4096):
@@ -165,15 +174,19 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes):
         d_table, d_lens = cp.asarray(table), cp.asarray(lens)
         gather = cp.asarray(np.maximum(table, 0))
         k_twin, v_twin = (b[gather].view(dt) for b in bits)  # [batch, width, kv, block, dim]
-        plan = split_plan(q, k, d_table)
+        hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))  # host-side, as an engine has
+        plan = split_plan(q, k, d_table, **hints)
 
-        paged = lambda: paged_decode(q, k, v, d_table, d_lens, out=out, validate=False)  # noqa: E731
-        checked = lambda: paged_decode(q, k, v, d_table, d_lens, out=out)  # noqa: E731
-        twin = lambda: contiguous_decode(q, k_twin, v_twin, d_lens, out=twin_out, validate=False)  # noqa: E731
+        paged = lambda: paged_decode(q, k, v, d_table, d_lens, out=out, validate=False, **hints)  # noqa: E731
+        checked = lambda: paged_decode(q, k, v, d_table, d_lens, out=out, **hints)  # noqa: E731
+        twin = lambda: contiguous_decode(q, k_twin, v_twin, d_lens, out=twin_out, validate=False,  # noqa: E731
+                                         **hints)
         paged_us = timer.gpu_us(paged, repeats)
         twin_us = timer.gpu_us(twin, repeats)
         checked_us = timer.wall_us(checked, repeats)
         unchecked_us = timer.wall_us(paged, repeats)
+        split_us = {n: timer.gpu_us(lambda: paged_decode(q, k, v, d_table, d_lens, out=out, validate=False,
+                                                           num_splits=n), repeats) for n in sweep}
         a, b = (cp.asnumpy(x.view(np.uint16)).view(dt).astype(np.float64) for x in (out, twin_out))
         agree = float(np.abs(a - b).max()) if np.isfinite(a).all() else float("nan")
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * dt.itemsize * 2
@@ -185,14 +198,17 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes):
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
-        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes,
+        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20, "order": order,
+        "split_sweep_us": split_us,
     }
 
 
 def table(rows, copy_bw, stream_bw):
     head = (f"{'case':<9} {'dtype':<8} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%strm':>6} {'twin us':>8} "
             f"{'paging':>7} {'splits':>6} {'valid us':>8}  note")
-    lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s",
+    lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s; "
+             f"pool chunks of {rows[0]['chunk_mib']} MiB; block order {rows[0]['order']}; "
+             f"stages {decode.STAGES}, tile {decode.TILE_BYTES} B" if rows else "",
              head, "-" * len(head)]
     for r in rows:
         note = "fits in L2: measures the cache" if r["fits_l2"] else ""
@@ -201,6 +217,14 @@ def table(rows, copy_bw, stream_bw):
         lines.append(f"{r['case']:<9} {r['dtype']:<8} {r['us']:8.1f} {r['tb_s']:6.2f} {r['pct_copy']:6.1f} "
                      f"{r['pct_stream']:6.1f} {r['twin_us']:8.1f} {r['paging_overhead_pct']:+6.1f}% "
                      f"{r['num_splits']:6d} {r['validate_us']:8.1f}  {note}")
+    sweeps = [r for r in rows if r["split_sweep_us"]]
+    if sweeps:
+        counts = list(sweeps[0]["split_sweep_us"])
+        lines += ["", "paged kernel time (us) by forced split count; * = the plan's choice",
+                  f"{'case':<9} " + " ".join(f"{n:>8}" for n in counts)]
+        for r in sweeps:
+            cells = [f"{t:7.1f}" + ("*" if n == r["num_splits"] else " ") for n, t in r["split_sweep_us"].items()]
+            lines.append(f"{r['case']:<9} " + " ".join(f"{c:>8}" for c in cells))
     return "\n".join(lines)
 
 
@@ -209,7 +233,15 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--repeats", type=int, default=100, help="timed calls per measurement (>= 50)")
     ap.add_argument("--out", help="also write the results and the table here as JSON")
+    ap.add_argument("--chunk-mib", type=int, default=64, help="the pool's chunk size (a multiple of 2)")
+    ap.add_argument("--splits", default="", help="comma-separated split counts to time as well")
+    ap.add_argument("--order", choices=("random", "sequential"), default="random",
+                    help="block ids: a random permutation (standard) or consecutive per sequence")
+    ap.add_argument("--stages", type=int, default=decode.STAGES, help="decode pipeline depth")
+    ap.add_argument("--tile-bytes", type=int, default=decode.TILE_BYTES, help="K bytes per pipeline stage")
     args = ap.parse_args()
+    decode.STAGES, decode.TILE_BYTES = args.stages, args.tile_bytes
+    sweep = [int(n) for n in args.splits.split(",") if n]
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown or args.repeats < 50:
@@ -223,7 +255,8 @@ def main():
           f"copy ceiling {copy_bw / 1e12:.2f} TB/s, stream ceiling {stream_bw / 1e12:.2f} TB/s")
     rows = []
     for name in names:
-        row = run_case(cp, timer, name, args.repeats, copy_bw, stream_bw, props["l2CacheSize"])
+        row = run_case(cp, timer, name, args.repeats, copy_bw, stream_bw, props["l2CacheSize"],
+                       args.chunk_mib << 20, sweep, args.order)
         rows.append(row)
         cp.get_default_memory_pool().free_all_blocks()
         print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s ({row['pct_copy']:.1f}% of copy, "

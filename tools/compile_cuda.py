@@ -3,7 +3,7 @@
     python3 tools/compile_cuda.py --arch sm_90
 
 A .cu file is compiled as the launchers hand it to NVRTC (local includes inlined,
-``pagedrt.kernels.source.text``) together with every template instance the
+``pagedrt.source.text``) together with every template instance the
 launchers name for the representative configurations (``pagedrt.kernels.instances()``),
 so template code is really compiled. Instances are spread over several translation
 units compiled in parallel. Headers are compiled on their own. Prints registers,
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pagedrt.kernels import instances  # noqa: E402
-from pagedrt.kernels.source import CUDA_SRC, text  # noqa: E402
+from pagedrt.source import CUDA_SRC, text  # noqa: E402
 
 PER_UNIT = 12  # instances per translation unit
 NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with NVRTC (it adds -ftz=true)

@@ -23,7 +23,8 @@ from pagedrt.errors import BlockTableError  # noqa: E402
 from pagedrt.kernels import (contiguous_decode, contiguous_decode_reference, copy_blocks,  # noqa: E402
                              copy_blocks_reference, paged_decode, paged_decode_reference, write_kv,
                              write_kv_reference)
-from pagedrt.kernels import configs, copy, decode, source, validate, write  # noqa: E402
+from pagedrt import source  # noqa: E402
+from pagedrt.kernels import configs, copy, decode, validate, write  # noqa: E402
 
 KV_HEADS, GROUP, BLOCK, DIM = 2, 4, 16, 128
 LENS = [1, 17, 100]

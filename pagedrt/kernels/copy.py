@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import source
+from .. import source
 from .args import aligned, array_module, check, multiprocessors, plane
 from ..errors import BlockTableError
 

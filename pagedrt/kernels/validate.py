@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from . import source
+from .. import source
 from .args import NULL, ptr
 from ..errors import BlockTableError
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import source
+from .. import source
 from .args import aligned, array_module, c_contiguous, check, int_array, multiprocessors, plane, ptr, same_plane
 from .configs import config, sweep
 from .validate import check_slots
