@@ -29,6 +29,7 @@
 namespace pagedrt {
 
 constexpr int kDecodeThreads = 128;
+constexpr int kIdsWindow = 256;  // block ids staged in shared memory at a time (decode.py: IDS_WINDOW)
 
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
 constexpr int min_int(int a, int b) { return a < b ? a : b; }
@@ -60,6 +61,7 @@ struct DecodeShape {
     static_assert(kTokensPerGroup % kStep == 0, "STEP must divide the tokens per lane group");
     static_assert(STAGES >= 2, "the pipeline needs at least two stages");
     static_assert(kReduceFloats * 4 <= kSmemBytes, "the final merge reuses the pipeline's shared memory");
+    static_assert(kIdsWindow >= (STAGES + 1) * (TILE / 8 + 1), "the staged ids cover the prologue's tiles");
 };
 
 // Rescale the running output only when the running max grows by more than this
@@ -200,22 +202,31 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     }
     auto copy_exists = [&](int c) { return S::kEvenCopies || c * NT + tid < TILE * NV; };
 
-    // Block id of each copy of a tile (-1 past the end). The table is read here, one
-    // tile before the copies are issued, and the ids are used only then: a load's
-    // latency stalls a warp at the first use of its result, so the address arithmetic
-    // must not follow the load directly, or every tile would wait for the table.
-    // FULL: the whole tile exists (every tile but the last).
+    // The table entries of the next kIdsWindow logical blocks, loaded by the whole thread
+    // block with coalesced reads into shared memory (after the pipeline's bytes), so a
+    // tile's ids cost shared-memory reads rather than global loads on every tile.
+    int* const smem_ids = reinterpret_cast<int*>(smem_raw + S::kSmemBytes);
+    int window = 0;  // logical block held in smem_ids[0]
+    auto load_window = [&](int first_block) {
+        for (int b = tid; b < kIdsWindow; b += NT) {
+            const int logical = first_block + b;
+            smem_ids[b] = logical < max_blocks ? __ldg(table_row + logical) : 0;
+        }
+        window = first_block;
+    };
+
+    // Block id of each copy of a tile (-1 past the end), read one tile before the copies
+    // are issued. FULL: the whole tile exists (every tile but the last).
     long long ids[COPIES];
     auto fetch = [&](int tile, auto full) {
         constexpr bool FULL = decltype(full)::value;
         const int first = begin + tile * TILE;
-        const int* const row = table_row + first / BLOCK_SIZE;
 #pragma unroll
         for (int c = 0; c < COPIES; ++c) {
             ids[c] = -1;
             if (copy_exists(c) && (FULL || first + row_of[c] < end)) {
-                ids[c] = PAGED ? (long long)__ldg(row + block_of[c])
-                               : (long long)seq * max_blocks + first / BLOCK_SIZE + block_of[c];
+                const int logical = first / BLOCK_SIZE + block_of[c];
+                ids[c] = PAGED ? (long long)smem_ids[logical - window] : (long long)seq * max_blocks + logical;
             }
         }
     };
@@ -303,6 +314,10 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     };
 
     const int num_tiles = (end - begin + TILE - 1) / TILE;
+    if (PAGED) {
+        load_window(begin / BLOCK_SIZE);
+        __syncthreads();
+    }
     fetch_tile(0);
 #pragma unroll
     for (int p = 0; p < STAGES - 1; ++p) {
@@ -316,6 +331,12 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         const int ahead = tile + STAGES - 1;
         if (ahead < num_tiles) issue_tile(ahead);
         cp_async_commit();
+        // Past the staged ids: every thread is beyond this tile's barrier, so none reads
+        // the old window any more (the ids of tiles in flight are in registers).
+        if (PAGED && ahead + 1 < num_tiles && (begin + (ahead + 2) * TILE - 1) / BLOCK_SIZE >= window + kIdsWindow) {
+            load_window((begin + (ahead + 1) * TILE) / BLOCK_SIZE);
+            __syncthreads();
+        }
         if (ahead + 1 < num_tiles) fetch_tile(ahead + 1);
 
         const T* const sk = smem_k + (tile % STAGES) * S::kTileElems;

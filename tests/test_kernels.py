@@ -355,7 +355,8 @@ def test_geometry_stages_one_tile_of_k_and_v():
         geo = decode.geometry(cfg)
         row = cfg.head_dim * cfg.itemsize
         assert geo.tile & (geo.tile - 1) == 0 and decode.TILE_BYTES // 2 < geo.tile * row <= decode.TILE_BYTES
-        assert geo.smem_bytes == geo.stages * 2 * geo.tile * row <= 227 * 1024
+        assert geo.smem_bytes == geo.stages * 2 * geo.tile * row + 4 * decode.IDS_WINDOW <= 227 * 1024
+    assert f"kIdsWindow = {decode.IDS_WINDOW};" in source.text("decode.cu")
 
 
 def test_source_text_inlines_local_headers_once():

@@ -11,7 +11,9 @@ warm-up first), effective bandwidth = (K and V bytes of the valid tokens + q + o
 / time, that bandwidth against two ceilings measured in the same run (a
 device-to-device copy, bytes read + written, and a read-only streaming kernel,
 both over 4 GiB), the contiguous twin's time and the paging overhead (paged/twin
-- 1), the split count the plan chose, and what validation costs.
+- 1), the split count the plan chose, and what validation costs. The twin's K/V
+live in the same kind of memory as the paged planes (a pool), so the overhead is
+that of the addressing alone.
 
 Timing: before the timed calls a spin kernel keeps the GPU busy long enough for
 the host to queue them all, so each call's events measure GPU time, not Python
@@ -24,11 +26,13 @@ one physical allocation, and so one run of contiguous pages, covers); ``--splits
 also times the paged kernel with each given split count, to check the plan.
 Experiments only (the standard figures use neither): ``--order sequential`` gives
 each sequence consecutive block ids, to separate the cost of scattered blocks from
-that of reading the table; ``--stages`` and ``--tile-bytes`` override the decode
+that of reading the table; ``--memory cudamalloc`` puts the paged planes in plain
+cudaMalloc memory instead of the pool (the twin's memory); ``--stages`` and ``--tile-bytes`` override the decode
 pipeline's depth and stage size.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -146,7 +150,15 @@ def ceilings(cp, timer, repeats):
     return 2 * CEILING_BYTES / (copy_us * 1e-6), CEILING_BYTES / (read_us * 1e-6)
 
 
-def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, sweep, order):
+def twin_bytes(shape):
+    return int(np.prod(shape)) * 2  # uint16 bits
+
+
+def total_twin(shape, chunk):
+    return -(-2 * twin_bytes(shape) // chunk) * chunk
+
+
+def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, sweep, order, memory):
     dtype, batch, lens = CASES[name]
     dt = np_dtype(dtype)
     lens = np.asarray(lens, np.int32)
@@ -162,18 +174,31 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
     for i, (s, n) in enumerate(zip(starts, used)):
         table[i, :n] = perm[s:s + n]
     shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
-    with Pool(total, chunk, backend="cuda") as pool:
-        pool.grow(total // chunk)
-        bits = [pool.view(i * plane_bytes, shape, np.uint16) for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(Pool(total, chunk, backend="cuda"))
+        if memory == "pool":
+            pool.grow(total // chunk)
+            bits = [pool.view(i * plane_bytes, shape, np.uint16) for i in range(2)]
+        else:  # the experiment's control: the same planes in cudaMalloc memory
+            bits = [cp.empty(shape, np.uint16) for _ in range(2)]
         for plane in bits:
             for lo in range(0, num_blocks, 4096):
                 plane[lo:lo + 4096] = random_bits(cp, plane[lo:lo + 4096].shape, dtype)
-        k, v = (pool.view(i * plane_bytes, shape, dt) for i in range(2))
+        k, v = (b.view(dt) for b in bits)
         q = random_bits(cp, (batch, Q_HEADS, HEAD_DIM), dtype).view(dt)
         out, twin_out = cp.empty_like(q), cp.empty_like(q)
         d_table, d_lens = cp.asarray(table), cp.asarray(lens)
         gather = cp.asarray(np.maximum(table, 0))
-        k_twin, v_twin = (b[gather].view(dt) for b in bits)  # [batch, width, kv, block, dim]
+        twin_shape = (batch, width) + shape[1:]  # [batch, width, kv, block, dim]
+        if memory == "pool":  # the twin lives in pool memory too: only the addressing differs
+            twin_pool = stack.enter_context(Pool(total_twin(twin_shape, chunk), chunk, backend="cuda"))
+            twin_pool.grow(twin_pool.num_chunks)
+            twin_bits = [twin_pool.view(i * twin_bytes(twin_shape), twin_shape, np.uint16) for i in range(2)]
+        else:
+            twin_bits = [cp.empty(twin_shape, np.uint16) for _ in range(2)]
+        for src, dst in zip(bits, twin_bits):
+            dst[...] = src[gather]
+        k_twin, v_twin = (b.view(dt) for b in twin_bits)
         hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))  # host-side, as an engine has
         plan = split_plan(q, k, d_table, **hints)
 
@@ -198,7 +223,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
-        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20, "order": order,
+        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order,
         "split_sweep_us": split_us,
     }
 
@@ -237,6 +262,8 @@ def main():
     ap.add_argument("--splits", default="", help="comma-separated split counts to time as well")
     ap.add_argument("--order", choices=("random", "sequential"), default="random",
                     help="block ids: a random permutation (standard) or consecutive per sequence")
+    ap.add_argument("--memory", choices=("pool", "cudamalloc"), default="pool",
+                    help="where the paged planes live: a pagedrt Pool (standard) or plain cudaMalloc memory")
     ap.add_argument("--stages", type=int, default=decode.STAGES, help="decode pipeline depth")
     ap.add_argument("--tile-bytes", type=int, default=decode.TILE_BYTES, help="K bytes per pipeline stage")
     args = ap.parse_args()
@@ -256,7 +283,7 @@ def main():
     rows = []
     for name in names:
         row = run_case(cp, timer, name, args.repeats, copy_bw, stream_bw, props["l2CacheSize"],
-                       args.chunk_mib << 20, sweep, args.order)
+                       args.chunk_mib << 20, sweep, args.order, args.memory)
         rows.append(row)
         cp.get_default_memory_pool().free_all_blocks()
         print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s ({row['pct_copy']:.1f}% of copy, "

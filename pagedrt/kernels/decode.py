@@ -26,6 +26,7 @@ FILE = "decode.cu"
 THREADS = 128                   # kDecodeThreads in decode.cu
 STAGES = 4                      # cp.async pipeline depth
 TILE_BYTES = 8192               # bytes of K (and again of V) per pipeline stage
+IDS_WINDOW = 256                # block ids staged in shared memory (kIdsWindow in decode.cu)
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
 UNEVEN = 1.5                    # longest / mean length above which a full batch is split anyway
 MAX_GRID_YZ = 65535             # batch and splits are grid dimensions y and z
@@ -39,7 +40,7 @@ class Geometry:
     lanes: int       # lanes sharing one token's dot product (each holds head_dim/lanes dims of q)
     tile: int        # tokens per pipeline stage
     stages: int
-    smem_bytes: int  # dynamic shared memory per thread block
+    smem_bytes: int  # dynamic shared memory per thread block: the pipeline's stages, then the staged ids
 
 
 def _pow2_floor(x):
@@ -60,7 +61,7 @@ def geometry(cfg):
     lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
     row = cfg.head_dim * cfg.itemsize
     tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
-    return Geometry(lanes, tile, STAGES, STAGES * 2 * tile * row)
+    return Geometry(lanes, tile, STAGES, STAGES * 2 * tile * row + 4 * IDS_WINDOW)
 
 
 def kernel_names(cfg, paged):
