@@ -62,6 +62,7 @@ struct DecodeShape {
     static_assert(STAGES >= 2, "the pipeline needs at least two stages");
     static_assert(kReduceFloats * 4 <= kSmemBytes, "the final merge reuses the pipeline's shared memory");
     static_assert(kIdsWindow >= (STAGES + 1) * (TILE / 8 + 1), "the staged ids cover the prologue's tiles");
+    static_assert(kIdsWindow % kThreads == 0, "each thread stages the same number of ids");
 };
 
 // Rescale the running output only when the running max grows by more than this
@@ -170,6 +171,16 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         return;
     }
 
+    // The first window of block ids (see load_window) is read before q, so that the two
+    // loads' latencies overlap instead of adding up at every thread block's start.
+    const int* const table_row = block_tables + (PAGED ? seq * table_stride : 0);
+    int first_ids[kIdsWindow / NT];
+#pragma unroll
+    for (int i = 0; i < kIdsWindow / NT; ++i) {
+        const int logical = begin / BLOCK_SIZE + i * NT + tid;
+        first_ids[i] = PAGED && logical < max_blocks ? __ldg(table_row + logical) : 0;
+    }
+
     float qf[GROUP][LV][V];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -186,7 +197,6 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     // compile time when a chunk is a whole number of copy rounds); so is its offset
     // inside the block, except that a tile shorter than a block adds its slot offset.
     constexpr int CHUNK = BLOCK_SIZE * NV;
-    const int* const table_row = block_tables + (PAGED ? seq * table_stride : 0);
     const char* const k_bytes = reinterpret_cast<const char*>(k);
     const long long stride_bytes = block_stride * (long long)sizeof(T);
     const long long v_minus_k = reinterpret_cast<const char*>(v) - k_bytes;  // same offset in the V plane
@@ -208,9 +218,10 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     int* const smem_ids = reinterpret_cast<int*>(smem_raw + S::kSmemBytes);
     int window = 0;  // logical block held in smem_ids[0]
     auto load_window = [&](int first_block) {
-        for (int b = tid; b < kIdsWindow; b += NT) {
-            const int logical = first_block + b;
-            smem_ids[b] = logical < max_blocks ? __ldg(table_row + logical) : 0;
+#pragma unroll
+        for (int i = 0; i < kIdsWindow / NT; ++i) {
+            const int logical = first_block + i * NT + tid;
+            smem_ids[i * NT + tid] = logical < max_blocks ? __ldg(table_row + logical) : 0;
         }
         window = first_block;
     };
@@ -315,7 +326,9 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
     const int num_tiles = (end - begin + TILE - 1) / TILE;
     if (PAGED) {
-        load_window(begin / BLOCK_SIZE);
+#pragma unroll
+        for (int i = 0; i < kIdsWindow / NT; ++i) smem_ids[i * NT + tid] = first_ids[i];
+        window = begin / BLOCK_SIZE;
         __syncthreads();
     }
     fetch_tile(0);
