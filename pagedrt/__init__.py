@@ -6,8 +6,9 @@ Two address translations, in layers (each imports only the ones below it):
 ``cache`` (PagedKVCache, translate) -> ``kernels`` -> ``cli``.
 """
 
+from .cache import PagedKVCache
 from .errors import PagedRTError
 from .memory import ChunkRecord, Pool
 
 __version__ = "0.1.0"
-__all__ = ["ChunkRecord", "PagedRTError", "Pool", "__version__"]
+__all__ = ["ChunkRecord", "PagedKVCache", "PagedRTError", "Pool", "__version__"]

@@ -293,7 +293,7 @@ class BlockTables:
                 grew = need.astype(bool)
                 new_rows, new_cols = rows[grew], old_nb[grew]
             else:
-                new_rows, new_cols = np.repeat(rows, need), np.repeat(old_nb, need) + _ranks(need)
+                new_rows, new_cols = np.repeat(rows, need), np.repeat(old_nb, need) + ranks(need)
             self.table[new_rows, new_cols] = ids[cow_src.size:]
             self._stale_entries.append((new_rows, new_cols))
         if uniform and step == 1:
@@ -301,7 +301,7 @@ class BlockTables:
         else:
             counts = np.broadcast_to(step, rows.shape)
             token_rows = np.repeat(rows, counts)
-            pos = np.repeat(old.astype(np.int64), counts) + _ranks(counts)
+            pos = np.repeat(old.astype(np.int64), counts) + ranks(counts)
             slots = (self.table[token_rows, pos >> shift].astype(np.int64) << shift) | (pos & mask)
         self.lens[rows] = new
         self._stale_lens.append(rows)
@@ -367,7 +367,7 @@ class BlockTables:
         """Free sequences: drop their references to their blocks; their handles may be reused."""
         rows = np.unique(self._rows(seqs))
         nb = ceil_div(self.lens[rows].astype(np.int64), self.block_size)
-        held_rows, held_cols = np.repeat(rows, nb), _ranks(nb)
+        held_rows, held_cols = np.repeat(rows, nb), ranks(nb)
         self.allocator.free(self.table[held_rows, held_cols])
         self.table[held_rows, held_cols] = -1
         self.lens[rows] = 0
@@ -446,7 +446,7 @@ for _empty in (_NO_COPIES, _NO_ROWS):
     _empty.flags.writeable = False
 
 
-def _ranks(counts):
+def ranks(counts):
     """For counts [2, 3] -> [0, 1, 0, 1, 2]: the index of each item within its group."""
     total = int(counts.sum())
     starts = np.cumsum(counts) - counts

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .blocks import BlockAllocator, BlockTables, ceil_div
+from .blocks import BlockAllocator, BlockTables, ranks, ceil_div
 from .errors import SnapshotError, UnknownSequenceError, UnsupportedConfigError
 from .memory import Pool, select_backend
 
@@ -339,12 +339,24 @@ class PagedKVCache:
                          int(seq), pos, layer, kind, head)
 
     def stats(self):
-        """Token and byte counts: what holds tokens against what is mapped."""
-        lay, a = self.layout, self.allocator
-        tokens = int(self.tables.lens.sum())
+        """Token and byte counts: what holds tokens against what is mapped.
+
+        ``tokens`` counts every sequence's tokens; ``stored_tokens`` counts the token
+        slots filled in held blocks, once even when forks share them, and
+        ``token_bytes`` is what those hold.
+        """
+        lay, a, t = self.layout, self.allocator, self.tables
+        rows = t.sequences
+        lens = t.lens[rows].astype(np.int64)
+        nb = ceil_div(lens, lay.block_size)
+        held_rows, cols = np.repeat(rows, nb), ranks(nb)
+        fill = np.minimum(lay.block_size, np.repeat(lens, nb) - cols * lay.block_size)
+        filled = np.zeros(a.max_blocks, np.int64)
+        np.maximum.at(filled, t.table[held_rows, cols], fill)
+        stored = int(filled.sum())
         return {
-            "sequences": int(self.tables.live.sum()), "tokens": tokens,
-            "token_bytes": tokens * lay.bytes_per_token,
+            "sequences": int(rows.size), "tokens": int(lens.sum()), "stored_tokens": stored,
+            "token_bytes": stored * lay.bytes_per_token,
             "held_blocks": a.num_held, "free_blocks": a.num_free, "mapped_blocks": a.num_mapped_blocks,
             "max_blocks": a.max_blocks, "mapped_bytes": self.pool.mapped_bytes,
             "reserved_bytes": self.pool.max_bytes,

@@ -170,9 +170,9 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
         f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished "
         f"({figures['chunks_released']} chunks handed back), {figures['decode_tokens']} decode tokens; "
         f"{figures['sequences']} sequences hold {figures['tokens']} tokens now",
-        f"memory     tokens hold {size(figures['token_bytes'])} of {size(figures['mapped_bytes'])} mapped "
-        f"({figures['utilisation_of_mapped']:.1%}) and of {size(figures['held_bytes'])} in held blocks "
-        f"({figures['utilisation_of_held']:.1%})",
+        f"memory     {figures['stored_tokens']} stored tokens (shared ones once) fill {size(figures['token_bytes'])} "
+        f"of {size(figures['mapped_bytes'])} mapped ({figures['utilisation_of_mapped']:.1%}) and of "
+        f"{size(figures['held_bytes'])} in held blocks ({figures['utilisation_of_held']:.1%})",
         f"contiguous reserving {cache.max_blocks_per_seq * lay['block_size']} tokens per sequence would need "
         f"{size(figures['contiguous_bytes'])} now, {size(figures['peak_contiguous_bytes'])} at the peak "
         f"(paged peak mapped: {size(figures['peak_mapped_bytes'])})",

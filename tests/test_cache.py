@@ -290,6 +290,19 @@ def test_growth_is_lazy_and_trim_gives_chunks_back():
         assert not held & {b for k in released for b in range(4 * k, 4 * k + 4)}
 
 
+def test_stats_count_shared_tokens_once():
+    with small_cache() as cache:
+        parent = cache.add_sequence()
+        cache.append(parent, BS + 3)
+        child = cache.fork(parent)
+        stats = cache.stats()
+        assert stats["tokens"] == 2 * (BS + 3) and stats["stored_tokens"] == BS + 3
+        cache.append(child, 1)  # copy-on-write: the child's tail block is its own now
+        stats = cache.stats()
+        assert stats["stored_tokens"] == BS + 3 + 4 and stats["held_blocks"] == 3
+        assert stats["token_bytes"] == stats["stored_tokens"] * cache.layout.bytes_per_token
+
+
 def test_fork_then_append_copies_only_the_shared_tail():
     with small_cache() as cache:
         parent = cache.add_sequence()

@@ -26,7 +26,8 @@ one physical allocation, and so one run of contiguous pages, covers); ``--splits
 also times the paged kernel with each given split count, to check the plan.
 Experiments only (the standard figures use neither): ``--order sequential`` gives
 each sequence consecutive block ids, to separate the cost of scattered blocks from
-that of reading the table; ``--memory cudamalloc`` puts the paged planes in plain
+that of reading the table; ``--block-size`` changes the block size (the standard
+is 16); ``--memory cudamalloc`` puts the paged planes in plain
 cudaMalloc memory instead of the pool (the twin's memory); ``--stages`` and ``--tile-bytes`` override the decode
 pipeline's depth and stage size.
 """
@@ -47,7 +48,7 @@ from pagedrt import Pool  # noqa: E402
 from pagedrt import source  # noqa: E402
 from pagedrt.kernels import contiguous_decode, decode, paged_decode, split_plan  # noqa: E402
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CEILING_BYTES = 4 << 30
 CASES = {  # name: (dtype, batch, lengths)
     "long-1": ("float16", 1, [32768]),
@@ -158,13 +159,13 @@ def total_twin(shape, chunk):
     return -(-2 * twin_bytes(shape) // chunk) * chunk
 
 
-def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, sweep, order, memory):
+def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, sweep, order, memory, block):
     dtype, batch, lens = CASES[name]
     dt = np_dtype(dtype)
     lens = np.asarray(lens, np.int32)
-    used = -(-lens // BLOCK)
+    used = -(-lens // block)
     num_blocks, width = int(used.sum()), int(used.max())
-    block_bytes = KV_HEADS * BLOCK * HEAD_DIM * dt.itemsize
+    block_bytes = KV_HEADS * block * HEAD_DIM * dt.itemsize
     plane_bytes = num_blocks * block_bytes
     total = -(-2 * plane_bytes // chunk) * chunk
     rng = np.random.default_rng(1)
@@ -173,7 +174,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
     starts = np.concatenate([[0], np.cumsum(used)[:-1]])
     for i, (s, n) in enumerate(zip(starts, used)):
         table[i, :n] = perm[s:s + n]
-    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(Pool(total, chunk, backend="cuda"))
         if memory == "pool":
@@ -223,7 +224,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
-        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order,
+        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
         "split_sweep_us": split_us,
     }
 
@@ -233,7 +234,8 @@ def table(rows, copy_bw, stream_bw):
             f"{'paging':>7} {'splits':>6} {'valid us':>8}  note")
     lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s; "
              f"pool chunks of {rows[0]['chunk_mib']} MiB; block order {rows[0]['order']}; "
-             f"stages {decode.STAGES}, tile {decode.TILE_BYTES} B" if rows else "",
+             f"stages {decode.STAGES}, tile {decode.TILE_BYTES} B; block size {rows[0]['block_size']}"
+             if rows else "",
              head, "-" * len(head)]
     for r in rows:
         note = "fits in L2: measures the cache" if r["fits_l2"] else ""
@@ -262,6 +264,7 @@ def main():
     ap.add_argument("--splits", default="", help="comma-separated split counts to time as well")
     ap.add_argument("--order", choices=("random", "sequential"), default="random",
                     help="block ids: a random permutation (standard) or consecutive per sequence")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the standard cases use 16)")
     ap.add_argument("--memory", choices=("pool", "cudamalloc"), default="pool",
                     help="where the paged planes live: a pagedrt Pool (standard) or plain cudaMalloc memory")
     ap.add_argument("--stages", type=int, default=decode.STAGES, help="decode pipeline depth")
@@ -283,7 +286,7 @@ def main():
     rows = []
     for name in names:
         row = run_case(cp, timer, name, args.repeats, copy_bw, stream_bw, props["l2CacheSize"],
-                       args.chunk_mib << 20, sweep, args.order, args.memory)
+                       args.chunk_mib << 20, sweep, args.order, args.memory, args.block_size)
         rows.append(row)
         cp.get_default_memory_pool().free_all_blocks()
         print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s ({row['pct_copy']:.1f}% of copy, "

@@ -99,7 +99,7 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
     about a quarter of the mean length, so that short and long sequences become
     work units of similar size and no long sequence runs alone at the end (on the
     H200, the ``var`` case ran 21% faster at 8 splits than unsplit, while equal
-    lengths ran fastest unsplit: benchmarks/results/h200-bench_decode_splits.txt).
+    lengths ran fastest unsplit: benchmarks/results/h200-bench_decode_splits-v2.txt).
     Segments are whole tiles; splits the rounding left empty are dropped. A
     requested count is kept even if some segments are then empty.
     """

@@ -1,0 +1,43 @@
+"""Decode time by block size, and the paging overhead per case, from saved bench_decode results.
+
+    python3 tools/block_size_table.py [benchmarks/results]
+
+Reads ``h200-bench_decode.json`` (block 16, the standard run) and
+``h200-bench_decode_block{8,32,64,128}.json`` (``tools/bench_decode.py --block-size B
+--repeats 50 --out ...``), all measured on the H200, and prints the paged kernel's
+time per case and block size, and its overhead against the contiguous twin.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+SIZES = (8, 16, 32, 64, 128)
+
+
+def load(folder):
+    runs = {}
+    for size in SIZES:
+        name = "h200-bench_decode.json" if size == 16 else f"h200-bench_decode_block{size}.json"
+        runs[size] = {c["case"]: c for c in json.loads((folder / name).read_text())["cases"]}
+    return runs
+
+
+def main():
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent /
+                  "benchmarks" / "results")
+    runs = load(folder)
+    cases = list(runs[16])
+    print("paged decode, microseconds (and % of the read-only ceiling of the same run), by block size")
+    print(f"{'case':<9}" + "".join(f"{'B=' + str(s):>16}" for s in SIZES))
+    for case in cases:
+        cells = [f"{runs[s][case]['us']:7.1f} ({runs[s][case]['pct_stream']:4.1f}%)" for s in SIZES]
+        print(f"{case:<9}" + "".join(f"{c:>16}" for c in cells))
+    print("\npaging overhead: paged time / contiguous twin time - 1, by block size")
+    print(f"{'case':<9}" + "".join(f"{'B=' + str(s):>9}" for s in SIZES))
+    for case in cases:
+        print(f"{case:<9}" + "".join(f"{runs[s][case]['paging_overhead_pct']:+8.1f}%" for s in SIZES))
+
+
+if __name__ == "__main__":
+    main()
