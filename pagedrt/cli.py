@@ -7,6 +7,7 @@ never a traceback.
 """
 
 import functools
+import sys
 import json
 import time
 
@@ -139,7 +140,7 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     from .demo import run_demo
     from .render import block_tables, chain_lines, chunk_table, pool_map, size
     config = demo_config(**options)
-    with click.progressbar(length=config.steps, label="demo steps", file=click.get_text_stream("stderr"),
+    with click.progressbar(length=config.steps, label="demo steps", file=sys.stderr,
                            show_pos=True) as bar:
         result = run_demo(config, progress=bar.update)
     with result.cache as cache:
