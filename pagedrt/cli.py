@@ -7,8 +7,8 @@ never a traceback.
 """
 
 import functools
-import sys
 import json
+import sys
 import time
 
 import click
