@@ -261,7 +261,10 @@ def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, 
 @output_options
 @named_errors
 def inspect(path, watch, backend, as_json, no_color):
-    """Show the map of a snapshot file that a running program writes (cache.write_snapshot)."""
+    """Show the map of a snapshot file that a running program writes (cache.write_snapshot).
+
+    A snapshot is read, not a pool made: --backend is accepted, as by every command, and unused.
+    """
     from .cache import load_snapshot
     style = styler(no_color)
     while True:
