@@ -18,7 +18,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -78,21 +78,19 @@ class Layout:
     def plan(cls, num_layers, num_kv_heads, head_dim, block_size, dtype, placement, page_bytes,
              max_blocks, chunk_bytes=None):
         """Choose the chunk size (a whole number of pages and of blocks) and the range's size."""
-        itemsize = resolve_dtype(dtype).itemsize
-        planes = 2 * num_layers if placement == "plane" else 1
-        unit = num_kv_heads * block_size * head_dim * itemsize * (1 if placement == "plane" else 2 * num_layers)
-        step = math.lcm(page_bytes, unit)  # a chunk never splits a block, nor a page
-        # By default 64 MiB a grow step, and never chunks under 16 MiB: memory mapped in
-        # 2 MiB chunks streams 20% slower (docs/ARCHITECTURE.md). Less for a small cache.
-        wanted = chunk_bytes or min(max(64 * MiB // planes, 16 * MiB), max_blocks * unit)
+        dtype = resolve_dtype(dtype)
+        shape = cls(num_layers, num_kv_heads, head_dim, block_size, dtype.name, dtype.itemsize, placement,
+                    page_bytes, 0, 0)
+        step, unit = shape.chunk_step, shape.block_stride_bytes
         if chunk_bytes is not None and (chunk_bytes <= 0 or chunk_bytes % step):
             raise UnsupportedConfigError(
                 f"chunk_bytes={chunk_bytes} must be a positive multiple of {step} bytes (a whole number of "
                 f"{page_bytes}-byte pages and of {unit}-byte blocks)")
+        # By default 64 MiB a grow step, and never chunks under 16 MiB: memory mapped in
+        # 2 MiB chunks streams 20% slower (docs/ARCHITECTURE.md). Less for a small cache.
+        wanted = chunk_bytes or min(max(64 * MiB // shape.planes, 16 * MiB), max_blocks * unit)
         chunk = ceil_div(wanted, step) * step
-        per_chunk = chunk // unit
-        return cls(num_layers, num_kv_heads, head_dim, block_size, resolve_dtype(dtype).name, itemsize,
-                   placement, page_bytes, chunk, ceil_div(max_blocks, per_chunk))
+        return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit))
 
     # --- derived sizes ----------------------------------------------------------------
 
@@ -103,8 +101,7 @@ class Layout:
     @property
     def chunk_step(self):
         """Chunk sizes must be multiples of this: whole pages, and whole blocks of one plane."""
-        unit = self.plane_block_bytes if self.placement == "plane" else self.block_bytes
-        return math.lcm(self.page_bytes, unit)
+        return math.lcm(self.page_bytes, self.block_stride_bytes)
 
     @property
     def plane_block_bytes(self):
@@ -122,12 +119,12 @@ class Layout:
 
     @property
     def block_stride_bytes(self):
-        """Bytes between block b and b + 1 of one plane."""
+        """Bytes between block b and b + 1 of one plane; also what one block takes in one chunk."""
         return self.plane_block_bytes if self.placement == "plane" else self.block_bytes
 
     @property
     def blocks_per_chunk(self):
-        return self.chunk_bytes // (self.plane_block_bytes if self.placement == "plane" else self.block_bytes)
+        return self.chunk_bytes // self.block_stride_bytes
 
     @property
     def max_blocks(self):

@@ -185,10 +185,9 @@ def run_demo(config, progress=None):
     """Run the workload; ``progress(n)`` is called after each step. Returns a DemoResult (cache open)."""
     c = config
     backend = select_backend(c.backend)
-    shape = (c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, c.placement, backend.page_bytes)
-    plane_bytes = Layout.plan(*shape, -(-c.max_tokens // c.block_size)).pool_bytes // (
-        2 * c.layers if c.placement == "plane" else 1)
-    step = Layout.plan(*shape, 1).chunk_step
+    full = Layout.plan(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, c.placement, backend.page_bytes,
+                       -(-c.max_tokens // c.block_size))
+    plane_bytes, step = full.pool_bytes // full.planes, full.chunk_step
     chunk = step * max(1, plane_bytes // (DEMO_CHUNKS * step))  # about DEMO_CHUNKS chunks: growth to watch
     cache = PagedKVCache(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, max_tokens=c.max_tokens,
                          max_seqs=c.max_seqs, max_seq_len=c.max_prompt + 4 * c.steps + 16,

@@ -90,6 +90,23 @@ def current_device():
     return device
 
 
+def allocation_prop(device):
+    """Pinned device memory on ``device``: what every chunk of a CUDA pool is."""
+    d = device.driver
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device.ordinal
+    return prop
+
+
+def page_granularity(device):
+    """The device's minimum mapping granularity in bytes (the page)."""
+    d = device.driver
+    flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return call(d, "cuMemGetAllocationGranularity", allocation_prop(device), flag)
+
+
 def probe():
     """A dict describing the CUDA side of this machine, or why it is unusable (``reason``)."""
     try:
@@ -117,8 +134,8 @@ def probe():
         "memory_total": device.mem_info()[1],
     }
     if vmm:
-        from .memory.vmm import page_granularity
         info["page_bytes"] = page_granularity(device)
+    call(driver, "cuDevicePrimaryCtxRelease", device.handle)  # current_device retained it
     return info
 
 

@@ -8,6 +8,7 @@ written by another process as on a live cache.
 import math
 
 from .cache import Layout, translate
+from .errors import UnknownSequenceError
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 COLOURS = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
@@ -120,7 +121,6 @@ def _cell(block_range, owners, mapped, bpc, style):
 
 def chain(snap, seq, pos, layer=0, kind="k", head=0):
     """The Translation of token ``pos`` of ``seq`` from a snapshot."""
-    from .errors import UnknownSequenceError
     entry = next((e for e in snap["sequences"] if e["seq"] == seq), None)
     if entry is None:
         raise UnknownSequenceError(f"sequence {seq} does not exist in this snapshot: it holds "

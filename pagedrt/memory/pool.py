@@ -13,6 +13,8 @@ calls. Every operation either completes or leaves the pool exactly as it was.
 import weakref
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from .backends import select_backend
 from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, ReservationExceededError,
                       UnknownChunkError, UnmappedRangeError)
@@ -205,7 +207,6 @@ class Pool:
         Arrays must not be used after the pool is closed.
         """
         self._check_open()
-        import numpy as np
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
         strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)

@@ -8,29 +8,13 @@ close frees the range with cuMemAddressFree. Arrays are CuPy arrays over
 """
 
 from .. import driver as drv
-
-
-def _allocation_prop(device):
-    d = device.driver
-    prop = d.CUmemAllocationProp()
-    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device.ordinal
-    return prop
-
-
-def page_granularity(device):
-    """The device's minimum mapping granularity in bytes (the page)."""
-    d = device.driver
-    flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    return drv.call(d, "cuMemGetAllocationGranularity", _allocation_prop(device), flag)
+from ..errors import BackendUnavailableError
 
 
 class CudaBackend:
     name = "cuda"
 
     def __init__(self):
-        from ..errors import BackendUnavailableError
         self.device = drv.current_device()
         if not self.device.attribute("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
             raise BackendUnavailableError(
@@ -40,8 +24,8 @@ class CudaBackend:
         self.reason = f"cuda: device {self.device.ordinal} supports virtual memory management"
         d = self.device.driver
         self._d = d
-        self._prop = _allocation_prop(self.device)
-        self.page_bytes = page_granularity(self.device)
+        self._prop = drv.allocation_prop(self.device)
+        self.page_bytes = drv.page_granularity(self.device)
         access = d.CUmemAccessDesc()
         access.location = self._prop.location
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
