@@ -204,10 +204,11 @@ class BlockTables:
 
     def blocks(self, seq):
         """The block ids of one sequence, in logical order."""
-        row = self._rows(seq)[0]
+        row = self.rows(seq)[0]
         return self.table[row, :ceil_div(int(self.lens[row]), self.block_size)].copy()
 
-    def _rows(self, seqs):
+    def rows(self, seqs):
+        """``seqs`` (one handle or many) as an int64 array, each checked to be a live sequence."""
         rows = np.atleast_1d(np.asarray(seqs))
         if rows.dtype.kind not in "iu":
             raise UnknownSequenceError(f"sequence handles must be ints, got {rows.dtype}")
@@ -245,7 +246,7 @@ class BlockTables:
         if seqs is None:
             rows = self._live_rows()
         else:
-            rows = self._rows(seqs)
+            rows = self.rows(seqs)
             if rows.size > 1:
                 iota = self._iota[:rows.size]
                 self._mark[rows] = iota
@@ -353,7 +354,7 @@ class BlockTables:
 
     def fork(self, seq):
         """A new sequence sharing every block of ``seq`` (parallel sampling, beam search)."""
-        parent = self._rows(seq)[0]
+        parent = self.rows(seq)[0]
         blocks = self.blocks(parent)
         child = self.add()
         self.allocator.share(blocks)
@@ -365,7 +366,7 @@ class BlockTables:
 
     def free(self, seqs):
         """Free sequences: drop their references to their blocks; their handles may be reused."""
-        rows = np.unique(self._rows(seqs))
+        rows = np.unique(self.rows(seqs))
         nb = ceil_div(self.lens[rows].astype(np.int64), self.block_size)
         held_rows, held_cols = np.repeat(rows, nb), ranks(nb)
         self.allocator.free(self.table[held_rows, held_cols])

@@ -271,7 +271,7 @@ class PagedKVCache:
         return self.allocator.trim()
 
     def length(self, seq):
-        return int(self.tables.lens[self.tables._rows(seq)[0]])
+        return int(self.tables.lens[self.tables.rows(seq)[0]])
 
     @property
     def sequences(self):
@@ -307,7 +307,7 @@ class PagedKVCache:
     def _select(self, array, seqs):
         if seqs is None:
             return array
-        rows = self.tables._rows(seqs)
+        rows = self.tables.rows(seqs)
         first = int(rows[0]) if rows.size else 0
         if rows.size and int(rows[-1]) - first + 1 == rows.size and (np.diff(rows) == 1).all():
             return array[first:first + rows.size]
@@ -331,7 +331,7 @@ class PagedKVCache:
 
     def translate(self, seq, pos, layer=0, kind="k", head=0):
         """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page."""
-        row = self.tables._rows(seq)[0]
+        row = self.tables.rows(seq)[0]
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
                          int(seq), pos, layer, kind, head)
 
