@@ -346,13 +346,33 @@ def test_instances_name_every_swept_kernel():
     names = instances()
     for cfg in configs.sweep():
         for paged in (True, False):
-            assert set(decode.kernel_names(cfg, paged)) <= set(names["decode.cu"])
+            for short in (False, True):
+                assert set(decode.kernel_names(cfg, paged, short)) <= set(names["decode.cu"])
     assert "pagedrt::decode<__half, 128, 16, 4, true, 8, 32, 4>" in names["decode.cu"]
+    assert "pagedrt::decode<__half, 128, 16, 4, true, 16, 32, 3>" in names["decode.cu"]  # short sequences
 
 
-def test_geometry_stages_one_tile_of_k_and_v():
+def test_short_segments_get_half_the_lane_budget_and_a_stage_less():
+    long, short = decode.geometry(BASE), decode.geometry(BASE, short=True)
+    assert (long.lanes, long.stages) == (8, 4) and (short.lanes, short.stages) == (16, 3)
+    assert short.tile == long.tile
+
+
+def test_plan_picks_the_short_geometry_for_many_short_segments_only():
+    slots, tile, per_token = 264, 32, 2 * 128 * 2
+    lens = np.random.default_rng(0).integers(1, 8193, 64)
+    short = {name: plan_splits(batch, 8, max_len, tile, per_token, slots,
+                               mean_seq_len=float(lens.mean()) if name == "var" else None).short
+             for name, (batch, max_len) in WORKLOADS.items()}
+    # b128, b256: 1024 and 2048 blocks of 32 and 16 tiles; var: 8 segments of 1024 tokens per sequence
+    assert short == {"long-1": False, "b8": False, "b32": False, "b64": False, "b128": True, "b256": True,
+                     "big": False, "var": True}
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_geometry_stages_one_tile_of_k_and_v(short):
     for cfg in configs.sweep():
-        geo = decode.geometry(cfg)
+        geo = decode.geometry(cfg, short)
         row = cfg.head_dim * cfg.itemsize
         assert geo.tile & (geo.tile - 1) == 0 and decode.TILE_BYTES // 2 < geo.tile * row <= decode.TILE_BYTES
         assert geo.smem_bytes == geo.stages * 2 * geo.tile * row + 4 * decode.IDS_WINDOW <= 227 * 1024
@@ -365,13 +385,14 @@ def test_source_text_inlines_local_headers_once():
     assert code.count("struct Vec16") == 1 and "#include <cuda_fp16.h>" in code
 
 
-def test_every_supported_config_meets_the_kernel_static_asserts():
+@pytest.mark.parametrize("short", [False, True])
+def test_every_supported_config_meets_the_kernel_static_asserts(short):
     """Mirror of DecodeShape's static_asserts for all 600 configurations (the compile check builds a sweep)."""
     for dtype in configs.CUDA_TYPES:
         for h in configs.HEAD_DIMS:
             for g in configs.GROUPS:
                 cfg = Config(dtype, h, 16, g)
-                geo = decode.geometry(cfg)
+                geo = decode.geometry(cfg, short)
                 row_vecs = h * cfg.itemsize // 16
                 lane_groups = decode.THREADS // geo.lanes
                 assert geo.lanes & (geo.lanes - 1) == 0 and geo.lanes <= 32

@@ -74,8 +74,16 @@ def run(dev, case, **kw):
 
 # --- decode ----------------------------------------------------------------------------
 
+@pytest.fixture(params=[True, False], ids=["short", "long"])
+def geometry(request, monkeypatch):
+    """Run the short-segment geometry, or the standard one, whatever the plan (decode.plan_splits)."""
+    monkeypatch.setattr(decode, "SHORT_TILES", 10 ** 9 if request.param else 0)
+    monkeypatch.setattr(decode, "SHORT_WAVES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("cfg", PAGED, ids=str)
-def test_decode_matches_twin_split_or_not(cfg):
+def test_decode_matches_twin_split_or_not(cfg, geometry):
     case = Case(cfg, lengths(cfg.block_size), seed=PAGED.index(cfg))
     dev, ref, tol = OnDevice(case), reference(case), TOLERANCE[cfg.dtype]
     whole = run(dev, case, num_splits=1)
@@ -87,7 +95,7 @@ def test_decode_matches_twin_split_or_not(cfg):
 
 
 @pytest.mark.parametrize("cfg", CONTIGUOUS, ids=str)
-def test_contiguous_twin_agrees_with_paged(cfg):
+def test_contiguous_twin_agrees_with_paged(cfg, geometry):
     import cupy
     case = Case(cfg, lengths(cfg.block_size), seed=7)
     dev, ref, tol = OnDevice(case), reference(case), TOLERANCE[cfg.dtype]

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedrt import Pool  # noqa: E402
 from pagedrt import source  # noqa: E402
 from pagedrt.kernels import contiguous_decode, decode, paged_decode, split_plan  # noqa: E402
+from pagedrt.kernels.configs import config  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CEILING_BYTES = 4 << 30
@@ -202,6 +203,8 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         k_twin, v_twin = (b.view(dt) for b in twin_bits)
         hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))  # host-side, as an engine has
         plan = split_plan(q, k, d_table, **hints)
+        cfg = config(dt, HEAD_DIM, block, Q_HEADS // KV_HEADS)
+        geo = decode.geometry(cfg, plan.short)
 
         paged = lambda: paged_decode(q, k, v, d_table, d_lens, out=out, validate=False, **hints)  # noqa: E731
         checked = lambda: paged_decode(q, k, v, d_table, d_lens, out=out, **hints)  # noqa: E731
@@ -222,6 +225,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         "case": name, "dtype": dtype, "batch": batch, "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20,
         "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / copy_bw, "pct_stream": 100 * bw / stream_bw,
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
+        "lanes": geo.lanes, "stages": geo.stages,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
         "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
@@ -231,10 +235,11 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
 
 def table(rows, copy_bw, stream_bw):
     head = (f"{'case':<9} {'dtype':<8} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%strm':>6} {'twin us':>8} "
-            f"{'paging':>7} {'splits':>6} {'valid us':>8}  note")
+            f"{'paging':>7} {'splits':>6} {'lanes':>5} {'valid us':>8}  note")
     lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s; "
              f"pool chunks of {rows[0]['chunk_mib']} MiB; block order {rows[0]['order']}; "
-             f"stages {decode.STAGES}, tile {decode.TILE_BYTES} B; block size {rows[0]['block_size']}"
+             f"tile {decode.TILE_BYTES} B; lanes x stages per case (the plan's geometry); "
+             f"block size {rows[0]['block_size']}"
              if rows else "",
              head, "-" * len(head)]
     for r in rows:
@@ -243,7 +248,7 @@ def table(rows, copy_bw, stream_bw):
             note += f" paged and twin disagree ({r['paged_vs_twin_max_abs_diff']})"
         lines.append(f"{r['case']:<9} {r['dtype']:<8} {r['us']:8.1f} {r['tb_s']:6.2f} {r['pct_copy']:6.1f} "
                      f"{r['pct_stream']:6.1f} {r['twin_us']:8.1f} {r['paging_overhead_pct']:+6.1f}% "
-                     f"{r['num_splits']:6d} {r['validate_us']:8.1f}  {note}")
+                     f"{r['num_splits']:6d} {r['lanes']:>2}x{r['stages']:<2} {r['validate_us']:8.1f}  {note}")
     sweeps = [r for r in rows if r["split_sweep_us"]]
     if sweeps:
         counts = list(sweeps[0]["split_sweep_us"])

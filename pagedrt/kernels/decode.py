@@ -26,6 +26,11 @@ FILE = "decode.cu"
 THREADS = 128                   # kDecodeThreads in decode.cu
 STAGES = 4                      # cp.async pipeline depth
 TILE_BYTES = 8192               # bytes of K (and again of V) per pipeline stage
+LANE_FLOATS = 64                # floats of q and of the output a lane holds, over the group (see geometry)
+SHORT_TILES = 32                # segments of at most this many tiles run the short-segment geometry,
+SHORT_WAVES = 1                 # when there are more thread blocks than this many waves of the standard one
+SHORT_STAGES = 3                # its pipeline depth
+SHORT_LANE_FLOATS = 32          # its lane budget: half the registers, so more thread blocks per SM
 IDS_WINDOW = 256                # block ids staged in shared memory (kIdsWindow in decode.cu)
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
 UNEVEN = 1.5                    # longest / mean length above which a full batch is split anyway
@@ -47,26 +52,33 @@ def _pow2_floor(x):
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def geometry(cfg):
+def geometry(cfg, short=False):
     """How a thread block of THREADS threads cuts the work of a configuration.
 
     Lanes per token: the fewer, the fewer shuffles and the less softmax work repeated
     across lanes, but each lane then holds more dims of q and of the output for every
-    query head; keep those 2 * dims * group floats near 128 registers. A stage holds
-    TILE_BYTES of K (a power-of-two token count, at least one per lane group).
+    query head: LANE_FLOATS of them (q and output together, about 2 * LANE_FLOATS
+    registers). A stage holds TILE_BYTES of K (a power-of-two token count, at least
+    one per lane group). ``short``: the geometry for short segments, where each
+    thread block's start and end weigh most; half the lane budget and one stage less
+    let twice as many thread blocks share an SM and hide each other's start (on the
+    H200, b256 81.0% -> 85.4% of the stream ceiling; long sequences lose, b32 89.7%
+    -> 84.8%: benchmarks/results/h200-bench_decode-lanes16.txt). The split plan
+    chooses it (:func:`plan_splits`).
     """
     vec = 16 // cfg.itemsize
     row_vecs = cfg.head_dim // vec
-    lane_vecs = min(4, _pow2_floor(64 // (vec * cfg.group)))
+    budget, stages = (SHORT_LANE_FLOATS, SHORT_STAGES) if short else (LANE_FLOATS, STAGES)
+    lane_vecs = min(4, _pow2_floor(budget // (vec * cfg.group)))
     lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
     row = cfg.head_dim * cfg.itemsize
     tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
-    return Geometry(lanes, tile, STAGES, STAGES * 2 * tile * row + 4 * IDS_WINDOW)
+    return Geometry(lanes, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW)
 
 
-def kernel_names(cfg, paged):
-    """(decode, merge) name expressions of a configuration."""
-    geo = geometry(cfg)
+def kernel_names(cfg, paged, short=False):
+    """(decode, merge) name expressions of a configuration (in the short-segment geometry if ``short``)."""
+    geo = geometry(cfg, short)
     decode = (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
               f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}>")
     return decode, f"pagedrt::merge<{cfg.cuda_type}>"
@@ -74,7 +86,8 @@ def kernel_names(cfg, paged):
 
 def instances(configs=None, paged=(True, False)):
     """{file: name expressions} for ``configs`` (default: the representative sweep)."""
-    names = [n for c in (configs or sweep()) for p in paged for n in kernel_names(c, p)]
+    names = [n for c in (configs or sweep()) for p in paged for short in (False, True)
+             for n in kernel_names(c, p, short)]
     return {FILE: tuple(dict.fromkeys(names))}
 
 
@@ -84,6 +97,7 @@ def instances(configs=None, paged=(True, False)):
 class Plan:
     num_splits: int
     segment_tokens: int  # split i covers tokens [i*segment_tokens, (i+1)*segment_tokens); the last, the rest
+    short: bool = False  # run the short-segment geometry (geometry(cfg, short=True))
 
 
 def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, num_splits=None,
@@ -101,7 +115,12 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
     H200, the ``var`` case ran 21% faster at 8 splits than unsplit, while equal
     lengths ran fastest unsplit: benchmarks/results/h200-bench_decode_splits-v2.txt).
     Segments are whole tiles; splits the rounding left empty are dropped. A
-    requested count is kept even if some segments are then empty.
+    requested count is kept even if some segments are then empty. ``slots`` and
+    ``tile`` are the standard geometry's; the plan then picks the short-segment
+    geometry when segments are at most SHORT_TILES tiles and the thread blocks
+    outnumber SHORT_WAVES waves: many short blocks, whose starts the extra resident
+    blocks hide (one wave of short segments, as long-1 split 32 ways, runs faster
+    in the standard geometry).
     """
     units = batch * num_kv_heads
     min_tokens = max(1, MIN_SEGMENT_BYTES // bytes_per_token)
@@ -117,7 +136,7 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
     segment = -(-segment // tile) * tile
     if num_splits is None:
         wanted = -(-max_seq_len // segment)
-    return Plan(wanted, segment)
+    return Plan(wanted, segment, segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * slots)
 
 
 # --- device launch ------------------------------------------------------------------
@@ -131,11 +150,11 @@ class _Kernels:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(cfg, paged, device_id):
+def _kernels(cfg, paged, short, device_id):
     from cupy_backends.cuda.api import driver
-    decode_name, merge_name = kernel_names(cfg, paged)
+    decode_name, merge_name = kernel_names(cfg, paged, short)
     fn = source.function(FILE, decode_name)
-    geo = geometry(cfg)
+    geo = geometry(cfg, short)
     fn.max_dynamic_shared_size_bytes = geo.smem_bytes
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, THREADS, geo.smem_bytes)
     return _Kernels(fn, source.function(FILE, merge_name), geo, max(1, per_sm) * multiprocessors(device_id))
@@ -150,8 +169,8 @@ def _workspace(device_id, stream_ptr, rows, num_splits, head_dim):
 
 
 def _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len=None):
-    """The split plan, from the paged kernel's occupancy (so the contiguous twin runs the same plan)."""
-    kern = _kernels(cfg, True, device)
+    """The split plan, from the standard paged kernel's occupancy (so the contiguous twin runs the same plan)."""
+    kern = _kernels(cfg, True, False, device)
     return plan_splits(batch, kv_heads, max_seq_len, kern.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
                        kern.slots, num_splits, mean_seq_len)
 
@@ -162,8 +181,8 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
     batch, q_heads, head_dim = q.shape
     kv_heads = q_heads // cfg.group
     device = cupy.cuda.Device().id
-    kern = _kernels(cfg, paged, device)
     plan = _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len)
+    kern = _kernels(cfg, paged, plan.short, device)
     check(plan.num_splits <= MAX_GRID_YZ, f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
     if plan.num_splits == 1:
         part_o = part_ml = NULL
@@ -217,9 +236,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out
     (row stride may exceed width); seq_lens: int32 [batch]. Query head h uses KV head
     h // (q_heads // kv_heads). ``max_seq_len`` (default width * block_size) and
     ``mean_seq_len`` (host-side figures of the lengths, if the caller has them, as
-    the cache does) size the split plan only. ``validate`` checks lengths and every used block id (against
-    ``block_mask`` too, when given) on the device first, at the cost of one small
-    device-to-host read; NumPy inputs are always checked.
+    the cache does) size the split plan (and so the geometry) only.
+    ``validate`` checks lengths and every used block id (against ``block_mask`` too,
+    when given) on the device first, at the cost of one small device-to-host read;
+    NumPy inputs are always checked.
     """
     xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
                       out=out, block_mask=block_mask)
