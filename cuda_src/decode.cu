@@ -16,8 +16,11 @@
 // (exp2f). Each lane group keeps a running max m, sum l and fp32 output per
 // query head; the output is rescaled only when m grows by more than 2^8 (one
 // warp vote per STEP tokens), which after the first tokens is rare. At the end
-// the lane groups are merged through shared memory. dot_scores/accumulate are
-// the part a tensor-core version replaces.
+// the lane groups are merged through shared memory.
+//
+// MMA (fp16/bf16, LANES = 32: a lane group is a warp): consume_mma does the math
+// of a tile on tensor cores instead of dot_scores/accumulate, over a shared-memory
+// layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared.
 //
 // PAGED=false is the contiguous twin: block id = seq * max_blocks + logical
 // block, no table read; the rest of the code is shared.
@@ -29,6 +32,7 @@
 namespace pagedrt {
 
 constexpr int kDecodeThreads = 128;
+constexpr int WARPS_PER_BLOCK = kDecodeThreads / 32;
 constexpr int kIdsWindow = 256;  // block ids staged in shared memory at a time (decode.py: IDS_WINDOW)
 
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
@@ -132,6 +136,73 @@ __device__ __forceinline__ void accumulate(const T* tile, int first, int lane, c
     }
 }
 
+// One staged tile on tensor cores: warp w takes tokens [16w, 16w + 16). S = q K^T by
+// m16n8k16 (rows: query heads, padded to 16; two n-tiles of 8 tokens), the online softmax on
+// the quad of lanes that holds a row (query head lane/4, tokens 2*(lane%4) + {0, 1} of each
+// n-tile), then o += P V with P taken from S's registers (the C layout of two n-tiles is the
+// A layout of one k-step). Rows are HEAD_DIM elements; 16-byte chunk x of row r is stored at
+// x ^ (r % 8). sk, sv: shared-space addresses of the tile's K and V; live: tokens that exist.
+template <typename T, int HEAD_DIM, bool MASK>
+__device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, int warp, int lane,
+                                            const unsigned (&qa)[HEAD_DIM / 16][2], float (&o)[HEAD_DIM / 8][4],
+                                            float& m_row, float& l_row) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    constexpr unsigned ROW_BYTES = HEAD_DIM * sizeof(T);
+    const int first = warp * 16, quad_col = lane % 4;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+        // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, dims +8 for odd i
+        const int tok = first + (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            unsigned b[4];
+            ldmatrix_x4(b, sk + tok * ROW_BYTES + (((2 * kk + upper) ^ (tok % 8)) << 4));
+            mma_16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
+            mma_16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+        }
+    }
+    float top = neg_inf();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (MASK && first + 8 * j + 2 * quad_col + e >= live) sc[j][e] = neg_inf();
+            top = fmaxf(top, sc[j][e]);
+        }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+    if (__any_sync(0xffffffffu, top > m_row + kRescaleLog2)) {  // rare after the first tokens
+        const bool up = top > m_row + kRescaleLog2;
+        const float alpha = up ? exp2f(m_row - top) : 1.f;  // m = -inf: 0
+        m_row = up ? top : m_row;
+        l_row *= alpha;
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) {
+            o[j][0] *= alpha;
+            o[j][1] *= alpha;
+        }
+    }
+    const float shift = m_row == neg_inf() ? 0.f : m_row;
+    float p[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            p[j][e] = exp2f(sc[j][e] - shift);
+            l_row += p[j][e];
+        }
+    const unsigned p0 = pack2<T>(p[0][0], p[0][1]), p1 = pack2<T>(p[1][0], p[1][1]);
+    // ldmatrix.x4.trans: matrix i covers tokens +8 for odd i, the next chunk of dims for i >= 2
+    const int tok = first + (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; c += 2) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, sv + tok * ROW_BYTES + (((c + next) ^ (tok % 8)) << 4));
+        mma_16816<T>(o[c], p0, 0u, p1, 0u, b[0], b[1]);
+        mma_16816<T>(o[c + 1], p0, 0u, p1, 0u, b[2], b[3]);
+    }
+}
+
 // q, out:       [batch, num_kv_heads * GROUP, HEAD_DIM], contiguous
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at b*block_stride + (h*BLOCK_SIZE + s)*HEAD_DIM + d
 // block_tables: [batch, >= max_blocks] int32 with row stride table_stride (unused when !PAGED)
@@ -141,7 +212,7 @@ __device__ __forceinline__ void accumulate(const T* tile, int first, int lane, c
 //               segment_tokens is a multiple of TILE
 // part_o, part_ml: nullptr (write out) or the split workspace
 //               [batch*q_heads, num_splits, HEAD_DIM] floats and [batch*q_heads, num_splits] (m, l)
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int LANES, int TILE, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int LANES, int TILE, int STAGES, bool MMA>
 __global__ void __launch_bounds__(kDecodeThreads)
 decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
@@ -182,13 +253,30 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     }
 
     float qf[GROUP][LV][V];
+    // MMA: q as the A operand of m16n8k16, rows = query heads (padded to 16 with zeros, and
+    // rows 8-15 never hold one: GROUP <= 8), pre-scaled; qa[kk] = a0, a2 of k-step kk.
+    const int warp = tid / 32, quad_row = (tid % 32) / 4, quad_col = tid % 4;
+    unsigned qa[MMA ? HEAD_DIM / 16 : 1][2];
+    if constexpr (MMA) {
+        const T* const row = q + (head_row + quad_row) * HEAD_DIM;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        load_row<T, NV, LANES, LV>(q + (head_row + g) * HEAD_DIM, lane, qf[g]);
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
 #pragma unroll
-        for (int j = 0; j < LV; ++j)
+            for (int h = 0; h < 2; ++h) {
+                const int d = 16 * kk + 8 * h + 2 * quad_col;
+                qa[kk][h] = quad_row < GROUP
+                                ? pack2<T>(to_float(row[d]) * scale_log2, to_float(row[d + 1]) * scale_log2) : 0u;
+            }
+        }
+    } else {
 #pragma unroll
-            for (int e = 0; e < V; ++e) qf[g][j][e] *= scale_log2;
+        for (int g = 0; g < GROUP; ++g) {
+            load_row<T, NV, LANES, LV>(q + (head_row + g) * HEAD_DIM, lane, qf[g]);
+#pragma unroll
+            for (int j = 0; j < LV; ++j)
+#pragma unroll
+                for (int e = 0; e < V; ++e) qf[g][j][e] *= scale_log2;
+        }
     }
 
     // Copy c of a tile moves vector i = c*NT + tid: token row i / NV, vector i % NV.
@@ -250,7 +338,9 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 #pragma unroll
         for (int c = 0; c < COPIES; ++c) {
             if (copy_exists(c)) {
-                const unsigned dst = stage + (row_of[c] * HEAD_DIM + (c * NT + tid) % NV * V) * sizeof(T);
+                // MMA: 16-byte chunk x of row r is stored at x ^ (r % 8), so ldmatrix's 8 rows hit 8 banks
+                const int vec = (c * NT + tid) % NV, chunk = MMA ? vec ^ (row_of[c] % 8) : vec;
+                const unsigned dst = stage + (row_of[c] * HEAD_DIM + chunk * V) * sizeof(T);
                 const bool live = FULL || ids[c] >= 0;  // else zero-fill, reading nothing
                 const char* const from = live ? k_bytes + ids[c] * stride_bytes + src_off[c] + slot_bytes
                                               : reinterpret_cast<const char*>(q);
@@ -324,6 +414,12 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         accumulate<T, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sv, first, lane, s, acc);
     };
 
+    // MMA: the state of row quad_row (its quad of lanes): output o (C fragments, 8 dims per
+    // n-tile), running max and this lane's part of the sum (see consume_mma).
+    float o[MMA ? NV : 1][4], m_row = neg_inf(), l_row = 0.f;
+#pragma unroll
+    for (int j = 0; j < (MMA ? NV : 1); ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+
     const int num_tiles = (end - begin + TILE - 1) / TILE;
     if (PAGED) {
 #pragma unroll
@@ -352,17 +448,24 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         }
         if (ahead + 1 < num_tiles) fetch_tile(ahead + 1);
 
-        const T* const sk = smem_k + (tile % STAGES) * S::kTileElems;
-        const T* const sv = smem_v + (tile % STAGES) * S::kTileElems;
         const int live = end - (begin + tile * TILE);  // tokens of this tile that exist
-        if (is_full(tile)) {
-#pragma unroll
-            for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
-                consume(sk, sv, lane_group + u0 * LG, live, integral_constant<bool, false>());
+        if constexpr (MMA) {
+            const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(T);
+            const int wl = tid % 32;
+            if (is_full(tile)) consume_mma<T, HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+            else consume_mma<T, HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
         } else {
+            const T* const sk = smem_k + (tile % STAGES) * S::kTileElems;
+            const T* const sv = smem_v + (tile % STAGES) * S::kTileElems;
+            if (is_full(tile)) {
 #pragma unroll
-            for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
-                consume(sk, sv, lane_group + u0 * LG, live, integral_constant<bool, true>());
+                for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
+                    consume(sk, sv, lane_group + u0 * LG, live, integral_constant<bool, false>());
+            } else {
+#pragma unroll
+                for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
+                    consume(sk, sv, lane_group + u0 * LG, live, integral_constant<bool, true>());
+            }
         }
     }
 
@@ -372,24 +475,44 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [LG][GROUP][HEAD_DIM]
     float* const red_m = red_acc + LG * GROUP * HEAD_DIM;        // [LG][GROUP]
     float* const red_l = red_m + LG * GROUP;                     // [LG][GROUP]
-    if (lane == 0) {
+    if constexpr (MMA) {  // a lane group is a warp; row quad_row's state is on its quad
+        static_assert(LG == WARPS_PER_BLOCK, "MMA: the merged lane groups are the warps (LANES = 32)");
+        l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
+        l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+        if (quad_col == 0 && quad_row < GROUP) red_m[warp * GROUP + quad_row] = m_row;
+        __syncthreads();
+        if (quad_row < GROUP) {
+            float top = neg_inf();
+            for (int x = 0; x < LG; ++x) top = fmaxf(top, red_m[x * GROUP + quad_row]);
+            const float f = exp2f(m_row - (top == neg_inf() ? 0.f : top));
+            if (quad_col == 0) red_l[warp * GROUP + quad_row] = l_row * f;
+            float* const dst = red_acc + (warp * GROUP + quad_row) * HEAD_DIM + 2 * quad_col;
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) red_m[lane_group * GROUP + g] = m[g];
-    }
-    __syncthreads();
+            for (int j = 0; j < NV; ++j) {
+                dst[8 * j] = o[j][0] * f;
+                dst[8 * j + 1] = o[j][1] * f;
+            }
+        }
+    } else {
+        if (lane == 0) {
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        float top = neg_inf();
-        for (int x = 0; x < LG; ++x) top = fmaxf(top, red_m[x * GROUP + g]);
-        const float f = exp2f(m[g] - (top == neg_inf() ? 0.f : top));
-        if (lane == 0) red_l[lane_group * GROUP + g] = l[g] * f;
-        float* const dst = red_acc + (lane_group * GROUP + g) * HEAD_DIM;
+            for (int g = 0; g < GROUP; ++g) red_m[lane_group * GROUP + g] = m[g];
+        }
+        __syncthreads();
 #pragma unroll
-        for (int j = 0; j < LV; ++j) {
-            const int vec = lane + j * LANES;
-            if (LANES * (j + 1) <= NV || vec < NV) {
+        for (int g = 0; g < GROUP; ++g) {
+            float top = neg_inf();
+            for (int x = 0; x < LG; ++x) top = fmaxf(top, red_m[x * GROUP + g]);
+            const float f = exp2f(m[g] - (top == neg_inf() ? 0.f : top));
+            if (lane == 0) red_l[lane_group * GROUP + g] = l[g] * f;
+            float* const dst = red_acc + (lane_group * GROUP + g) * HEAD_DIM;
 #pragma unroll
-                for (int e = 0; e < V; ++e) dst[vec * V + e] = acc[g][j][e] * f;
+            for (int j = 0; j < LV; ++j) {
+                const int vec = lane + j * LANES;
+                if (LANES * (j + 1) <= NV || vec < NV) {
+#pragma unroll
+                    for (int e = 0; e < V; ++e) dst[vec * V + e] = acc[g][j][e] * f;
+                }
             }
         }
     }

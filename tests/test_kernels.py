@@ -348,14 +348,24 @@ def test_instances_name_every_swept_kernel():
         for paged in (True, False):
             for short in (False, True):
                 assert set(decode.kernel_names(cfg, paged, short)) <= set(names["decode.cu"])
-    assert "pagedrt::decode<__half, 128, 16, 4, true, 8, 32, 4>" in names["decode.cu"]
-    assert "pagedrt::decode<__half, 128, 16, 4, true, 16, 32, 3>" in names["decode.cu"]  # short sequences
+    assert "pagedrt::decode<__half, 128, 16, 4, true, 32, 64, 3, true>" in names["decode.cu"]  # tensor cores
+    assert "pagedrt::decode<__half, 80, 16, 4, true, 8, 32, 4, false>" in names["decode.cu"]
+    assert "pagedrt::decode<__half, 80, 16, 4, true, 16, 32, 3, false>" in names["decode.cu"]  # short segments
 
 
 def test_short_segments_get_half_the_lane_budget_and_a_stage_less():
-    long, short = decode.geometry(BASE), decode.geometry(BASE, short=True)
+    cfg = Config("float16", 80, 16, 4)
+    long, short = decode.geometry(cfg), decode.geometry(cfg, short=True)
     assert (long.lanes, long.stages) == (8, 4) and (short.lanes, short.stages) == (16, 3)
-    assert short.tile == long.tile
+    assert short.tile == long.tile and not long.mma
+
+
+def test_tensor_cores_for_half_precision_head_dims_64_and_128():
+    for cfg in configs.sweep():
+        geo = decode.geometry(cfg)
+        assert geo.mma == (cfg.dtype != "float32" and cfg.head_dim in (64, 128))
+        if geo.mma:  # a warp per 16 tokens; one geometry whatever the segments
+            assert (geo.lanes, geo.tile) == (32, 64) and geo == decode.geometry(cfg, short=True)
 
 
 def test_plan_picks_the_short_geometry_for_many_short_segments_only():
@@ -374,7 +384,8 @@ def test_geometry_stages_one_tile_of_k_and_v(short):
     for cfg in configs.sweep():
         geo = decode.geometry(cfg, short)
         row = cfg.head_dim * cfg.itemsize
-        assert geo.tile & (geo.tile - 1) == 0 and decode.TILE_BYTES // 2 < geo.tile * row <= decode.TILE_BYTES
+        tile_bytes = decode.MMA_TILE * row if geo.mma else decode.TILE_BYTES
+        assert geo.tile & (geo.tile - 1) == 0 and tile_bytes // 2 < geo.tile * row <= tile_bytes
         assert geo.smem_bytes == geo.stages * 2 * geo.tile * row + 4 * decode.IDS_WINDOW <= 227 * 1024
     assert f"kIdsWindow = {decode.IDS_WINDOW};" in source.text("decode.cu")
 

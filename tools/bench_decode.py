@@ -225,7 +225,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         "case": name, "dtype": dtype, "batch": batch, "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20,
         "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / copy_bw, "pct_stream": 100 * bw / stream_bw,
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
-        "lanes": geo.lanes, "stages": geo.stages,
+        "lanes": geo.lanes, "stages": geo.stages, "tensor_cores": geo.mma,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
         "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
@@ -238,7 +238,7 @@ def table(rows, copy_bw, stream_bw):
             f"{'paging':>7} {'splits':>6} {'lanes':>5} {'valid us':>8}  note")
     lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s; "
              f"pool chunks of {rows[0]['chunk_mib']} MiB; block order {rows[0]['order']}; "
-             f"tile {decode.TILE_BYTES} B; lanes x stages per case (the plan's geometry); "
+             f"geometry per case: lanes x stages, or mmaS (tensor cores, S stages); "
              f"block size {rows[0]['block_size']}"
              if rows else "",
              head, "-" * len(head)]
@@ -246,9 +246,10 @@ def table(rows, copy_bw, stream_bw):
         note = "fits in L2: measures the cache" if r["fits_l2"] else ""
         if not r["paged_vs_twin_max_abs_diff"] < 1e-2:
             note += f" paged and twin disagree ({r['paged_vs_twin_max_abs_diff']})"
+        geo = f"mma{r['stages']}" if r["tensor_cores"] else f"{r['lanes']}x{r['stages']}"
         lines.append(f"{r['case']:<9} {r['dtype']:<8} {r['us']:8.1f} {r['tb_s']:6.2f} {r['pct_copy']:6.1f} "
                      f"{r['pct_stream']:6.1f} {r['twin_us']:8.1f} {r['paging_overhead_pct']:+6.1f}% "
-                     f"{r['num_splits']:6d} {r['lanes']:>2}x{r['stages']:<2} {r['validate_us']:8.1f}  {note}")
+                     f"{r['num_splits']:6d} {geo:>5} {r['validate_us']:8.1f}  {note}")
     sweeps = [r for r in rows if r["split_sweep_us"]]
     if sweeps:
         counts = list(sweeps[0]["split_sweep_us"])

@@ -31,6 +31,8 @@ SHORT_TILES = 32                # segments of at most this many tiles run the sh
 SHORT_WAVES = 1                 # when there are more thread blocks than this many waves of the standard one
 SHORT_STAGES = 3                # its pipeline depth
 SHORT_LANE_FLOATS = 32          # its lane budget: half the registers, so more thread blocks per SM
+MMA_HEAD_DIMS = (64, 128)       # fp16/bf16 head dims run on tensor cores (a row is 8 or 16 16-byte chunks)
+MMA_TILE, MMA_STAGES = 64, 3    # 16 tokens per warp per tile
 IDS_WINDOW = 256                # block ids staged in shared memory (kIdsWindow in decode.cu)
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
 UNEVEN = 1.5                    # longest / mean length above which a full batch is split anyway
@@ -46,6 +48,7 @@ class Geometry:
     tile: int        # tokens per pipeline stage
     stages: int
     smem_bytes: int  # dynamic shared memory per thread block: the pipeline's stages, then the staged ids
+    mma: bool = False  # scores and weighted sums on tensor cores (mma.m16n8k16), a warp per 16 tokens
 
 
 def _pow2_floor(x):
@@ -66,12 +69,14 @@ def geometry(cfg, short=False):
     -> 84.8%: benchmarks/results/h200-bench_decode-lanes16.txt). The split plan
     chooses it (:func:`plan_splits`).
     """
+    row = cfg.head_dim * cfg.itemsize
+    if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
+        return Geometry(32, MMA_TILE, MMA_STAGES, MMA_STAGES * 2 * MMA_TILE * row + 4 * IDS_WINDOW, True)
     vec = 16 // cfg.itemsize
     row_vecs = cfg.head_dim // vec
     budget, stages = (SHORT_LANE_FLOATS, SHORT_STAGES) if short else (LANE_FLOATS, STAGES)
     lane_vecs = min(4, _pow2_floor(budget // (vec * cfg.group)))
     lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
-    row = cfg.head_dim * cfg.itemsize
     tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
     return Geometry(lanes, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW)
 
@@ -80,7 +85,7 @@ def kernel_names(cfg, paged, short=False):
     """(decode, merge) name expressions of a configuration (in the short-segment geometry if ``short``)."""
     geo = geometry(cfg, short)
     decode = (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
-              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}>")
+              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}, {'true' if geo.mma else 'false'}>")
     return decode, f"pagedrt::merge<{cfg.cuda_type}>"
 
 
