@@ -68,6 +68,11 @@ def geometry(cfg, short=False):
     H200, b256 81.0% -> 85.4% of the stream ceiling; long sequences lose, b32 89.7%
     -> 84.8%: benchmarks/results/h200-bench_decode-lanes16.txt). The split plan
     chooses it (:func:`plan_splits`).
+
+    fp16/bf16 at head_dim 64 or 128 run on tensor cores instead, in one geometry
+    (``short`` changes nothing): a warp per 16 tokens of a 64-token tile, 3 stages
+    (a tensor-core short geometry with 3 blocks per SM measured slower:
+    benchmarks/NOTES.md, v7).
     """
     row = cfg.head_dim * cfg.itemsize
     if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
@@ -85,7 +90,8 @@ def kernel_names(cfg, paged, short=False):
     """(decode, merge) name expressions of a configuration (in the short-segment geometry if ``short``)."""
     geo = geometry(cfg, short)
     decode = (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
-              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}, {'true' if geo.mma else 'false'}>")
+              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}, "
+              f"{'true' if geo.mma else 'false'}>")
     return decode, f"pagedrt::merge<{cfg.cuda_type}>"
 
 
