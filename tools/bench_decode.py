@@ -48,6 +48,7 @@ from pagedrt import Pool  # noqa: E402
 from pagedrt import source  # noqa: E402
 from pagedrt.kernels import contiguous_decode, decode, paged_decode, split_plan  # noqa: E402
 from pagedrt.kernels.configs import config  # noqa: E402
+from timing import event_seconds  # noqa: E402  (tools/timing.py)
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CEILING_BYTES = 4 << 30
@@ -121,18 +122,7 @@ class Timer:
 
     def wall_us(self, fn, repeats, warmup=5):
         """Median event time of calls run one at a time (for calls that synchronise inside)."""
-        cp = self.cp
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-        return statistics.median(times)
+        return 1e6 * event_seconds(self.cp, fn, repeats, warmup)
 
 
 def ceilings(cp, timer, repeats):

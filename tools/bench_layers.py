@@ -31,23 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedrt.cache import PagedKVCache  # noqa: E402
 from pagedrt import source  # noqa: E402
 from pagedrt.kernels import paged_decode  # noqa: E402
+from timing import event_seconds  # noqa: E402  (tools/timing.py)
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
 CASES = {"long-1": (1, 32768), "b8": (8, 8192), "b32": (32, 4096), "b64": (64, 2048), "b128": (128, 1024),
          "b256": (256, 512), "big": (64, 8192)}
 MiB = 1 << 20
-
-
-def event_ms(cp, fn, repeats):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
 
 
 def stream_ceiling(cp, nbytes=4 << 30):
@@ -56,8 +45,8 @@ def stream_ceiling(cp, nbytes=4 << 30):
     read = source.function("bench.cu", "pagedrt::stream_read")
     sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
     sink = cp.zeros(1, np.uint32)
-    ms = event_ms(cp, lambda: read((sms * 8,), (256,), (src, np.int64(nbytes // 16), np.uint32(1), sink)), 10)
-    return nbytes / (ms * 1e-3)
+    return nbytes / event_seconds(cp, lambda: read((sms * 8,), (256,), (src, np.int64(nbytes // 16), np.uint32(1),
+                                                                       sink)), 10)
 
 
 def fill_random(cp, plane):
@@ -102,11 +91,11 @@ def run(cp, case, placement, chunk, repeats):
                 step()
                 launch_s.append(time.perf_counter() - t)
                 stream.synchronize()
-            plain_ms = event_ms(cp, step, repeats)
+            plain_ms = 1e3 * event_seconds(cp, step, repeats)
             stream.begin_capture()
             step()
             graph = stream.end_capture()
-            graph_ms = event_ms(cp, lambda: graph.launch(stream), repeats)
+            graph_ms = 1e3 * event_seconds(cp, lambda: graph.launch(stream), repeats)
         kv_bytes = 2 * batch * length * KV_HEADS * HEAD_DIM * 2
         moved = LAYERS * (kv_bytes + 2 * batch * Q_HEADS * HEAD_DIM * 2)
         return {"plain_ms": plain_ms, "graph_ms": graph_ms, "launch_us": statistics.median(launch_s) * 1e6,

@@ -18,6 +18,7 @@ from collections import defaultdict
 import numpy as np
 
 from pagedrt import Pool
+from timing import event_seconds  # tools/timing.py
 
 MiB, GiB = 1 << 20, 1 << 30
 PRIMITIVES = ("create", "map", "set_access")
@@ -96,17 +97,7 @@ def contiguous_regrow(old_bytes, grow_bytes, repeats):
 def copy_bandwidth(src, dst, repeats):
     """Bytes read + written per second for dst[...] = src, timed with CUDA events."""
     import cupy
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(3):
-        cupy.copyto(dst, src)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        cupy.copyto(dst, src)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return 2 * src.nbytes / statistics.median(times)
+    return 2 * src.nbytes / event_seconds(cupy, lambda: cupy.copyto(dst, src), repeats, warmup=3)
 
 
 def random_words(n):

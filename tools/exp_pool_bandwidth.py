@@ -9,36 +9,21 @@ pool whose range is reserved with 2 MiB versus 1 GiB alignment.
 """
 
 import argparse
-import statistics
 
 import numpy as np
 
 from pagedrt import Pool
 from pagedrt.memory import vmm
+from timing import event_seconds  # tools/timing.py
 
 MiB, GiB = 1 << 20, 1 << 30
-
-
-def timed(fn, repeats=20):
-    import cupy
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return statistics.median(times)
 
 
 def measure(a, b):
     import cupy
     a[...] = cupy.random.default_rng(0).integers(0, 2**31, a.size, dtype=cupy.int32)
-    copy = 2 * a.nbytes / timed(lambda: cupy.copyto(b, a))
-    read = a.nbytes / timed(lambda: a.sum(dtype=cupy.int64))
+    copy = 2 * a.nbytes / event_seconds(cupy, lambda: cupy.copyto(b, a), 20, warmup=3)
+    read = a.nbytes / event_seconds(cupy, lambda: a.sum(dtype=cupy.int64), 20, warmup=3)
     return copy / 1e12, read / 1e12
 
 
