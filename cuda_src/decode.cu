@@ -26,7 +26,10 @@
 // block, no table read; the rest of the code is shared.
 //
 // Split-K: with a partial-output workspace (part_o != nullptr) a block writes
-// its unnormalised output, m and l for its segment; `merge` combines segments.
+// its unnormalised output, m and l for its segment and counts itself in; the
+// last segment of a (sequence, KV head) to arrive merges them all (no second
+// kernel, so no launch gap and no second ramp). Segments past a sequence's end
+// exit at once: they are neither written nor counted.
 #include "common.cuh"
 
 namespace pagedrt {
@@ -203,6 +206,77 @@ __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, 
     }
 }
 
+// Add to a device-wide count with acquire-release semantics: writes before it (this
+// thread's, and those a barrier made it observe) are visible to whoever reads the count
+// after it, and that reader sees theirs. On sm_90 it is one MEMBAR.ALL.GPU, the atomic
+// and an L1 invalidate, where __threadfence() + atomicAdd take a MEMBAR.SC.GPU on each side.
+__device__ __forceinline__ int add_acq_rel(int* count, int value) {
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(count), "r"(value) : "memory");
+    return old;
+}
+
+// Split-K, after a block has written its segment's (o, m, l) for query heads
+// head_row .. head_row + GROUP - 1: count the segment in; the last of the item's LIVE
+// segments (the first LIVE of the NUM_SPLITS: those holding tokens, at least 2) to
+// arrive combines them exactly: m = max m_i, l = sum l_i 2^(m_i - m),
+// out = sum o_i 2^(m_i - m) / l. Each thread merges 4 dims of one query head, loading
+// 8 segments at a time so that their loads are in flight together. `last` is one int
+// of the block's dynamic shared memory, free at this point (a static __shared__ flag
+// measured 15% slower on every case: benchmarks/NOTES.md, v8).
+template <typename T, int GROUP, int HEAD_DIM, int NT>
+__device__ __forceinline__ void arrive_and_merge(const float* part_o, const float2* part_ml, int* arrivals,
+                                                 long long head_row, int live, int num_splits, T* out,
+                                                 int* last) {
+    __syncthreads();  // the block's partials are written
+    const long long item = head_row / GROUP;
+    if (threadIdx.x == 0) {
+        *last = add_acq_rel(arrivals + item, 1) == live - 1;
+        if (*last) arrivals[item] = 0;  // ready for the next launch
+    }
+    __syncthreads();  // the merging block's threads read after thread 0's acquire
+    if (!*last) return;
+    constexpr int QUADS = HEAD_DIM / 4, BATCH = 8;
+    static_assert(HEAD_DIM % 4 == 0, "the merge moves 4 dims at a time");
+    for (int c = threadIdx.x; c < GROUP * QUADS; c += NT) {
+        const long long row = head_row + c / QUADS;
+        const float2* const ml = part_ml + row * num_splits;
+        const float4* const o = reinterpret_cast<const float4*>(part_o + row * num_splits * HEAD_DIM) + c % QUADS;
+        float m_run = neg_inf(), l_run = 0.f;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s0 = 0; s0 < live; s0 += BATCH) {
+            float2 seg[BATCH];
+            float4 part[BATCH];
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {  // past the end: the last segment again, weighed 0 below
+                const int s = min(s0 + j, live - 1);
+                seg[j] = __ldcg(ml + s);  // L2: written by other SMs during this launch
+                part[j] = __ldcg(o + s * QUADS);
+            }
+            float top = m_run;
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) top = s0 + j < live ? fmaxf(top, seg[j].x) : top;
+            const float alpha = exp2f(m_run - top);  // m_run = -inf: 0 (a segment with tokens has m finite)
+            l_run *= alpha;
+            acc.x *= alpha, acc.y *= alpha, acc.z *= alpha, acc.w *= alpha;
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                const bool used = s0 + j < live;
+                const float w = used ? exp2f(seg[j].x - top) : 0.f;
+                const float4 p = used ? part[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                l_run = fmaf(w, used ? seg[j].y : 0.f, l_run);
+                acc.x = fmaf(w, p.x, acc.x), acc.y = fmaf(w, p.y, acc.y);
+                acc.z = fmaf(w, p.z, acc.z), acc.w = fmaf(w, p.w, acc.w);
+            }
+            m_run = top;
+        }
+        const float inv = l_run > 0.f ? 1.f / l_run : 0.f;
+        T* const dst = out + row * HEAD_DIM + 4 * (c % QUADS);
+        dst[0] = from_float<T>(acc.x * inv), dst[1] = from_float<T>(acc.y * inv);
+        dst[2] = from_float<T>(acc.z * inv), dst[3] = from_float<T>(acc.w * inv);
+    }
+}
+
 // q, out:       [batch, num_kv_heads * GROUP, HEAD_DIM], contiguous
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at b*block_stride + (h*BLOCK_SIZE + s)*HEAD_DIM + d
 // block_tables: [batch, >= max_blocks] int32 with row stride table_stride (unused when !PAGED)
@@ -210,14 +284,16 @@ __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, 
 // grid:         (num_kv_heads, batch, num_splits); segment `split` covers tokens
 //               [split*segment_tokens, (split+1)*segment_tokens), the last one up to the end;
 //               segment_tokens is a multiple of TILE
-// part_o, part_ml: nullptr (write out) or the split workspace
-//               [batch*q_heads, num_splits, HEAD_DIM] floats and [batch*q_heads, num_splits] (m, l)
+// part_o, part_ml, arrivals: nullptr (write out) or the split workspace
+//               [batch*q_heads, num_splits, HEAD_DIM] floats, [batch*q_heads, num_splits] (m, l)
+//               and [batch*num_kv_heads] int32 arrival counts, zero before the launch (and after it:
+//               the merging block resets its count)
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int LANES, int TILE, int STAGES, bool MMA>
 __global__ void __launch_bounds__(kDecodeThreads)
 decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
        const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
-       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml) {
+       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals) {
     using S = DecodeShape<T, HEAD_DIM, GROUP, LANES, TILE, STAGES>;
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
@@ -230,20 +306,11 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
     const long long head_row = ((long long)seq * gridDim.x + kv_head) * GROUP;  // row of query head g=0
 
-    const int len = min(max(seq_lens[seq], 0), max_blocks * BLOCK_SIZE);
+    // Every load the start needs is issued before any of them is used (the length, the
+    // first window of block ids, q), so their latencies overlap instead of adding up at
+    // every thread block's start; a segment past the sequence's end wastes them.
+    const int raw_len = seq_lens[seq];
     const int begin = split * segment_tokens;
-    const int end = split == num_splits - 1 ? len : min(len, begin + segment_tokens);
-    if (begin >= end) {  // nothing to attend: an empty segment, or (unsplit) an empty sequence
-        if (part_o != nullptr) {
-            if (tid < GROUP) part_ml[(head_row + tid) * num_splits + split] = make_float2(neg_inf(), 0.f);
-        } else {
-            for (int i = tid; i < GROUP * HEAD_DIM; i += NT) out[head_row * HEAD_DIM + i] = from_float<T>(0.f);
-        }
-        return;
-    }
-
-    // The first window of block ids (see load_window) is read before q, so that the two
-    // loads' latencies overlap instead of adding up at every thread block's start.
     const int* const table_row = block_tables + (PAGED ? seq * table_stride : 0);
     int first_ids[kIdsWindow / NT];
 #pragma unroll
@@ -277,6 +344,18 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 #pragma unroll
                 for (int e = 0; e < V; ++e) qf[g][j][e] *= scale_log2;
         }
+    }
+
+    const int len = min(max(raw_len, 0), max_blocks * BLOCK_SIZE);
+    const int end = split == num_splits - 1 ? len : min(len, begin + segment_tokens);
+    // Segments holding tokens (split 0 stands for an empty sequence); the others take no
+    // part. With one, it is the whole sequence and writes out itself.
+    const int live = max(1, min(num_splits, (len + segment_tokens - 1) / segment_tokens));
+    if (split >= live) return;
+    const bool merged = part_o != nullptr && live > 1;
+    if (begin >= end) {  // an empty sequence: its output is zero
+        for (int i = tid; i < GROUP * HEAD_DIM; i += NT) out[head_row * HEAD_DIM + i] = from_float<T>(0.f);
+        return;
     }
 
     // Copy c of a tile moves vector i = c*NT + tid: token row i / NV, vector i % NV.
@@ -526,37 +605,16 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
             top = fmaxf(top, red_m[x * GROUP + g]);
         }
         const long long row = head_row + g;
-        if (part_o != nullptr) {
+        if (merged) {
             part_o[(row * num_splits + split) * HEAD_DIM + d] = sum;
             if (d == 0) part_ml[row * num_splits + split] = make_float2(top, total);
         } else {
             out[row * HEAD_DIM + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
         }
     }
-}
-
-// Combine split segments exactly: m = max m_i, l = sum l_i 2^(m_i - m),
-// out = sum o_i 2^(m_i - m) / l. Empty segments (m_i = -inf) are skipped; their
-// o_i was never written. grid: (q_heads, batch); block: any number of threads.
-template <typename T>
-__global__ void merge(const float* __restrict__ part_o, const float2* __restrict__ part_ml, int num_splits,
-                      int head_dim, T* __restrict__ out) {
-    const long long row = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-    const float2* const ml = part_ml + row * num_splits;
-    float top = neg_inf();
-    for (int s = 0; s < num_splits; ++s) top = fmaxf(top, ml[s].x);
-    const float shift = top == neg_inf() ? 0.f : top;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.f, total = 0.f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float2 seg = ml[s];
-            if (seg.x == neg_inf()) continue;
-            const float w = exp2f(seg.x - shift);
-            total += w * seg.y;
-            sum += w * part_o[(row * num_splits + s) * head_dim + d];
-        }
-        out[row * head_dim + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
-    }
+    if (merged)  // the staged ids' space is free now (the merge above used the pipeline's)
+        arrive_and_merge<T, GROUP, HEAD_DIM, NT>(part_o, part_ml, arrivals, head_row, live, num_splits, out,
+                                                 smem_ids);
 }
 
 }  // namespace pagedrt

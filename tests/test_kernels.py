@@ -347,7 +347,7 @@ def test_instances_name_every_swept_kernel():
     for cfg in configs.sweep():
         for paged in (True, False):
             for short in (False, True):
-                assert set(decode.kernel_names(cfg, paged, short)) <= set(names["decode.cu"])
+                assert decode.kernel_name(cfg, paged, short) in names["decode.cu"]
     assert "pagedrt::decode<__half, 128, 16, 4, true, 32, 64, 3, true>" in names["decode.cu"]  # tensor cores
     assert "pagedrt::decode<__half, 80, 16, 4, true, 8, 32, 4, false>" in names["decode.cu"]
     assert "pagedrt::decode<__half, 80, 16, 4, true, 16, 32, 3, false>" in names["decode.cu"]  # short segments

@@ -114,17 +114,25 @@ def test_long_context_split_by_the_plan_and_whole():
     assert rel_error(whole, ref) <= tol and rel_error(planned, ref) <= tol and rel_error(planned, whole) <= tol
 
 
-def test_empty_segments_never_read_their_workspace():
+def test_split_workspace_is_never_read_stale_and_its_counts_reset():
+    """Segments past a sequence's end are not merged; the arrival counts are zero after every launch."""
     import cupy
     case = Case(BASE, [1, 5000, 17, 300], seed=5)
-    dev, ref = OnDevice(case), reference(case)
+    dev = OnDevice(case)
     for n in (16, 64):
         run(dev, case, num_splits=n)  # creates the workspace for this shape
-        o, ml = decode._workspace(cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr,
-                                  case.q.shape[0] * case.q.shape[1], n, case.q.shape[2])
-        o.fill(np.nan)
-        ml.fill(np.nan)
-        assert rel_error(run(dev, case, num_splits=n), ref) <= TOLERANCE[BASE.dtype]
+        o, ml, arrivals = decode._workspace(cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr,
+                                            case.q.shape[0] * case.q.shape[1], n, case.q.shape[2])
+        for lens in ([1, 5000, 17, 300], [1, 2100, 17, 250]):  # then fewer segments live, same workspace
+            assert not arrivals.any()
+            o.fill(np.nan)
+            ml.fill(np.nan)
+            case.lens[:] = lens
+            dev.lens = cupy.asarray(case.lens)
+            assert rel_error(run(dev, case, num_splits=n), reference(case)) <= TOLERANCE[BASE.dtype]
+        case.lens[:] = [1, 5000, 17, 300]
+        dev.lens = cupy.asarray(case.lens)
+    assert not arrivals.any()
 
 
 def test_planes_in_a_cuda_pool():

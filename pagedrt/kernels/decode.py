@@ -6,8 +6,8 @@ baseline that shows what paging itself costs). Given NumPy arrays they run the
 float64 twins :func:`paged_decode_reference` / :func:`contiguous_decode_reference`.
 
 Long sequences in small batches are split (split-K): each thread block handles
-one segment of a sequence and writes a partial state (m, l, unnormalised o)
-that a merge kernel combines exactly. :func:`plan_splits` picks the split count.
+one segment of a sequence and writes a partial state (m, l, unnormalised o);
+the last segment of each sequence and KV head to finish combines them exactly. :func:`plan_splits` picks the split count.
 """
 
 import functools
@@ -86,19 +86,17 @@ def geometry(cfg, short=False):
     return Geometry(lanes, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW)
 
 
-def kernel_names(cfg, paged, short=False):
-    """(decode, merge) name expressions of a configuration (in the short-segment geometry if ``short``)."""
+def kernel_name(cfg, paged, short=False):
+    """The decode kernel's name expression for a configuration (in the short-segment geometry if ``short``)."""
     geo = geometry(cfg, short)
-    decode = (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
-              f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}, "
-              f"{'true' if geo.mma else 'false'}>")
-    return decode, f"pagedrt::merge<{cfg.cuda_type}>"
+    return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
+            f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}, "
+            f"{'true' if geo.mma else 'false'}>")
 
 
 def instances(configs=None, paged=(True, False)):
     """{file: name expressions} for ``configs`` (default: the representative sweep)."""
-    names = [n for c in (configs or sweep()) for p in paged for short in (False, True)
-             for n in kernel_names(c, p, short)]
+    names = [kernel_name(c, p, short) for c in (configs or sweep()) for p in paged for short in (False, True)]
     return {FILE: tuple(dict.fromkeys(names))}
 
 
@@ -155,7 +153,6 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
 @dataclass(frozen=True)
 class _Kernels:
     decode: object
-    merge: object
     geometry: Geometry
     slots: int  # thread blocks resident at once on the whole device
 
@@ -163,20 +160,21 @@ class _Kernels:
 @functools.lru_cache(maxsize=None)
 def _kernels(cfg, paged, short, device_id):
     from cupy_backends.cuda.api import driver
-    decode_name, merge_name = kernel_names(cfg, paged, short)
-    fn = source.function(FILE, decode_name)
+    fn = source.function(FILE, kernel_name(cfg, paged, short))
     geo = geometry(cfg, short)
     fn.max_dynamic_shared_size_bytes = geo.smem_bytes
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, THREADS, geo.smem_bytes)
-    return _Kernels(fn, source.function(FILE, merge_name), geo, max(1, per_sm) * multiprocessors(device_id))
+    return _Kernels(fn, geo, max(1, per_sm) * multiprocessors(device_id))
 
 
 @functools.lru_cache(maxsize=8)
 def _workspace(device_id, stream_ptr, rows, num_splits, head_dim):
-    """Split partials, kept per shape and stream: o [rows, splits, head_dim], (m, l) [rows, splits, 2]."""
+    """Split partials, kept per shape and stream: o [rows, splits, head_dim], (m, l) [rows, splits, 2],
+    and one arrival count per row (zero between launches: the kernel resets the counts it used)."""
     import cupy
     return (cupy.empty((rows, num_splits, head_dim), np.float32),
-            cupy.empty((rows, num_splits, 2), np.float32))
+            cupy.empty((rows, num_splits, 2), np.float32),
+            cupy.zeros(rows, np.int32))
 
 
 def _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len=None):
@@ -196,19 +194,16 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
     kern = _kernels(cfg, paged, plan.short, device)
     check(plan.num_splits <= MAX_GRID_YZ, f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
     if plan.num_splits == 1:
-        part_o = part_ml = NULL
+        part_o = part_ml = arrivals = NULL
     else:
         stream = cupy.cuda.get_current_stream().ptr
-        o, ml = _workspace(device, stream, batch * q_heads, plan.num_splits, head_dim)
-        part_o, part_ml = ptr(o), ptr(ml)
+        part_o, part_ml, arrivals = (ptr(a) for a in _workspace(device, stream, batch * q_heads, plan.num_splits,
+                                                                 head_dim))
     kern.decode((kv_heads, batch, plan.num_splits), (THREADS,),
                 (ptr(q), k_base, v_base, np.int64(block_stride), *table_args, np.int32(max_blocks),
                  ptr(seq_lens), np.float32(scale * LOG2E), np.int32(plan.segment_tokens), ptr(out),
-                 part_o, part_ml),
+                 part_o, part_ml, arrivals),
                 shared_mem=kern.geometry.smem_bytes)
-    if plan.num_splits > 1:
-        kern.merge((q_heads, batch), (head_dim,), (part_o, part_ml, np.int32(plan.num_splits),
-                                                   np.int32(head_dim), ptr(out)))
 
 
 # --- public launchers -----------------------------------------------------------------
