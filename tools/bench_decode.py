@@ -13,7 +13,10 @@ device-to-device copy, bytes read + written, and a read-only streaming kernel,
 both over 4 GiB), the contiguous twin's time and the paging overhead (paged/twin
 - 1), the split count the plan chose, and what validation costs. The twin's K/V
 live in the same kind of memory as the paged planes (a pool), so the overhead is
-that of the addressing alone.
+that of the addressing alone. It also times the streaming kernel reading the
+case's own K and V planes once (``strm us``, one launch over the same bytes: the
+ceiling at this size, with its launch ramp and tail) and gives the decode time as
+a share of it (``%size``).
 
 Timing: before the timed calls a spin kernel keeps the GPU busy long enough for
 the host to queue them all, so each call's events measure GPU time, not Python
@@ -125,6 +128,15 @@ class Timer:
         return 1e6 * event_seconds(self.cp, fn, repeats, warmup)
 
 
+def stream_us(cp, timer, ptr, nbytes, repeats):
+    """Median time of the read-only streaming kernel over nbytes (a multiple of 16) at device pointer ptr."""
+    read = source.function("bench.cu", "pagedrt::stream_read")
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    sink = cp.zeros(1, np.uint32)
+    return timer.gpu_us(lambda: read((sms * 8,), (256,), (np.uint64(ptr), np.int64(nbytes // 16),
+                                                          np.uint32(0x9E3779B9), sink)), repeats)
+
+
 def ceilings(cp, timer, repeats):
     """(copy, stream) bandwidth in bytes/s over CEILING_BYTES: copy counts bytes read + written."""
     src = cp.empty(CEILING_BYTES, np.uint8)
@@ -134,11 +146,7 @@ def ceilings(cp, timer, repeats):
     copy_us = timer.gpu_us(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, CEILING_BYTES,
                                                                  cp.cuda.runtime.memcpyDeviceToDevice, stream),
                            repeats)
-    read = source.function("bench.cu", "pagedrt::stream_read")
-    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-    sink = cp.zeros(1, np.uint32)
-    read_us = timer.gpu_us(lambda: read((sms * 8,), (256,), (src, np.int64(CEILING_BYTES // 16),
-                                                             np.uint32(0x9E3779B9), sink)), repeats)
+    read_us = stream_us(cp, timer, src.data.ptr, CEILING_BYTES, repeats)
     return 2 * CEILING_BYTES / (copy_us * 1e-6), CEILING_BYTES / (read_us * 1e-6)
 
 
@@ -201,6 +209,8 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         twin = lambda: contiguous_decode(q, k_twin, v_twin, d_lens, out=twin_out, validate=False,  # noqa: E731
                                          **hints)
         paged_us = timer.gpu_us(paged, repeats)
+        # the streaming kernel over the same planes, one launch (the pool's planes are adjacent)
+        size_us = stream_us(cp, timer, bits[0].data.ptr, 2 * plane_bytes, repeats) if memory == "pool" else None
         twin_us = timer.gpu_us(twin, repeats)
         checked_us = timer.wall_us(checked, repeats)
         unchecked_us = timer.wall_us(paged, repeats)
@@ -214,6 +224,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
     return {
         "case": name, "dtype": dtype, "batch": batch, "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20,
         "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / copy_bw, "pct_stream": 100 * bw / stream_bw,
+        "size_stream_us": size_us, "pct_size_stream": 100 * size_us / paged_us if size_us else None,
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
         "lanes": geo.lanes, "stages": geo.stages, "tensor_cores": geo.mma,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
@@ -225,10 +236,11 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
 
 def table(rows, copy_bw, stream_bw):
     head = (f"{'case':<9} {'dtype':<8} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%strm':>6} {'twin us':>8} "
-            f"{'paging':>7} {'splits':>6} {'lanes':>5} {'valid us':>8}  note")
+            f"{'paging':>7} {'splits':>6} {'lanes':>5} {'valid us':>8} {'strm us':>8} {'%size':>6}  note")
     lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s; "
              f"pool chunks of {rows[0]['chunk_mib']} MiB; block order {rows[0]['order']}; "
              f"geometry per case: lanes x stages, or mmaS (tensor cores, S stages); "
+             f"strm us: the streaming kernel over the case's own planes, %size: its time over the decode's; "
              f"block size {rows[0]['block_size']}"
              if rows else "",
              head, "-" * len(head)]
@@ -239,7 +251,9 @@ def table(rows, copy_bw, stream_bw):
         geo = f"mma{r['stages']}" if r["tensor_cores"] else f"{r['lanes']}x{r['stages']}"
         lines.append(f"{r['case']:<9} {r['dtype']:<8} {r['us']:8.1f} {r['tb_s']:6.2f} {r['pct_copy']:6.1f} "
                      f"{r['pct_stream']:6.1f} {r['twin_us']:8.1f} {r['paging_overhead_pct']:+6.1f}% "
-                     f"{r['num_splits']:6d} {geo:>5} {r['validate_us']:8.1f}  {note}")
+                     f"{r['num_splits']:6d} {geo:>5} {r['validate_us']:8.1f} "
+                     + (f"{r['size_stream_us']:8.1f} {r['pct_size_stream']:6.1f}" if r["size_stream_us"]
+                        else f"{'-':>8} {'-':>6}") + f"  {note}")
     sweeps = [r for r in rows if r["split_sweep_us"]]
     if sweeps:
         counts = list(sweeps[0]["split_sweep_us"])
