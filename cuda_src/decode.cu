@@ -222,8 +222,7 @@ __device__ __forceinline__ int add_acq_rel(int* count, int value) {
 // arrive combines them exactly: m = max m_i, l = sum l_i 2^(m_i - m),
 // out = sum o_i 2^(m_i - m) / l. Each thread merges 4 dims of one query head, loading
 // 8 segments at a time so that their loads are in flight together. `last` is one int
-// of the block's dynamic shared memory, free at this point (a static __shared__ flag
-// measured 15% slower on every case: benchmarks/NOTES.md, v8).
+// of the block's dynamic shared memory, free at this point.
 template <typename T, int GROUP, int HEAD_DIM, int NT>
 __device__ __forceinline__ void arrive_and_merge(const float* part_o, const float2* part_ml, int* arrivals,
                                                  long long head_row, int live, int num_splits, T* out,
@@ -298,7 +297,10 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // 128-byte aligned: with the stages 16 bytes off a 128-byte boundary (what a static
+    // __shared__ variable placed before them does) every case ran 12-18% slower on the H200
+    // (benchmarks/NOTES.md, v8).
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     T* const smem_k = reinterpret_cast<T*>(smem_raw);
     T* const smem_v = smem_k + STAGES * S::kTileElems;
 
