@@ -1,32 +1,39 @@
 """Decode time by block size, and the paging overhead per case, from saved bench_decode results.
 
-    python3 tools/block_size_table.py [benchmarks/results]
+    python3 tools/block_size_table.py [--kernel v8] [benchmarks/results]
 
 Reads ``h200-bench_decode.json`` (block 16, the standard run) and
 ``h200-bench_decode_block{8,32,64,128}.json`` (``tools/bench_decode.py --block-size B
---repeats 50 --out ...``), all measured on the H200, and prints the paged kernel's
-time per case and block size, and its overhead against the contiguous twin.
+--repeats 50 --out ...``), all measured on the H200 with the v4 kernel; with ``--kernel
+v8``, ``h200-bench_decode_block{8,16,32,64,128}-v8.json`` instead. Prints the paged
+kernel's time per case and block size, and its overhead against the contiguous twin.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 SIZES = (8, 16, 32, 64, 128)
 
 
-def load(folder):
+def load(folder, kernel):
     runs = {}
     for size in SIZES:
-        name = "h200-bench_decode.json" if size == 16 else f"h200-bench_decode_block{size}.json"
+        if kernel:
+            name = f"h200-bench_decode_block{size}-{kernel}.json"
+        else:
+            name = "h200-bench_decode.json" if size == 16 else f"h200-bench_decode_block{size}.json"
         runs[size] = {c["case"]: c for c in json.loads((folder / name).read_text())["cases"]}
     return runs
 
 
 def main():
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent /
-                  "benchmarks" / "results")
-    runs = load(folder)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", nargs="?", type=Path,
+                    default=Path(__file__).resolve().parent.parent / "benchmarks" / "results")
+    ap.add_argument("--kernel", choices=("v8",), help="the sweep of that kernel (default: the v4 sweep)")
+    args = ap.parse_args()
+    runs = load(args.folder, args.kernel)
     cases = list(runs[16])
     print("paged decode, microseconds (and % of the read-only ceiling of the same run), by block size")
     print(f"{'case':<9}" + "".join(f"{'B=' + str(s):>16}" for s in SIZES))
