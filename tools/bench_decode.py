@@ -229,7 +229,8 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         "lanes": geo.lanes, "stages": geo.stages, "tensor_cores": geo.mma,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
-        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
+        "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes,
+        "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
         "split_sweep_us": split_us,
     }
 

@@ -7,7 +7,8 @@ float64 twins :func:`paged_decode_reference` / :func:`contiguous_decode_referenc
 
 Long sequences in small batches are split (split-K): each thread block handles
 one segment of a sequence and writes a partial state (m, l, unnormalised o);
-the last segment of each sequence and KV head to finish combines them exactly. :func:`plan_splits` picks the split count.
+the last segment of each sequence and KV head to finish combines them exactly.
+:func:`plan_splits` picks the split count.
 """
 
 import functools
