@@ -171,7 +171,8 @@ def _kernels(cfg, paged, short, device_id):
 @functools.lru_cache(maxsize=8)
 def _workspace(device_id, stream_ptr, rows, num_splits, head_dim):
     """Split partials, kept per shape and stream: o [rows, splits, head_dim], (m, l) [rows, splits, 2],
-    and one arrival count per row (zero between launches: the kernel resets the counts it used)."""
+    and arrival counts, one per (sequence, KV head) item, the first rows / group of them used (zero
+    between launches: the merging block resets its item's count)."""
     import cupy
     return (cupy.empty((rows, num_splits, head_dim), np.float32),
             cupy.empty((rows, num_splits, 2), np.float32),
