@@ -20,7 +20,8 @@
 //
 // MMA (fp16/bf16, LANES = 32: a lane group is a warp): consume_mma does the math
 // of a tile on tensor cores instead of dot_scores/accumulate, over a shared-memory
-// layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared.
+// layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared. A tile
+// is 16 tokens per warp: 64 with THREADS = 128, 32 with the short geometry's 64.
 //
 // PAGED=false is the contiguous twin: block id = seq * max_blocks + logical
 // block, no table read; the rest of the code is shared.
@@ -34,8 +35,6 @@
 
 namespace pagedrt {
 
-constexpr int kDecodeThreads = 128;
-constexpr int WARPS_PER_BLOCK = kDecodeThreads / 32;
 constexpr int kIdsWindow = 256;  // block ids staged in shared memory at a time (decode.py: IDS_WINDOW)
 
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
@@ -43,11 +42,11 @@ constexpr int min_int(int a, int b) { return a < b ? a : b; }
 
 template <typename X, X VALUE> struct integral_constant { static constexpr X value = VALUE; };
 
-// Work decomposition of one thread block. LANES, TILE and STAGES come from the
+// Work decomposition of one thread block. THREADS, LANES, TILE and STAGES come from the
 // launcher (pagedrt/kernels/decode.py: geometry), which also sizes shared memory.
-template <typename T, int HEAD_DIM, int GROUP, int LANES, int TILE, int STAGES>
+template <typename T, int HEAD_DIM, int GROUP, int THREADS, int LANES, int TILE, int STAGES>
 struct DecodeShape {
-    static constexpr int kThreads = kDecodeThreads;
+    static constexpr int kThreads = THREADS;
     static constexpr int kVec = Vec16<T>::kElems;                  // elements per 16-byte vector
     static constexpr int kRowVecs = HEAD_DIM / kVec;               // vectors in one token's K (or V) row
     static constexpr int kLaneVecs = (kRowVecs + LANES - 1) / LANES;  // vectors per lane
@@ -287,13 +286,14 @@ __device__ __forceinline__ void arrive_and_merge(const float* part_o, const floa
 //               [batch*q_heads, num_splits, HEAD_DIM] floats, [batch*q_heads, num_splits] (m, l)
 //               and [batch*num_kv_heads] int32 arrival counts, zero before the launch (and after it:
 //               the merging block resets its count)
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int LANES, int TILE, int STAGES, bool MMA>
-__global__ void __launch_bounds__(kDecodeThreads)
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int THREADS, int LANES, int TILE, int STAGES,
+          bool MMA>
+__global__ void __launch_bounds__(THREADS)
 decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
        const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
        T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals) {
-    using S = DecodeShape<T, HEAD_DIM, GROUP, LANES, TILE, STAGES>;
+    using S = DecodeShape<T, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES>;
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
 
@@ -557,7 +557,8 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     float* const red_m = red_acc + LG * GROUP * HEAD_DIM;        // [LG][GROUP]
     float* const red_l = red_m + LG * GROUP;                     // [LG][GROUP]
     if constexpr (MMA) {  // a lane group is a warp; row quad_row's state is on its quad
-        static_assert(LG == WARPS_PER_BLOCK, "MMA: the merged lane groups are the warps (LANES = 32)");
+        static_assert(LG == THREADS / 32, "MMA: the merged lane groups are the warps (LANES = 32)");
+        static_assert(TILE == 16 * LG, "MMA: a warp per 16 tokens of a tile");
         l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
         l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
         if (quad_col == 0 && quad_row < GROUP) red_m[warp * GROUP + quad_row] = m_row;

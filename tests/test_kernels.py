@@ -121,6 +121,7 @@ def test_plan_splits_a_full_batch_only_when_lengths_are_uneven():
     uneven = plan_splits(64, 8, 8192, tile, per_token, slots, mean_seq_len=4100)
     assert even.num_splits == 1
     assert uneven.num_splits == 8 and uneven.segment_tokens == 1024  # about a quarter of the mean
+    assert not uneven.short  # uneven lengths keep the standard geometry (benchmarks/NOTES.md, v10)
     tiny_mean = plan_splits(64, 8, 8192, tile, per_token, slots, mean_seq_len=100)
     assert tiny_mean.segment_tokens * per_token >= decode.MIN_SEGMENT_BYTES
 
@@ -348,9 +349,10 @@ def test_instances_name_every_swept_kernel():
         for paged in (True, False):
             for short in (False, True):
                 assert decode.kernel_name(cfg, paged, short) in names["decode.cu"]
-    assert "pagedrt::decode<__half, 128, 16, 4, true, 32, 64, 3, true>" in names["decode.cu"]  # tensor cores
-    assert "pagedrt::decode<__half, 80, 16, 4, true, 8, 32, 4, false>" in names["decode.cu"]
-    assert "pagedrt::decode<__half, 80, 16, 4, true, 16, 32, 3, false>" in names["decode.cu"]  # short segments
+    assert "pagedrt::decode<__half, 128, 16, 4, true, 128, 32, 64, 3, true>" in names["decode.cu"]  # tensor cores
+    assert "pagedrt::decode<__half, 128, 16, 4, true, 64, 32, 32, 3, true>" in names["decode.cu"]  # short, 2 warps
+    assert "pagedrt::decode<__half, 80, 16, 4, true, 128, 8, 32, 4, false>" in names["decode.cu"]
+    assert "pagedrt::decode<__half, 80, 16, 4, true, 128, 16, 32, 3, false>" in names["decode.cu"]  # short segments
 
 
 def test_short_segments_get_half_the_lane_budget_and_a_stage_less():
@@ -364,8 +366,18 @@ def test_tensor_cores_for_half_precision_head_dims_64_and_128():
     for cfg in configs.sweep():
         geo = decode.geometry(cfg)
         assert geo.mma == (cfg.dtype != "float32" and cfg.head_dim in (64, 128))
-        if geo.mma:  # a warp per 16 tokens; one geometry whatever the segments
-            assert (geo.lanes, geo.tile) == (32, 64) and geo == decode.geometry(cfg, short=True)
+        if geo.mma:  # a warp per 16 tokens: four warps, or two for short segments, at the same stages
+            short = decode.geometry(cfg, short=True)
+            assert (geo.lanes, geo.threads, geo.tile) == (32, 128, 64)
+            assert (short.lanes, short.threads, short.tile, short.stages) == (32, 64, 32, geo.stages)
+
+
+def test_short_tensor_core_geometry_fits_four_blocks_per_sm():
+    """Four two-warp blocks hold as many stages' bytes as two standard ones (228 KiB per SM, 1 KiB each reserved)."""
+    cfg = Config("float16", 128, 16, 4)
+    geo, short = decode.geometry(cfg), decode.geometry(cfg, short=True)
+    assert 4 * (short.smem_bytes + 1024) <= 228 * 1024 < 5 * (short.smem_bytes + 1024)
+    assert 4 * short.stages * short.tile == 2 * geo.stages * geo.tile and 4 * short.threads == 2 * geo.threads
 
 
 def test_plan_picks_the_short_geometry_for_many_short_segments_only():
@@ -374,9 +386,10 @@ def test_plan_picks_the_short_geometry_for_many_short_segments_only():
     short = {name: plan_splits(batch, 8, max_len, tile, per_token, slots,
                                mean_seq_len=float(lens.mean()) if name == "var" else None).short
              for name, (batch, max_len) in WORKLOADS.items()}
-    # b128, b256: 1024 and 2048 blocks of 32 and 16 tiles; var: 8 segments of 1024 tokens per sequence
+    # b128, b256: 1024 and 2048 blocks of 32 and 16 tiles; var (8 segments of 1024 tokens per sequence) is
+    # uneven, so keeps the standard geometry
     assert short == {"long-1": False, "b8": False, "b32": False, "b64": False, "b128": True, "b256": True,
-                     "big": False, "var": True}
+                     "big": False, "var": False}
 
 
 @pytest.mark.parametrize("short", [False, True])
@@ -384,8 +397,11 @@ def test_geometry_stages_one_tile_of_k_and_v(short):
     for cfg in configs.sweep():
         geo = decode.geometry(cfg, short)
         row = cfg.head_dim * cfg.itemsize
-        tile_bytes = decode.MMA_TILE * row if geo.mma else decode.TILE_BYTES
-        assert geo.tile & (geo.tile - 1) == 0 and tile_bytes // 2 < geo.tile * row <= tile_bytes
+        if geo.mma:
+            assert geo.tile == 16 * geo.threads // 32
+        else:
+            assert geo.tile * row <= decode.TILE_BYTES < 2 * geo.tile * row and geo.threads == decode.THREADS
+        assert geo.tile & (geo.tile - 1) == 0
         assert geo.smem_bytes == geo.stages * 2 * geo.tile * row + 4 * decode.IDS_WINDOW <= 227 * 1024
     assert f"kIdsWindow = {decode.IDS_WINDOW};" in source.text("decode.cu")
 
@@ -405,7 +421,7 @@ def test_every_supported_config_meets_the_kernel_static_asserts(short):
                 cfg = Config(dtype, h, 16, g)
                 geo = decode.geometry(cfg, short)
                 row_vecs = h * cfg.itemsize // 16
-                lane_groups = decode.THREADS // geo.lanes
+                lane_groups = geo.threads // geo.lanes
                 assert geo.lanes & (geo.lanes - 1) == 0 and geo.lanes <= 32
                 assert -(-row_vecs // geo.lanes) <= 4
                 assert geo.tile % lane_groups == 0

@@ -226,7 +226,7 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
         "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / copy_bw, "pct_stream": 100 * bw / stream_bw,
         "size_stream_us": size_us, "pct_size_stream": 100 * size_us / paged_us if size_us else None,
         "twin_us": twin_us, "paging_overhead_pct": 100 * (paged_us / twin_us - 1), "num_splits": plan.num_splits,
-        "lanes": geo.lanes, "stages": geo.stages, "tensor_cores": geo.mma,
+        "lanes": geo.lanes, "stages": geo.stages, "tensor_cores": geo.mma, "threads": geo.threads,
         "segment_tokens": plan.segment_tokens, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
         "paged_vs_twin_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes,
@@ -237,10 +237,10 @@ def run_case(cp, timer, name, repeats, copy_bw, stream_bw, l2_bytes, chunk, swee
 
 def table(rows, copy_bw, stream_bw):
     head = (f"{'case':<9} {'dtype':<8} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%strm':>6} {'twin us':>8} "
-            f"{'paging':>7} {'splits':>6} {'lanes':>5} {'valid us':>8} {'strm us':>8} {'%size':>6}  note")
+            f"{'paging':>7} {'splits':>6} {'lanes':>7} {'valid us':>8} {'strm us':>8} {'%size':>6}  note")
     lines = [f"ceilings: copy {copy_bw / 1e12:.2f} TB/s (read + written), stream {stream_bw / 1e12:.2f} TB/s; "
              f"pool chunks of {rows[0]['chunk_mib']} MiB; block order {rows[0]['order']}; "
-             f"geometry per case: lanes x stages, or mmaS (tensor cores, S stages); "
+             f"geometry per case: lanes x stages, or mmaS (tensor cores, S stages; /N: N threads a block, if not 128); "
              f"strm us: the streaming kernel over the case's own planes, %size: its time over the decode's; "
              f"block size {rows[0]['block_size']}"
              if rows else "",
@@ -250,9 +250,10 @@ def table(rows, copy_bw, stream_bw):
         if not r["paged_vs_twin_max_abs_diff"] < 1e-2:
             note += f" paged and twin disagree ({r['paged_vs_twin_max_abs_diff']})"
         geo = f"mma{r['stages']}" if r["tensor_cores"] else f"{r['lanes']}x{r['stages']}"
+        geo += f"/{r['threads']}" if r["threads"] != decode.THREADS else ""
         lines.append(f"{r['case']:<9} {r['dtype']:<8} {r['us']:8.1f} {r['tb_s']:6.2f} {r['pct_copy']:6.1f} "
                      f"{r['pct_stream']:6.1f} {r['twin_us']:8.1f} {r['paging_overhead_pct']:+6.1f}% "
-                     f"{r['num_splits']:6d} {geo:>5} {r['validate_us']:8.1f} "
+                     f"{r['num_splits']:6d} {geo:>7} {r['validate_us']:8.1f} "
                      + (f"{r['size_stream_us']:8.1f} {r['pct_size_stream']:6.1f}" if r["size_stream_us"]
                         else f"{'-':>8} {'-':>6}") + f"  {note}")
     sweeps = [r for r in rows if r["split_sweep_us"]]

@@ -3,12 +3,12 @@
     compute-sanitizer --tool memcheck  python3 tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck python3 tools/sanitize_kernels.py
 
-Write (with padding slots), decode unsplit (in both geometries), decode split
-with the last segment's merge (with empty segments), the contiguous twin, block copy, and validation (a good table, then a
-bad one refused), on the base configuration. CuPy's memory pool is switched off,
-so every array is its own exact-size allocation and a read one element past it
-is an error memcheck reports. Each result is also checked against its twin;
-exits non-zero on a mismatch.
+Write (with padding slots), decode unsplit and split with the last segment's merge
+(with empty segments), each in both geometries, the contiguous twin, block copy, and
+validation (a good table, then a bad one refused), on the base configuration. CuPy's
+memory pool is switched off, so every array is its own exact-size allocation and a
+read one element past it is an error memcheck reports. Each result is also checked
+against its twin; exits non-zero on a mismatch.
 """
 
 import math
@@ -76,7 +76,8 @@ def main():
     waves = decode.SHORT_WAVES
     for splits, short, name in ((1, False, "paged_decode unsplit"),
                                 (1, True, "paged_decode unsplit, short-segment geometry"),
-                                (12, False, "paged_decode split, merged by the last segment, empty segments")):
+                                (12, False, "paged_decode split, merged by the last segment, empty segments"),
+                                (12, True, "paged_decode split, short-segment geometry")):
         # the plan picks the short-segment geometry for many thread blocks; force it on this small case
         decode.SHORT_WAVES = 0 if short else waves
         out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=splits)

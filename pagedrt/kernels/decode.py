@@ -24,7 +24,7 @@ from .configs import config, sweep
 from .validate import check_block_tables
 
 FILE = "decode.cu"
-THREADS = 128                   # kDecodeThreads in decode.cu
+THREADS = 128                   # threads per block (but MMA_SHORT_THREADS in the short tensor-core geometry)
 STAGES = 4                      # cp.async pipeline depth
 TILE_BYTES = 8192               # bytes of K (and again of V) per pipeline stage
 LANE_FLOATS = 64                # floats of q and of the output a lane holds, over the group (see geometry)
@@ -33,7 +33,8 @@ SHORT_WAVES = 1                 # when there are more thread blocks than this ma
 SHORT_STAGES = 3                # its pipeline depth
 SHORT_LANE_FLOATS = 32          # its lane budget: half the registers, so more thread blocks per SM
 MMA_HEAD_DIMS = (64, 128)       # fp16/bf16 head dims run on tensor cores (a row is 8 or 16 16-byte chunks)
-MMA_TILE, MMA_STAGES = 64, 3    # 16 tokens per warp per tile
+MMA_STAGES = 3                  # tensor cores: 16 tokens per warp per tile
+MMA_SHORT_THREADS, MMA_SHORT_STAGES = 64, 3  # two warps, a 32-token tile: 4 blocks share an SM
 IDS_WINDOW = 256                # block ids staged in shared memory (kIdsWindow in decode.cu)
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
 UNEVEN = 1.5                    # longest / mean length above which a full batch is split anyway
@@ -50,6 +51,7 @@ class Geometry:
     stages: int
     smem_bytes: int  # dynamic shared memory per thread block: the pipeline's stages, then the staged ids
     mma: bool = False  # scores and weighted sums on tensor cores (mma.m16n8k16), a warp per 16 tokens
+    threads: int = THREADS
 
 
 def _pow2_floor(x):
@@ -57,7 +59,7 @@ def _pow2_floor(x):
 
 
 def geometry(cfg, short=False):
-    """How a thread block of THREADS threads cuts the work of a configuration.
+    """How a thread block cuts the work of a configuration.
 
     Lanes per token: the fewer, the fewer shuffles and the less softmax work repeated
     across lanes, but each lane then holds more dims of q and of the output for every
@@ -70,14 +72,18 @@ def geometry(cfg, short=False):
     -> 84.8%: benchmarks/results/h200-bench_decode-lanes16.txt). The split plan
     chooses it (:func:`plan_splits`).
 
-    fp16/bf16 at head_dim 64 or 128 run on tensor cores instead, in one geometry
-    (``short`` changes nothing): a warp per 16 tokens of a 64-token tile, 3 stages
-    (a tensor-core short geometry with 3 blocks per SM measured slower:
-    benchmarks/NOTES.md, v7).
+    fp16/bf16 at head_dim 64 or 128 run on tensor cores instead: a warp per 16 tokens
+    of a 64-token tile, 3 stages, 2 blocks per SM. Their short geometry has two warps
+    (a 32-token tile) and 3 stages of half the bytes, so 4 blocks share an SM with
+    the same bytes in flight, and each block's start is hidden by three others (on the
+    H200, b64, b128 and b256 0.3-2.0% faster; three 128-thread blocks of 2 stages
+    measured slower, one-warp blocks no faster: benchmarks/NOTES.md, v7 and v10).
     """
     row = cfg.head_dim * cfg.itemsize
     if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
-        return Geometry(32, MMA_TILE, MMA_STAGES, MMA_STAGES * 2 * MMA_TILE * row + 4 * IDS_WINDOW, True)
+        threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
+        tile = 16 * threads // 32
+        return Geometry(32, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW, True, threads)
     vec = 16 // cfg.itemsize
     row_vecs = cfg.head_dim // vec
     budget, stages = (SHORT_LANE_FLOATS, SHORT_STAGES) if short else (LANE_FLOATS, STAGES)
@@ -91,7 +97,7 @@ def kernel_name(cfg, paged, short=False):
     """The decode kernel's name expression for a configuration (in the short-segment geometry if ``short``)."""
     geo = geometry(cfg, short)
     return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
-            f"{'true' if paged else 'false'}, {geo.lanes}, {geo.tile}, {geo.stages}, "
+            f"{'true' if paged else 'false'}, {geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, "
             f"{'true' if geo.mma else 'false'}>")
 
 
@@ -127,18 +133,20 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
     Segments are whole tiles; splits the rounding left empty are dropped. A
     requested count is kept even if some segments are then empty. ``slots`` and
     ``tile`` are the standard geometry's; the plan then picks the short-segment
-    geometry when segments are at most SHORT_TILES tiles and the thread blocks
-    outnumber SHORT_WAVES waves: many short blocks, whose starts the extra resident
-    blocks hide (one wave of short segments, as long-1 split 32 ways, runs faster
-    in the standard geometry).
+    geometry when segments are at most SHORT_TILES tiles, the thread blocks
+    outnumber SHORT_WAVES waves and the lengths were not cut for unevenness: many
+    short blocks, whose starts the extra resident blocks hide (one wave of short
+    segments, as long-1 split 32 ways, runs faster in the standard geometry, and so
+    does the ``var`` case on tensor cores, by 0.8%: benchmarks/NOTES.md, v10).
     """
     units = batch * num_kv_heads
     min_tokens = max(1, MIN_SEGMENT_BYTES // bytes_per_token)
+    uneven = bool(mean_seq_len) and max_seq_len > UNEVEN * mean_seq_len
     if num_splits is not None:
         wanted = num_splits
     elif units < slots:
         wanted = max(1, min(slots // units, max_seq_len // min_tokens))
-    elif mean_seq_len and max_seq_len > UNEVEN * mean_seq_len:
+    elif uneven:
         wanted = -(-max_seq_len // max(min_tokens, int(mean_seq_len) // 4))
     else:
         wanted = 1
@@ -146,7 +154,8 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
     segment = -(-segment // tile) * tile
     if num_splits is None:
         wanted = -(-max_seq_len // segment)
-    return Plan(wanted, segment, segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * slots)
+    short = segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * slots and not uneven
+    return Plan(wanted, segment, short)
 
 
 # --- device launch ------------------------------------------------------------------
@@ -164,7 +173,7 @@ def _kernels(cfg, paged, short, device_id):
     fn = source.function(FILE, kernel_name(cfg, paged, short))
     geo = geometry(cfg, short)
     fn.max_dynamic_shared_size_bytes = geo.smem_bytes
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, THREADS, geo.smem_bytes)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, geo.threads, geo.smem_bytes)
     return _Kernels(fn, geo, max(1, per_sm) * multiprocessors(device_id))
 
 
@@ -201,7 +210,7 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
         stream = cupy.cuda.get_current_stream().ptr
         part_o, part_ml, arrivals = (ptr(a) for a in _workspace(device, stream, batch * q_heads, plan.num_splits,
                                                                  head_dim))
-    kern.decode((kv_heads, batch, plan.num_splits), (THREADS,),
+    kern.decode((kv_heads, batch, plan.num_splits), (kern.geometry.threads,),
                 (ptr(q), k_base, v_base, np.int64(block_stride), *table_args, np.int32(max_blocks),
                  ptr(seq_lens), np.float32(scale * LOG2E), np.int32(plan.segment_tokens), ptr(out),
                  part_o, part_ml, arrivals),
