@@ -76,7 +76,7 @@ def geometry(cfg, short=False):
     of a 64-token tile, 3 stages, 2 blocks per SM. Their short geometry has two warps
     (a 32-token tile) and 3 stages of half the bytes, so 4 blocks share an SM with
     the same bytes in flight, and each block's start is hidden by three others (on the
-    H200, b64, b128 and b256 0.3-2.0% faster; three 128-thread blocks of 2 stages
+    H200, b64, b128 and b256 0.2-2.3% faster; three 128-thread blocks of 2 stages
     measured slower, one-warp blocks no faster: benchmarks/NOTES.md, v7 and v10).
     """
     row = cfg.head_dim * cfg.itemsize
@@ -137,7 +137,7 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, slots, 
     outnumber SHORT_WAVES waves and the lengths were not cut for unevenness: many
     short blocks, whose starts the extra resident blocks hide (one wave of short
     segments, as long-1 split 32 ways, runs faster in the standard geometry, and so
-    does the ``var`` case on tensor cores, by 0.8%: benchmarks/NOTES.md, v10).
+    does the ``var`` case on tensor cores, by 0.7-1.1%: benchmarks/NOTES.md, v10).
     """
     units = batch * num_kv_heads
     min_tokens = max(1, MIN_SEGMENT_BYTES // bytes_per_token)
