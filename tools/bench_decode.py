@@ -31,8 +31,7 @@ Experiments only (the standard figures use neither): ``--order sequential`` give
 each sequence consecutive block ids, to separate the cost of scattered blocks from
 that of reading the table; ``--block-size`` changes the block size (the standard
 is 16); ``--memory cudamalloc`` puts the paged planes in plain
-cudaMalloc memory instead of the pool (the twin's memory); ``--stages`` and ``--tile-bytes`` override the decode
-pipeline's depth and stage size.
+cudaMalloc memory instead of the pool (the twin's memory).
 """
 
 import argparse
@@ -279,10 +278,7 @@ def main():
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the standard cases use 16)")
     ap.add_argument("--memory", choices=("pool", "cudamalloc"), default="pool",
                     help="where the paged planes live: a pagedrt Pool (standard) or plain cudaMalloc memory")
-    ap.add_argument("--stages", type=int, default=decode.STAGES, help="decode pipeline depth")
-    ap.add_argument("--tile-bytes", type=int, default=decode.TILE_BYTES, help="K bytes per pipeline stage")
     args = ap.parse_args()
-    decode.STAGES, decode.TILE_BYTES = args.stages, args.tile_bytes
     sweep = [int(n) for n in args.splits.split(",") if n]
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
