@@ -40,28 +40,31 @@ def array_module(**arrays):
 
 
 def check(condition, message):
+    """Raise LaunchArgumentError unless ``condition``. ``message`` is a string, or a callable that
+    builds one: launchers run these checks on every call, and formatting a message (dtype names
+    above all) cost more host time than the launch itself (``tools/bench_launch.py``)."""
     if not condition:
-        raise LaunchArgumentError(message)
+        raise LaunchArgumentError(message() if callable(message) else message)
 
 
 def c_contiguous(name, a, ndim):
-    check(a.ndim == ndim, f"{name} must be {ndim}-D, got shape {a.shape}")
-    check(a.flags.c_contiguous, f"{name} (shape {a.shape}, strides {a.strides}) must be C-contiguous: "
-                                f"pass {name}.copy() or an array made contiguous")
+    check(a.ndim == ndim, lambda: f"{name} must be {ndim}-D, got shape {a.shape}")
+    check(a.flags.c_contiguous, lambda: f"{name} (shape {a.shape}, strides {a.strides}) must be C-contiguous: "
+                                        f"pass {name}.copy() or an array made contiguous")
 
 
 def int_array(name, a, dtype, ndim):
-    check(a.dtype == dtype, f"{name} must be {np.dtype(dtype).name}, got {a.dtype}: convert with "
-                            f"{name}.astype({np.dtype(dtype).name})")
-    check(a.ndim == ndim, f"{name} must be {ndim}-D, got shape {a.shape}")
+    check(a.dtype == dtype, lambda: f"{name} must be {np.dtype(dtype).name}, got {a.dtype}: convert with "
+                                    f"{name}.astype({np.dtype(dtype).name})")
+    check(a.ndim == ndim, lambda: f"{name} must be {ndim}-D, got shape {a.shape}")
 
 
 def positive_int(name, value, upper=None):
     if value is None:
         return None
     check(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1,
-          f"{name} must be a positive int, got {value!r}")
-    check(upper is None or value <= upper, f"{name}={value} exceeds its limit {upper}")
+          lambda: f"{name} must be a positive int, got {value!r}")
+    check(upper is None or value <= upper, lambda: f"{name}={value} exceeds its limit {upper}")
     return int(value)
 
 
@@ -82,32 +85,33 @@ class Plane:
 
 def plane(name, a):
     """Check a plane's layout (HND blocks, any block stride >= a block, 16-byte multiple) and describe it."""
-    check(a.ndim == 4, f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_dim], got shape {a.shape}")
+    check(a.ndim == 4,
+          lambda: f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_dim], got shape {a.shape}")
     n, h, b, d = (int(x) for x in a.shape)
-    check(min(n, h, b, d) >= 1, f"{name} has an empty dimension: shape {a.shape}")
+    check(min(n, h, b, d) >= 1, lambda: f"{name} has an empty dimension: shape {a.shape}")
     size = a.itemsize
     inner = (h * b * d * size, b * d * size, d * size, size)
     check(tuple(a.strides[1:]) == inner[1:],
-          f"{name} must be C-contiguous inside a block (strides [..., {inner[1]}, {inner[2]}, {inner[3]}] "
-          f"bytes), got strides {a.strides}: a plane is [blocks, kv heads, slots, head_dim] with only the "
-          "block stride free")
+          lambda: f"{name} must be C-contiguous inside a block (strides [..., {inner[1]}, {inner[2]}, {inner[3]}] "
+                  f"bytes), got strides {a.strides}: a plane is [blocks, kv heads, slots, head_dim] with only the "
+                  "block stride free")
     stride = a.strides[0]
     check(stride >= inner[0] and stride % 16 == 0,
-          f"{name} has block stride {stride} bytes: it must be at least one block ({inner[0]} bytes) "
-          "and a multiple of 16 bytes")
+          lambda: f"{name} has block stride {stride} bytes: it must be at least one block ({inner[0]} bytes) "
+                  "and a multiple of 16 bytes")
     return Plane(n, h, b, d, stride // size)
 
 
 def same_plane(name_a, a, pa, name_b, b, pb):
-    check(a.dtype == b.dtype, f"{name_a} is {a.dtype} but {name_b} is {b.dtype}: they must match")
-    check(pa == pb, f"{name_a} {a.shape} (block stride {pa.block_stride}) and {name_b} {b.shape} "
-                    f"(block stride {pb.block_stride}) must have the same shape and block stride")
+    check(a.dtype == b.dtype, lambda: f"{name_a} is {a.dtype} but {name_b} is {b.dtype}: they must match")
+    check(pa == pb, lambda: f"{name_a} {a.shape} (block stride {pa.block_stride}) and {name_b} {b.shape} "
+                            f"(block stride {pb.block_stride}) must have the same shape and block stride")
 
 
 def aligned(name, a):
     """Device pointers are read in 16-byte vectors."""
-    check(a.data.ptr % 16 == 0, f"{name} starts at {a.data.ptr:#x}, not 16-byte aligned: pass an array "
-                                "whose data starts on a 16-byte boundary (e.g. a fresh copy)")
+    check(a.data.ptr % 16 == 0, lambda: f"{name} starts at {a.data.ptr:#x}, not 16-byte aligned: pass an array "
+                                        "whose data starts on a 16-byte boundary (e.g. a fresh copy)")
 
 
 def ptr(a):

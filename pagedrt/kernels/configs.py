@@ -6,6 +6,7 @@ alone, plus the heaviest group for every dtype x head_dim (registers and shared
 memory grow with the group). The CI compile check and the GPU tests both use it.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +38,11 @@ class Config:
 BASE = Config("float16", 128, 16, 4)
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_name(dtype):
-    """The supported name of a NumPy/CuPy dtype ("float16", "bfloat16", "float32"), else raise."""
+    """The supported name of a NumPy/CuPy dtype ("float16", "bfloat16", "float32"), else raise.
+
+    Cached, as :func:`config` is: NumPy takes microseconds to name a dtype, and launchers ask on every call."""
     name = np.dtype(dtype).name
     if name not in CUDA_TYPES:
         raise UnsupportedConfigError(
@@ -53,6 +57,7 @@ def _check(what, value, supported):
             f"{what}={value} is not supported: use one of {', '.join(map(str, supported))}")
 
 
+@functools.lru_cache(maxsize=None)
 def config(dtype, head_dim, block_size, group):
     """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value."""
     name = dtype_name(dtype)

@@ -31,8 +31,8 @@ def copy_blocks(planes, pairs):
     block_bytes = layouts[0].block_elems * planes[0].itemsize
     for n, p, lay in zip(names, planes, layouts):
         check(p.strides[0] == planes[0].strides[0] and lay.block_elems * p.itemsize == block_bytes,
-              f"{n} has block stride {p.strides[0]} and block size {lay.block_elems * p.itemsize} bytes but "
-              f"planes[0] has {planes[0].strides[0]} and {block_bytes}: all planes must share both")
+              lambda: f"{n} has block stride {p.strides[0]} and block size {lay.block_elems * p.itemsize} bytes but "
+                      f"planes[0] has {planes[0].strides[0]} and {block_bytes}: all planes must share both")
     pairs = _host_pairs(pairs, min(lay.num_blocks for lay in layouts))
     if xp is np:
         copy_blocks_reference(planes, pairs)
@@ -59,7 +59,7 @@ def _host_pairs(pairs, num_blocks):
     if host.size == 0:
         return np.zeros((0, 2), np.int64)
     check(host.ndim == 2 and host.shape[1] == 2 and host.dtype.kind in "iu",
-          f"pairs must be integers [n, 2] (src, dst), got {host.dtype} {host.shape}")
+          lambda: f"pairs must be integers [n, 2] (src, dst), got {host.dtype} {host.shape}")
     host = host.astype(np.int64)
     bad = np.flatnonzero(((host < 0) | (host >= num_blocks)).any(axis=1))
     if bad.size:
@@ -70,8 +70,8 @@ def _host_pairs(pairs, num_blocks):
     _, counts = np.unique(dst, return_counts=True)
     check(counts.max() == 1, "pairs copy into the same destination twice: each destination once")
     both = np.intersect1d(src, dst)
-    check(both.size == 0, f"block {int(both[0]) if both.size else -1} is both a source and a destination: "
-                          "split the copy into two calls so its order is defined")
+    check(both.size == 0, lambda: f"block {int(both[0])} is both a source and a destination: "
+                                  "split the copy into two calls so its order is defined")
     return host
 
 

@@ -203,7 +203,7 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
     device = cupy.cuda.Device().id
     plan = _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len)
     kern = _kernels(cfg, paged, plan.short, device)
-    check(plan.num_splits <= MAX_GRID_YZ, f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
+    check(plan.num_splits <= MAX_GRID_YZ, lambda: f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
     if plan.num_splits == 1:
         part_o = part_ml = arrivals = NULL
     else:
@@ -222,17 +222,17 @@ def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, s
 def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len):
     """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len)."""
     batch, q_heads, q_dim = (int(x) for x in q.shape)
-    check(q.dtype == dtype, f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
-    check(q_dim == head_dim, f"q has head_dim {q_dim} but the K/V cache has {head_dim}")
-    check(q_heads % kv_heads == 0, f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
+    check(q.dtype == dtype, lambda: f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
+    check(q_dim == head_dim, lambda: f"q has head_dim {q_dim} but the K/V cache has {head_dim}")
+    check(q_heads % kv_heads == 0, lambda: f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
     cfg = config(dtype, head_dim, block_size, q_heads // kv_heads)
-    check(batch <= MAX_GRID_YZ, f"batch {batch} exceeds {MAX_GRID_YZ}: split the batch")
+    check(batch <= MAX_GRID_YZ, lambda: f"batch {batch} exceeds {MAX_GRID_YZ}: split the batch")
     if out is not None:
         c_contiguous("out", out, 3)
         check(out.shape == q.shape and out.dtype == q.dtype,
-              f"out must be {q.dtype} of q's shape {q.shape}, got {out.dtype} {out.shape}")
+              lambda: f"out must be {q.dtype} of q's shape {q.shape}, got {out.dtype} {out.shape}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    check(math.isfinite(scale), f"scale must be finite, got {scale}")
+    check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
     positive_int("num_splits", num_splits, MAX_GRID_YZ)
     max_seq_len = positive_int("max_seq_len", max_seq_len, capacity) or capacity
     return cfg, scale, max_seq_len
@@ -241,7 +241,7 @@ def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, ca
 def _lens(seq_lens, batch):
     int_array("seq_lens", seq_lens, np.int32, 1)
     check(seq_lens.shape[0] == batch and seq_lens.flags.c_contiguous,
-          f"seq_lens must be contiguous with one length per query row ({batch}), got shape {seq_lens.shape}")
+          lambda: f"seq_lens must be contiguous with one length per query row ({batch}), got shape {seq_lens.shape}")
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
@@ -266,18 +266,18 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out
     int_array("block_tables", block_tables, np.int32, 2)
     width = int(block_tables.shape[1])
     check(block_tables.shape[0] == q.shape[0],
-          f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
+          lambda: f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
     check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
-          f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have contiguous "
-          "columns and rows at least a row apart")
+          lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have contiguous "
+                  "columns and rows at least a row apart")
     cfg, scale, max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size, out,
                                       scale, num_splits, width * pk.block_size, max_seq_len)
     _lens(seq_lens, q.shape[0])
     if block_mask is not None:
         check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
               and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
-              f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per block), "
-              f"got {block_mask.dtype} {block_mask.shape}")
+              lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per block), "
+                      f"got {block_mask.dtype} {block_mask.shape}")
     if xp is np:
         check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
         result = paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -309,9 +309,9 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=Non
     for name, a in (("k", k), ("v", v)):
         c_contiguous(name, a, 5)
     check(k.shape == v.shape and k.dtype == v.dtype,
-          f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must have the same shape and dtype")
+          lambda: f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must have the same shape and dtype")
     batch, max_blocks, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
-    check(q.shape[0] == batch, f"k holds {batch} sequences but q has {q.shape[0]}")
+    check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
     cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, out, scale, num_splits,
                                       max_blocks * block_size, max_seq_len)
     _lens(seq_lens, batch)

@@ -34,14 +34,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
     for name, a in (("k", k), ("v", v)):
         c_contiguous(name, a, 3)
         check(a.dtype == k_cache.dtype and a.shape[1:] == (pk.num_kv_heads, pk.head_dim),
-              f"{name} must be {k_cache.dtype} [num_tokens, {pk.num_kv_heads}, {pk.head_dim}] to match the "
-              f"cache, got {a.dtype} {a.shape}")
-    check(k.shape == v.shape, f"k {k.shape} and v {v.shape} must have the same shape")
+              lambda: f"{name} must be {k_cache.dtype} [num_tokens, {pk.num_kv_heads}, {pk.head_dim}] to match the "
+                      f"cache, got {a.dtype} {a.shape}")
+    check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must have the same shape")
     cfg = config(k_cache.dtype, pk.head_dim, pk.block_size, 1)
     int_array("slot_mapping", slot_mapping, np.int64, 1)
     num_tokens = int(k.shape[0])
     check(slot_mapping.shape[0] == num_tokens and slot_mapping.flags.c_contiguous,
-          f"slot_mapping must be contiguous with one slot per token ({num_tokens}), got {slot_mapping.shape}")
+          lambda: f"slot_mapping must be contiguous with one slot per token ({num_tokens}), got {slot_mapping.shape}")
     capacity = pk.num_blocks * pk.block_size
     if xp is np:
         check_slots(slot_mapping, capacity)
