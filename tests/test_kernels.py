@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from pagedrt import Pool
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
-from pagedrt.kernels import (contiguous_decode, copy_blocks, instances, merge_partials_reference, paged_decode,
-                             plan_splits, write_kv)
+from pagedrt.kernels import (DecodePlan, contiguous_decode, copy_blocks, instances, merge_partials_reference,
+                             paged_decode, plan_splits, write_kv)
 from pagedrt import source
 from pagedrt.kernels import configs, decode
 from pagedrt.kernels.configs import BASE, Config
@@ -228,6 +228,45 @@ def test_decode_argument_errors(case, mutate, error, words):
     args.update(mutate(case))
     with pytest.raises(error, match=words):
         paged_decode(**args)
+    assert (out == 7).all()
+
+
+def two_layers(case):
+    """The case's planes for layers 0 and 1; layer 0 holds -0.5 x layer 1 (NaN where layer 1 is NaN)."""
+    case.buffer[:, :, 0] = (case.buffer[:, :, 1].astype(np.float32) * -0.5).astype(case.buffer.dtype)
+    return [(case.buffer[:, 0, layer], case.buffer[:, 1, layer]) for layer in (0, 1)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_plan_runs_each_layer_as_paged_decode_does(case, num_splits):
+    planes = two_layers(case)
+    plan = DecodePlan(case.q, planes[0][0], case.table, case.lens, num_splits=num_splits)
+    outs = []
+    for k, v in planes:
+        out = np.full(case.q.shape, 7, case.q.dtype)
+        assert plan.run(case.q, k, v, out=out) is out
+        assert np.array_equal(out, paged_decode(case.q, k, v, case.table, case.lens, num_splits=num_splits))
+        outs.append(out)
+    assert np.isfinite(outs[0].astype(np.float32)).all() and not np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda c: dict(v_cache=c.v.tolist()), "NumPy or CuPy"),
+    (lambda c: dict(q=c.q.astype(np.float32)), "q must be"),
+    (lambda c: dict(q=c.q[:2].copy()), "q must be"),
+    (lambda c: dict(q=np.asfortranarray(c.q)), "q must be"),
+    (lambda c: dict(k_cache=c.k.copy()), "must match the plan's K plane"),  # same shape, another block stride
+    (lambda c: dict(v_cache=c.v[:-1]), "same shape and block stride"),
+    (lambda c: dict(v_cache=c.v.astype(np.float32)), "must match"),
+    (lambda c: dict(out=np.empty((3, 8, 64), c.q.dtype)), "out must be"),
+])
+def test_plan_run_refuses_arrays_unlike_the_plans(case, mutate, words):
+    plan = DecodePlan(case.q, case.k, case.table, case.lens)
+    out = np.full(case.q.shape, 7, case.q.dtype)
+    args = dict(q=case.q, k_cache=case.k, v_cache=case.v, out=out)
+    args.update(mutate(case))
+    with pytest.raises(LaunchArgumentError, match=words):
+        plan.run(**args)
     assert (out == 7).all()
 
 

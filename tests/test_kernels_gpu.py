@@ -11,7 +11,7 @@ import pytest
 
 from pagedrt import Pool
 from pagedrt.errors import BlockTableError, LaunchArgumentError
-from pagedrt.kernels import (contiguous_decode, copy_blocks, copy_blocks_reference, paged_decode,
+from pagedrt.kernels import (DecodePlan, contiguous_decode, copy_blocks, copy_blocks_reference, paged_decode,
                              paged_decode_reference, write_kv, write_kv_reference)
 from pagedrt import source
 from pagedrt.kernels import configs, copy, decode, validate, write
@@ -133,6 +133,33 @@ def test_split_workspace_is_never_read_stale_and_its_counts_reset():
         case.lens[:] = [1, 5000, 17, 300]
         dev.lens = cupy.asarray(case.lens)
     assert not arrivals.any()
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_plan_runs_every_layer_and_keeps_to_its_stream(num_splits):
+    """One DecodePlan, run per layer, equals the float64 twin per layer; a split plan refuses another stream."""
+    import cupy
+    case = Case(BASE, [5000, 17, 300], seed=13)
+    case.buffer[:, :, 0] = (case.buffer[:, :, 1].astype(np.float32) * -0.5).astype(case.buffer.dtype)
+    buffer = cupy.asarray(case.buffer)
+    q, table, lens = cupy.asarray(case.q), cupy.asarray(case.table), cupy.asarray(case.lens)
+    plan = DecodePlan(q, buffer[:, 0, 0], table, lens, num_splits=num_splits)
+    for layer in (0, 1):
+        out = poisoned(case.q.shape, case.q.dtype)
+        assert plan.run(q, buffer[:, 0, layer], buffer[:, 1, layer], out=out) is out
+        ref = paged_decode_reference(case.q.astype(np.float64), case.buffer[:, 0, layer], case.buffer[:, 1, layer],
+                                     case.table, case.lens)
+        assert rel_error(to_host(out), ref) <= TOLERANCE[BASE.dtype]
+    with cupy.cuda.Stream():
+        out = poisoned(case.q.shape, case.q.dtype)
+        if num_splits > 1:
+            with pytest.raises(LaunchArgumentError, match="stream"):
+                plan.run(q, buffer[:, 0, 1], buffer[:, 1, 1], out=out)
+            assert cupy.isnan(out).all()
+        else:  # an unsplit plan has no workspace: any stream
+            plan.run(q, buffer[:, 0, 1], buffer[:, 1, 1], out=out)
+            cupy.cuda.get_current_stream().synchronize()
+            assert rel_error(to_host(out), ref) <= TOLERANCE[BASE.dtype]
 
 
 def test_planes_in_a_cuda_pool():

@@ -13,8 +13,9 @@ The standard decode shape (fp16, 32 query heads, 8 KV heads, head_dim 128, block
 Block tables are a seeded random permutation of the cache's blocks (the same for
 every layer: a block id names the same tokens in every layer). Per case and
 placement: the GPU time of one step (32 layers' paged_decode, validate=False)
-launched from Python and replayed as a CUDA graph (CUDA events, median), the
-host time to launch the 32 layers, and the bandwidth per layer against a
+launched from Python, the same step as one DecodePlan run per layer, and the
+first replayed as a CUDA graph (CUDA events, median), the host time to launch
+the 32 layers either way, and the bandwidth per layer against a
 read-only streaming ceiling measured in the same run.
 """
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedrt.cache import PagedKVCache  # noqa: E402
 from pagedrt import source  # noqa: E402
-from pagedrt.kernels import paged_decode  # noqa: E402
+from pagedrt.kernels import DecodePlan, paged_decode  # noqa: E402
 from timing import event_seconds  # noqa: E402  (tools/timing.py)
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 32, 8, 128, 16
@@ -81,24 +82,34 @@ def run(cp, case, placement, chunk, repeats):
                 paged_decode(q[layer], planes[0][layer], planes[1][layer], table, lens, out=out[layer],
                              validate=False)
 
+        def planned_step():
+            plan = DecodePlan(q[0], planes[0][0], table, lens, validate=False)
+            for layer in range(LAYERS):
+                plan.run(q[layer], planes[0][layer], planes[1][layer], out=out[layer])
+
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             step()  # compile, plan and workspace on this stream before capture
             stream.synchronize()
-            launch_s = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                step()
-                launch_s.append(time.perf_counter() - t)
-                stream.synchronize()
+            launch_us = {}
+            for name, fn in (("plain", step), ("planned", planned_step)):
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
+                    stream.synchronize()
+                launch_us[name] = statistics.median(times) * 1e6
             plain_ms = 1e3 * event_seconds(cp, step, repeats)
+            planned_ms = 1e3 * event_seconds(cp, planned_step, repeats)
             stream.begin_capture()
             step()
             graph = stream.end_capture()
             graph_ms = 1e3 * event_seconds(cp, lambda: graph.launch(stream), repeats)
         kv_bytes = 2 * batch * length * KV_HEADS * HEAD_DIM * 2
         moved = LAYERS * (kv_bytes + 2 * batch * Q_HEADS * HEAD_DIM * 2)
-        return {"plain_ms": plain_ms, "graph_ms": graph_ms, "launch_us": statistics.median(launch_s) * 1e6,
+        return {"plain_ms": plain_ms, "planned_ms": planned_ms, "graph_ms": graph_ms,
+                "launch_us": launch_us["plain"], "planned_launch_us": launch_us["planned"],
                 "graph_bw": moved / (graph_ms * 1e-3), "chunk_mib": cache.pool.chunk_bytes // MiB,
                 "block_stride": cache.layout.block_stride_bytes}
 
@@ -112,19 +123,19 @@ def main():
     import cupy as cp
     ceiling = stream_ceiling(cp)
     print(f"stream ceiling {ceiling / 1e12:.2f} TB/s; {LAYERS} layers, fp16, 32/8 heads x 128, block 16")
-    head = (f"{'case':<7} {'placement':<9} {'stride':>9} {'chunk':>6} | {'launched ms':>11} {'graph ms':>9} "
-            f"{'launch us':>9} | {'TB/s':>5} {'%strm':>6}")
+    head = (f"{'case':<7} {'placement':<9} {'stride':>9} {'chunk':>6} | {'launched ms':>11} {'planned ms':>10} "
+            f"{'graph ms':>9} {'launch us':>9} {'planned us':>10} | {'TB/s':>5} {'%strm':>6}")
     print(head + "\n" + "-" * len(head))
     for case in args.cases.split(","):
         for placement in ("plane", "block"):
             r = run(cp, case, placement, args.chunk_mib * MiB, args.repeats)
             print(f"{case:<7} {placement:<9} {r['block_stride']:>9} {r['chunk_mib']:>4}Mi | {r['plain_ms']:>11.3f} "
-                  f"{r['graph_ms']:>9.3f} {r['launch_us']:>9.0f} | {r['graph_bw'] / 1e12:>5.2f} "
-                  f"{100 * r['graph_bw'] / ceiling:>6.1f}")
+                  f"{r['planned_ms']:>10.3f} {r['graph_ms']:>9.3f} {r['launch_us']:>9.0f} "
+                  f"{r['planned_launch_us']:>10.0f} | {r['graph_bw'] / 1e12:>5.2f} {100 * r['graph_bw'] / ceiling:>6.1f}")
             cp.get_default_memory_pool().free_all_blocks()
-    print("launched: 32 paged_decode calls from Python per step; graph: the same step captured once and "
-          "replayed;\nlaunch us: host time to issue the 32 calls; TB/s and %strm: the graph's K/V + q + out "
-          "bytes per second")
+    print("launched: 32 paged_decode calls from Python per step; planned: one DecodePlan per step, run for "
+          "each layer;\ngraph: the launched step captured once and replayed; launch us, planned us: host time "
+          "to issue one step;\nTB/s and %strm: the graph's K/V + q + out bytes per second")
 
 
 if __name__ == "__main__":

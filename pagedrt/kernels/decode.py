@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import source
 from .args import (NULL, aligned, array_module, c_contiguous, check, int_array, multiprocessors, plane,
-                   positive_int, ptr, same_plane)
+                   positive_int, ptr)
 from .configs import config, sweep
 from .validate import check_block_tables
 
@@ -195,26 +195,38 @@ def _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len=No
                        kern.slots, num_splits, mean_seq_len)
 
 
-def _launch(q, k_base, v_base, block_stride, table_args, max_blocks, seq_lens, scale, out, cfg, paged,
-            max_seq_len, num_splits, mean_seq_len):
+@dataclass(frozen=True)
+class _Launch:
+    """A decode launch but for its per-layer pointers: q, the K and V planes (or twins), out."""
+    kernel: object
+    grid: tuple
+    threads: tuple
+    smem: int
+    middle: tuple  # the arguments between v and out: block stride ... segment_tokens
+    tail: tuple    # the split workspace (part_o, part_ml, arrivals), or nulls
+    stream: object  # the stream (pointer) whose workspace ``tail`` holds; None when unsplit (any stream will do)
+
+    def __call__(self, q, k, v, out):
+        self.kernel(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail), shared_mem=self.smem)
+
+
+def _prepare(batch, q_heads, cfg, paged, block_stride, table_args, max_blocks, seq_lens, scale, max_seq_len,
+             num_splits, mean_seq_len):
+    """The split plan, the kernel and the workspace of a launch (on the current device and stream)."""
     import cupy
-    batch, q_heads, head_dim = q.shape
     kv_heads = q_heads // cfg.group
     device = cupy.cuda.Device().id
     plan = _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len)
     kern = _kernels(cfg, paged, plan.short, device)
     check(plan.num_splits <= MAX_GRID_YZ, lambda: f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
-    if plan.num_splits == 1:
-        part_o = part_ml = arrivals = NULL
-    else:
+    stream, tail = None, (NULL, NULL, NULL)
+    if plan.num_splits > 1:
         stream = cupy.cuda.get_current_stream().ptr
-        part_o, part_ml, arrivals = (ptr(a) for a in _workspace(device, stream, batch * q_heads, plan.num_splits,
-                                                                 head_dim))
-    kern.decode((kv_heads, batch, plan.num_splits), (kern.geometry.threads,),
-                (ptr(q), k_base, v_base, np.int64(block_stride), *table_args, np.int32(max_blocks),
-                 ptr(seq_lens), np.float32(scale * LOG2E), np.int32(plan.segment_tokens), ptr(out),
-                 part_o, part_ml, arrivals),
-                shared_mem=kern.geometry.smem_bytes)
+        tail = tuple(ptr(a) for a in _workspace(device, stream, batch * q_heads, plan.num_splits, cfg.head_dim))
+    middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), ptr(seq_lens),
+              np.float32(scale * LOG2E), np.int32(plan.segment_tokens))
+    return _Launch(kern.decode, (kv_heads, batch, plan.num_splits), (kern.geometry.threads,),
+                   kern.geometry.smem_bytes, middle, tail, stream)
 
 
 # --- public launchers -----------------------------------------------------------------
@@ -244,6 +256,96 @@ def _lens(seq_lens, batch):
           lambda: f"seq_lens must be contiguous with one length per query row ({batch}), got shape {seq_lens.shape}")
 
 
+class DecodePlan:
+    """One decode step's attention launch, prepared once and run for every layer (a plan/run split).
+
+    ``DecodePlan(q, k_cache, block_tables, seq_lens, ...)`` does the per-step work:
+    it checks the shapes, the table and the lengths (with ``validate``, on the device,
+    once), picks the split plan and the kernel, and binds the split workspace of the
+    current stream. :meth:`run` then attends for one layer: its q, K and V planes
+    and out must have the shape, dtype and plane layout of the q and K plane the
+    plan was made with. ``run`` costs about a third of the host time of
+    :func:`paged_decode`, which is a plan and one run (benchmarks/NOTES.md, "The
+    other overheads"). A plan reads ``block_tables`` and ``seq_lens`` when each run
+    executes: it belongs to the step whose tables and lengths it checked; make a new
+    one when they change. Arguments are those of :func:`paged_decode`.
+    """
+
+    def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
+                 mean_seq_len=None, block_mask=None, validate=True):
+        xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
+                          block_mask=block_mask)
+        c_contiguous("q", q, 3)
+        pk = plane("k_cache", k_cache)
+        int_array("block_tables", block_tables, np.int32, 2)
+        width = int(block_tables.shape[1])
+        check(block_tables.shape[0] == q.shape[0],
+              lambda: f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
+        check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
+              lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
+                      "contiguous columns and rows at least a row apart")
+        cfg, self.scale, self.max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size,
+                                                    None, scale, num_splits, width * pk.block_size, max_seq_len)
+        _lens(seq_lens, q.shape[0])
+        if block_mask is not None:
+            check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
+                  and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
+                  lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
+                          f"block), got {block_mask.dtype} {block_mask.shape}")
+        if xp is np or validate:
+            check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
+        self._type, self._q, self._plane = type(q), (q.shape, q.dtype), (k_cache.shape, k_cache.strides, k_cache.dtype)
+        self._tables, self._lens, self._num_splits = block_tables, seq_lens, num_splits
+        self._launch = None
+        if xp is not np:
+            aligned("k_cache", k_cache)
+            self._device = q.device.id
+            if q.shape[0]:
+                self._launch = _prepare(q.shape[0], q.shape[1], cfg, True, pk.block_stride,
+                                        (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width,
+                                        seq_lens, self.scale, self.max_seq_len, num_splits, mean_seq_len)
+
+    def run(self, q, k_cache, v_cache, out=None):
+        """Attention of ``q`` over one layer's planes, through the plan's tables; returns ``out``."""
+        kind = self._type
+        check(type(q) is kind and type(k_cache) is kind and type(v_cache) is kind
+              and (out is None or type(out) is kind),
+              lambda: f"q, k_cache, v_cache and out must be {kind.__module__}.{kind.__name__}s, as the plan's: "
+                      "NumPy or CuPy arrays, not a mix")
+        shape, dtype = self._q
+        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
+              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check((a.shape, a.strides, a.dtype) == self._plane,
+                  lambda: f"{name} ({a.dtype}, shape {a.shape}, strides {a.strides}) must match the plan's K plane "
+                          f"({self._plane[2]}, shape {self._plane[0]}, strides {self._plane[1]}): planes of the same "
+                          "shape and block stride")
+        if out is not None:
+            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
+                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
+        if kind is np.ndarray:
+            result = paged_decode_reference(q, k_cache, v_cache, self._tables, self._lens, self.scale,
+                                            num_splits=self._num_splits or 1, max_seq_len=self.max_seq_len)
+            return _store(result, out)
+        import cupy
+        launch = self._launch
+        check(cupy.cuda.Device().id == self._device and all(a.device.id == self._device for a in
+                                                             (q, k_cache, v_cache, out) if a is not None),
+              lambda: f"the plan was made on device {self._device}: run it there, with arrays on that device")
+        check(launch is None or launch.stream is None or launch.stream == cupy.cuda.get_current_stream().ptr,
+              lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
+                      "run it on that stream, or make a plan per stream")
+        out = cupy.empty_like(q) if out is None else out
+        arrays = (q, k_cache, v_cache, out)
+        pointers = [a.data.ptr for a in arrays]
+        if any(p % 16 for p in pointers):
+            for name, a in zip(("q", "k_cache", "v_cache", "out"), arrays):
+                aligned(name, a)
+        if launch is not None:
+            launch(*(np.uint64(p) for p in pointers))
+        return out
+
+
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
                  max_seq_len=None, mean_seq_len=None, block_mask=None, validate=True):
     """Attention of one query token per sequence over its paged K/V; returns ``out``.
@@ -256,44 +358,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out
     the cache does) size the split plan (and so the geometry) only.
     ``validate`` checks lengths and every used block id (against ``block_mask`` too,
     when given) on the device first, at the cost of one small device-to-host read;
-    NumPy inputs are always checked.
+    NumPy inputs are always checked. For many layers over the same tables, make one
+    :class:`DecodePlan` and run it per layer.
     """
-    xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-                      out=out, block_mask=block_mask)
-    c_contiguous("q", q, 3)
-    pk, pv = plane("k_cache", k_cache), plane("v_cache", v_cache)
-    same_plane("k_cache", k_cache, pk, "v_cache", v_cache, pv)
-    int_array("block_tables", block_tables, np.int32, 2)
-    width = int(block_tables.shape[1])
-    check(block_tables.shape[0] == q.shape[0],
-          lambda: f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
-    check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
-          lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have contiguous "
-                  "columns and rows at least a row apart")
-    cfg, scale, max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size, out,
-                                      scale, num_splits, width * pk.block_size, max_seq_len)
-    _lens(seq_lens, q.shape[0])
-    if block_mask is not None:
-        check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
-              and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
-              lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per block), "
-                      f"got {block_mask.dtype} {block_mask.shape}")
-    if xp is np:
-        check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
-        result = paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                        num_splits=num_splits or 1, max_seq_len=max_seq_len)
-        return _store(result, out)
-    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if a is not None:
-            aligned(name, a)
-    if validate:
-        check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
-    out = xp.empty_like(q) if out is None else out
-    if q.shape[0]:
-        _launch(q, ptr(k_cache), ptr(v_cache), pk.block_stride,
-                (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width, seq_lens, scale, out, cfg,
-                True, max_seq_len, num_splits, mean_seq_len)
-    return out
+    plan = DecodePlan(q, k_cache, block_tables, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
+                      mean_seq_len=mean_seq_len, block_mask=block_mask, validate=validate)
+    return plan.run(q, k_cache, v_cache, out)
 
 
 def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=None, max_seq_len=None,
@@ -325,8 +395,8 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=Non
         check_block_tables(None, seq_lens, block_size, 0, width=max_blocks)
     out = xp.empty_like(q) if out is None else out
     if batch:
-        _launch(q, ptr(k), ptr(v), kv_heads * block_size * head_dim, (NULL, np.int64(0)), max_blocks,
-                seq_lens, scale, out, cfg, False, max_seq_len, num_splits, mean_seq_len)
+        _prepare(batch, q.shape[1], cfg, False, kv_heads * block_size * head_dim, (NULL, np.int64(0)), max_blocks,
+                 seq_lens, scale, max_seq_len, num_splits, mean_seq_len)(ptr(q), ptr(k), ptr(v), ptr(out))
     return out
 
 
