@@ -284,8 +284,9 @@ class DecodePlan:
         check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
               lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
                       "contiguous columns and rows at least a row apart")
-        cfg, self.scale, self.max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size,
-                                                    None, scale, num_splits, width * pk.block_size, max_seq_len)
+        cfg, self._scale, self._max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads,
+                                                      pk.block_size, None, scale, num_splits, width * pk.block_size,
+                                                      max_seq_len)
         _lens(seq_lens, q.shape[0])
         if block_mask is not None:
             check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
@@ -303,7 +304,7 @@ class DecodePlan:
             if q.shape[0]:
                 self._launch = _prepare(q.shape[0], q.shape[1], cfg, True, pk.block_stride,
                                         (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width,
-                                        seq_lens, self.scale, self.max_seq_len, num_splits, mean_seq_len)
+                                        seq_lens, self._scale, self._max_seq_len, num_splits, mean_seq_len)
 
     def run(self, q, k_cache, v_cache, out=None):
         """Attention of ``q`` over one layer's planes, through the plan's tables; returns ``out``."""
@@ -324,8 +325,8 @@ class DecodePlan:
             check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
                   lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
         if kind is np.ndarray:
-            result = paged_decode_reference(q, k_cache, v_cache, self._tables, self._lens, self.scale,
-                                            num_splits=self._num_splits or 1, max_seq_len=self.max_seq_len)
+            result = paged_decode_reference(q, k_cache, v_cache, self._tables, self._lens, self._scale,
+                                            num_splits=self._num_splits or 1, max_seq_len=self._max_seq_len)
             return _store(result, out)
         import cupy
         launch = self._launch
