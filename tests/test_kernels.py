@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from pagedrt import Pool
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
-from pagedrt.kernels import (DecodePlan, contiguous_decode, copy_blocks, instances, merge_partials_reference,
-                             paged_decode, plan_splits, write_kv)
+from pagedrt.kernels import (DecodePlan, WritePlan, contiguous_decode, copy_blocks, instances,
+                             merge_partials_reference, paged_decode, plan_splits, write_kv)
 from pagedrt import source
 from pagedrt.kernels import configs, decode
 from pagedrt.kernels.configs import BASE, Config
@@ -349,6 +349,39 @@ def test_write_checks():
         write_kv(k[:, :1].copy(), k[:, :1].copy(), case.k, case.v, np.zeros(3, np.int64))
     with pytest.raises(LaunchArgumentError, match="same shape"):
         write_kv(k, k[:2], case.k, case.v, np.zeros(3, np.int64))
+    assert np.array_equal(case.buffer, before, equal_nan=True)
+
+
+def test_write_plan_runs_each_layer_as_write_kv_does():
+    case = Case(BASE, [40], spare_blocks=2)
+    rng = np.random.default_rng(9)
+    slots = np.array([5, -1, 17, 3 * 16 + 2], np.int64)
+    new = [[rng.standard_normal((4, 2, 128)).astype(np.float16) for _ in range(2)] for _ in range(2)]
+    plan = WritePlan(new[0][0], case.buffer[:, 0, 0], slots)
+    expected = case.buffer.copy()
+    for layer, (k, v) in enumerate(new):
+        write_kv(k, v, expected[:, 0, layer], expected[:, 1, layer], slots)
+        plan.run(k, v, case.buffer[:, 0, layer], case.buffer[:, 1, layer])
+        assert np.array_equal(case.buffer, expected, equal_nan=True)
+    assert np.array_equal(case.buffer[3, 1, 1, :, 2], new[1][1][3])
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda c, k: dict(v=k.tolist()), "NumPy or CuPy"),
+    (lambda c, k: dict(v=k[:2]), "same shape"),
+    (lambda c, k: dict(k=k.astype(np.float32)), "same shape"),
+    (lambda c, k: dict(k_cache=c.k.copy()), "must match the plan's K plane"),
+    (lambda c, k: dict(v_cache=c.v[:-1]), "same shape and block stride"),
+])
+def test_write_plan_run_refuses_arrays_unlike_the_plans(mutate, words):
+    case = Case(BASE, [40], spare_blocks=2)
+    k = np.ones((3, 2, 128), np.float16)
+    plan = WritePlan(k, case.k, np.array([0, 1, 2], np.int64))
+    before = case.buffer.copy()
+    args = dict(k=k, v=k, k_cache=case.k, v_cache=case.v)
+    args.update(mutate(case, k))
+    with pytest.raises(LaunchArgumentError, match=words):
+        plan.run(**args)
     assert np.array_equal(case.buffer, before, equal_nan=True)
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from pagedrt import Pool
 from pagedrt.errors import BlockTableError, LaunchArgumentError
-from pagedrt.kernels import (DecodePlan, contiguous_decode, copy_blocks, copy_blocks_reference, paged_decode,
-                             paged_decode_reference, write_kv, write_kv_reference)
+from pagedrt.kernels import (DecodePlan, WritePlan, contiguous_decode, copy_blocks, copy_blocks_reference,
+                             paged_decode, paged_decode_reference, write_kv, write_kv_reference)
 from pagedrt import source
 from pagedrt.kernels import configs, copy, decode, validate, write
 from pagedrt.kernels.configs import BASE, Config
@@ -251,6 +251,21 @@ def test_write_kv_matches_twin_and_skips_padding(cfg, shape):
         bad[-1] = num_blocks * bs
         write_kv(cupy.asarray(k), cupy.asarray(v), dev.k, dev.v, cupy.asarray(bad))
     assert same_bits(dev.buffer, case.buffer)
+
+
+def test_write_plan_runs_every_layer_like_the_twin():
+    import cupy
+    rng = np.random.default_rng(6)
+    case = Case(BASE, [1], kv_heads=2, spare_blocks=300)
+    slots = rng.permutation(len(case.k) * BASE.block_size)[:256].astype(np.int64)
+    slots[::10] = -1
+    new = [[rng.standard_normal((256, 2, BASE.head_dim)).astype(np.float16) for _ in range(2)] for _ in range(2)]
+    dev = OnDevice(case)
+    plan = WritePlan(cupy.asarray(new[0][0]), dev.buffer[:, 0, 0], cupy.asarray(slots))
+    for layer, (k, v) in enumerate(new):
+        plan.run(cupy.asarray(k), cupy.asarray(v), dev.buffer[:, 0, layer], dev.buffer[:, 1, layer])
+        write_kv_reference(k, v, case.buffer[:, 0, layer], case.buffer[:, 1, layer], slots)
+        assert same_bits(dev.buffer, case.buffer)
 
 
 def test_copy_blocks_every_plane_in_one_launch():

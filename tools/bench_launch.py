@@ -5,8 +5,8 @@
 The standard decode shape (fp16, 32 query heads, 8 KV heads, head_dim 128, block 16)
 with 64 tokens per sequence, so the GPU finishes each call before the next is queued
 and what is timed is the host: the median over rounds of (time to queue --calls
-calls) / --calls, in microseconds. ``DecodePlan.run`` is the per-layer part of a decode step
-whose plan was made once. ``raw launch`` is the decode kernel launched
+calls) / --calls, in microseconds. ``DecodePlan.run`` and ``WritePlan.run`` are the per-layer
+part of a decode step whose plans were made once. ``raw launch`` is the decode kernel launched
 directly with its arguments prepared once: the floor under any launcher, set by
 CuPy's RawKernel call.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedrt.kernels import DecodePlan, decode, paged_decode, write_kv  # noqa: E402
+from pagedrt.kernels import DecodePlan, WritePlan, decode, paged_decode, write_kv  # noqa: E402
 from pagedrt.kernels.args import NULL, ptr  # noqa: E402
 from pagedrt.kernels.configs import config  # noqa: E402
 
@@ -68,6 +68,7 @@ def main():
                 np.int32(plan.segment_tokens), ptr(out), NULL, NULL, NULL)
     grid = (KV_HEADS, BATCH, plan.num_splits)
     step = DecodePlan(q, k, table, lens, validate=False, **hints)
+    write = WritePlan(new_k, k, slots, validate=False)
     calls = {
         "paged_decode(validate=False, max_seq_len, mean_seq_len)":
             lambda: paged_decode(q, k, v, table, lens, out=out, validate=False, **hints),
@@ -75,6 +76,7 @@ def main():
         "DecodePlan(validate=False, max_seq_len, mean_seq_len), made once: run()":
             lambda: step.run(q, k, v, out=out),
         "write_kv(validate=False)": lambda: write_kv(new_k, new_v, k, v, slots, validate=False),
+        "WritePlan(validate=False), made once: run()": lambda: write.run(new_k, new_v, k, v),
         "raw launch (decode kernel, arguments prepared)":
             lambda: kern.decode(grid, (kern.geometry.threads,), raw_args, shared_mem=kern.geometry.smem_bytes),
     }

@@ -131,7 +131,8 @@ def main():
             r = run(cp, case, placement, args.chunk_mib * MiB, args.repeats)
             print(f"{case:<7} {placement:<9} {r['block_stride']:>9} {r['chunk_mib']:>4}Mi | {r['plain_ms']:>11.3f} "
                   f"{r['planned_ms']:>10.3f} {r['graph_ms']:>9.3f} {r['launch_us']:>9.0f} "
-                  f"{r['planned_launch_us']:>10.0f} | {r['graph_bw'] / 1e12:>5.2f} {100 * r['graph_bw'] / ceiling:>6.1f}")
+                  f"{r['planned_launch_us']:>10.0f} | {r['graph_bw'] / 1e12:>5.2f} "
+                  f"{100 * r['graph_bw'] / ceiling:>6.1f}")
             cp.get_default_memory_pool().free_all_blocks()
     print("launched: 32 paged_decode calls from Python per step; planned: one DecodePlan per step, run for "
           "each layer;\ngraph: the launched step captured once and replayed; launch us, planned us: host time "

@@ -7,11 +7,11 @@ it checks every argument, then launches the kernel.
 from .copy import copy_blocks, copy_blocks_reference
 from .decode import (DecodePlan, contiguous_decode, contiguous_decode_reference, merge_partials_reference,
                      paged_decode, paged_decode_reference, plan_splits, split_plan)
-from .write import write_kv, write_kv_reference
+from .write import WritePlan, write_kv, write_kv_reference
 
 __all__ = ["DecodePlan", "contiguous_decode", "contiguous_decode_reference", "copy_blocks",
            "copy_blocks_reference", "instances", "merge_partials_reference", "paged_decode", "paged_decode_reference",
-           "plan_splits", "split_plan", "write_kv", "write_kv_reference"]
+           "plan_splits", "split_plan", "WritePlan", "write_kv", "write_kv_reference"]
 
 
 def instances():

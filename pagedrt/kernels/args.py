@@ -102,16 +102,31 @@ def plane(name, a):
     return Plane(n, h, b, d, stride // size)
 
 
-def same_plane(name_a, a, pa, name_b, b, pb):
-    check(a.dtype == b.dtype, lambda: f"{name_a} is {a.dtype} but {name_b} is {b.dtype}: they must match")
-    check(pa == pb, lambda: f"{name_a} {a.shape} (block stride {pa.block_stride}) and {name_b} {b.shape} "
-                            f"(block stride {pb.block_stride}) must have the same shape and block stride")
-
-
 def aligned(name, a):
     """Device pointers are read in 16-byte vectors."""
     check(a.data.ptr % 16 == 0, lambda: f"{name} starts at {a.data.ptr:#x}, not 16-byte aligned: pass an array "
                                         "whose data starts on a 16-byte boundary (e.g. a fresh copy)")
+
+
+def same_layout(name, a, layout, what):
+    """Check that ``a`` has the (shape, strides, dtype) ``layout`` of the plan's ``what`` (a plan's run)."""
+    check((a.shape, a.strides, a.dtype) == layout,
+          lambda: f"{name} ({a.dtype}, shape {a.shape}, strides {a.strides}) must match the plan's {what} "
+                  f"({layout[2]}, shape {layout[0]}, strides {layout[1]}): planes of the same shape and block "
+                  "stride")
+
+
+def device_pointers(device, names, arrays):
+    """Kernel arguments for device arrays (a plan's run): on the plan's ``device``, which must be the
+    current one, and 16-byte aligned."""
+    import cupy
+    check(cupy.cuda.Device().id == device and all(a.device.id == device for a in arrays),
+          lambda: f"the plan was made on device {device}: run it there, with arrays on that device")
+    pointers = [a.data.ptr for a in arrays]
+    if any(p % 16 for p in pointers):
+        for name, a in zip(names, arrays):
+            aligned(name, a)
+    return [np.uint64(p) for p in pointers]
 
 
 def ptr(a):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import source
-from .args import (NULL, aligned, array_module, c_contiguous, check, int_array, multiprocessors, plane,
-                   positive_int, ptr)
+from .args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array, multiprocessors,
+                   plane, positive_int, ptr, same_layout)
 from .configs import config, sweep
 from .validate import check_block_tables
 
@@ -253,7 +253,8 @@ def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, ca
 def _lens(seq_lens, batch):
     int_array("seq_lens", seq_lens, np.int32, 1)
     check(seq_lens.shape[0] == batch and seq_lens.flags.c_contiguous,
-          lambda: f"seq_lens must be contiguous with one length per query row ({batch}), got shape {seq_lens.shape}")
+          lambda: f"seq_lens must be contiguous with one length per query row ({batch}), got shape "
+                  f"{seq_lens.shape}")
 
 
 class DecodePlan:
@@ -266,9 +267,10 @@ class DecodePlan:
     and out must have the shape, dtype and plane layout of the q and K plane the
     plan was made with. ``run`` costs a third or less of the host time of
     :func:`paged_decode`, which is a plan and one run (on the H200 machine 21 us
-    against 60-79: benchmarks/NOTES.md, "The other overheads"). A plan reads ``block_tables`` and ``seq_lens`` when each run
-    executes: it belongs to the step whose tables and lengths it checked; make a new
-    one when they change. Arguments are those of :func:`paged_decode`.
+    against 60-79: benchmarks/NOTES.md, "The other overheads"). A plan reads
+    ``block_tables`` and ``seq_lens`` when each run executes: it belongs to the step
+    whose tables and lengths it checked; make a new one when they change. Arguments
+    are those of :func:`paged_decode`.
     """
 
     def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
@@ -316,11 +318,8 @@ class DecodePlan:
         shape, dtype = self._q
         check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
               lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
-        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-            check((a.shape, a.strides, a.dtype) == self._plane,
-                  lambda: f"{name} ({a.dtype}, shape {a.shape}, strides {a.strides}) must match the plan's K plane "
-                          f"({self._plane[2]}, shape {self._plane[0]}, strides {self._plane[1]}): planes of the same "
-                          "shape and block stride")
+        same_layout("k_cache", k_cache, self._plane, "K plane")
+        same_layout("v_cache", v_cache, self._plane, "K plane")
         if out is not None:
             check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
                   lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
@@ -330,20 +329,13 @@ class DecodePlan:
             return _store(result, out)
         import cupy
         launch = self._launch
-        check(cupy.cuda.Device().id == self._device and all(a.device.id == self._device for a in
-                                                             (q, k_cache, v_cache, out) if a is not None),
-              lambda: f"the plan was made on device {self._device}: run it there, with arrays on that device")
         check(launch is None or launch.stream is None or launch.stream == cupy.cuda.get_current_stream().ptr,
               lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
                       "run it on that stream, or make a plan per stream")
         out = cupy.empty_like(q) if out is None else out
-        arrays = (q, k_cache, v_cache, out)
-        pointers = [a.data.ptr for a in arrays]
-        if any(p % 16 for p in pointers):
-            for name, a in zip(("q", "k_cache", "v_cache", "out"), arrays):
-                aligned(name, a)
+        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k_cache, v_cache, out))
         if launch is not None:
-            launch(*(np.uint64(p) for p in pointers))
+            launch(*pointers)
         return out
 
 

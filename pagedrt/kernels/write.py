@@ -3,7 +3,8 @@
 import numpy as np
 
 from .. import source
-from .args import aligned, array_module, c_contiguous, check, int_array, multiprocessors, plane, ptr, same_plane
+from .args import (aligned, array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane,
+                   ptr, same_layout)
 from .configs import config, sweep
 from .validate import check_slots
 
@@ -20,46 +21,75 @@ def instances(configs=None):
     return {FILE: tuple(dict.fromkeys(kernel_name(c) for c in (configs or sweep())))}
 
 
+class WritePlan:
+    """One step's K/V writes, prepared once and run for every layer (as :class:`~pagedrt.kernels.DecodePlan`).
+
+    ``WritePlan(k, k_cache, slot_mapping)`` checks the shapes and the slots (with
+    ``validate``, on the device, once) and sizes the launch; :meth:`run` stores one
+    layer's k and v, which must have the shape and dtype of the plan's k, into planes
+    with the layout of the plan's K plane. Arguments are those of :func:`write_kv`.
+    """
+
+    def __init__(self, k, k_cache, slot_mapping, *, validate=True):
+        xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
+        pk = plane("k_cache", k_cache)
+        c_contiguous("k", k, 3)
+        check(k.dtype == k_cache.dtype and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
+              lambda: f"k must be {k_cache.dtype} [num_tokens, {pk.num_kv_heads}, {pk.head_dim}] to match the "
+                      f"cache, got {k.dtype} {k.shape}")
+        cfg = config(k_cache.dtype, pk.head_dim, pk.block_size, 1)
+        int_array("slot_mapping", slot_mapping, np.int64, 1)
+        num_tokens = int(k.shape[0])
+        check(slot_mapping.shape[0] == num_tokens and slot_mapping.flags.c_contiguous,
+              lambda: f"slot_mapping must be contiguous with one slot per token ({num_tokens}), got "
+                      f"{slot_mapping.shape}")
+        if xp is np or validate:
+            check_slots(slot_mapping, pk.num_blocks * pk.block_size)
+        self._type, self._k, self._plane = type(k), (k.shape, k.dtype), (k_cache.shape, k_cache.strides, k_cache.dtype)
+        self._slots, self._launch = slot_mapping, None
+        if xp is not np:
+            import cupy
+            aligned("k_cache", k_cache)
+            self._device = k.device.id
+            total = num_tokens * pk.num_kv_heads * pk.head_dim * k.itemsize // 16
+            if total:
+                blocks = min(-(-total // THREADS), 32 * multiprocessors(cupy.cuda.Device().id))
+                self._launch = (source.function(FILE, kernel_name(cfg)), (blocks,), (THREADS,),
+                                (np.int64(pk.block_stride), ptr(slot_mapping), np.int64(num_tokens),
+                                 np.int32(pk.num_kv_heads)))
+
+    def run(self, k, v, k_cache, v_cache):
+        """Store ``k`` and ``v`` into one layer's planes at the plan's slots."""
+        kind = self._type
+        check(type(k) is kind and type(v) is kind and type(k_cache) is kind and type(v_cache) is kind,
+              lambda: f"k, v, k_cache and v_cache must be {kind.__module__}.{kind.__name__}s, as the plan's: "
+                      "NumPy or CuPy arrays, not a mix")
+        shape, dtype = self._k
+        for name, a in (("k", k), ("v", v)):
+            check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
+                  lambda: f"{name} must be C-contiguous {dtype} of the same shape as the plan's k {shape}, "
+                          f"got {a.dtype} {a.shape}")
+        same_layout("k_cache", k_cache, self._plane, "K plane")
+        same_layout("v_cache", v_cache, self._plane, "K plane")
+        if kind is np.ndarray:
+            write_kv_reference(k, v, k_cache, v_cache, self._slots)
+            return
+        pk, pv, pkc, pvc = device_pointers(self._device, ("k", "v", "k_cache", "v_cache"), (k, v, k_cache, v_cache))
+        if self._launch is not None:
+            kernel, grid, threads, (stride, slots, num_tokens, heads) = self._launch
+            kernel(grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads))
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
     """Store k, v [num_tokens, kv_heads, head_dim] into the planes at ``slot_mapping``.
 
     slot_mapping: int64 [num_tokens], slot = block_id * block_size + slot_in_block;
     a negative slot is padding and is skipped. Slots must be distinct. ``validate``
     refuses slots past the cache on the device first (one small device-to-host
-    read); NumPy inputs are always checked.
+    read); NumPy inputs are always checked. For many layers over the same slots,
+    make one :class:`WritePlan` and run it per layer.
     """
-    xp = array_module(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    pk, pv = plane("k_cache", k_cache), plane("v_cache", v_cache)
-    same_plane("k_cache", k_cache, pk, "v_cache", v_cache, pv)
-    for name, a in (("k", k), ("v", v)):
-        c_contiguous(name, a, 3)
-        check(a.dtype == k_cache.dtype and a.shape[1:] == (pk.num_kv_heads, pk.head_dim),
-              lambda: f"{name} must be {k_cache.dtype} [num_tokens, {pk.num_kv_heads}, {pk.head_dim}] to match the "
-                      f"cache, got {a.dtype} {a.shape}")
-    check(k.shape == v.shape, lambda: f"k {k.shape} and v {v.shape} must have the same shape")
-    cfg = config(k_cache.dtype, pk.head_dim, pk.block_size, 1)
-    int_array("slot_mapping", slot_mapping, np.int64, 1)
-    num_tokens = int(k.shape[0])
-    check(slot_mapping.shape[0] == num_tokens and slot_mapping.flags.c_contiguous,
-          lambda: f"slot_mapping must be contiguous with one slot per token ({num_tokens}), got {slot_mapping.shape}")
-    capacity = pk.num_blocks * pk.block_size
-    if xp is np:
-        check_slots(slot_mapping, capacity)
-        write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
-        return
-    for name, a in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        aligned(name, a)
-    if validate:
-        check_slots(slot_mapping, capacity)
-    total = num_tokens * pk.num_kv_heads * pk.head_dim * k.itemsize // 16
-    if total == 0:
-        return
-    import cupy
-    blocks = min(-(-total // THREADS), 32 * multiprocessors(cupy.cuda.Device().id))
-    source.function(FILE, kernel_name(cfg))(
-        (blocks,), (THREADS,),
-        (ptr(k), ptr(v), ptr(k_cache), ptr(v_cache), np.int64(pk.block_stride), ptr(slot_mapping),
-         np.int64(num_tokens), np.int32(pk.num_kv_heads)))
+    WritePlan(k, k_cache, slot_mapping, validate=validate).run(k, v, k_cache, v_cache)
 
 
 def write_kv_reference(k, v, k_cache, v_cache, slot_mapping):
