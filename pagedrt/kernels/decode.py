@@ -265,9 +265,10 @@ class DecodePlan:
     once), picks the split plan and the kernel, and binds the split workspace of the
     current stream. :meth:`run` then attends for one layer: its q, K and V planes
     and out must have the shape, dtype and plane layout of the q and K plane the
-    plan was made with. ``run`` costs a third or less of the host time of
-    :func:`paged_decode`, which is a plan and one run (on the H200 machine 21 us
-    against 60-79: benchmarks/NOTES.md, "The other overheads"). A plan reads
+    plan was made with. ``run`` costs about a third of the host time of
+    :func:`paged_decode`, which is a plan and one run (on the H200 machines 21 us
+    against 60-79, or 29-33 against 92-97: benchmarks/NOTES.md, "The other
+    overheads"). A plan reads
     ``block_tables`` and ``seq_lens`` when each run executes: it belongs to the step
     whose tables and lengths it checked; make a new one when they change. Arguments
     are those of :func:`paged_decode`.
