@@ -97,9 +97,9 @@ class _Workload:
     def write(self, seqs, counts, slots, copies):
         kernels.copy_blocks(self.cache.planes, copies)
         kv = self.random_kv(slots.size)
-        slots_dev = self.xp.asarray(slots)
+        write = kernels.WritePlan(kv[0], self.cache.k(0), self.xp.asarray(slots))  # the slots checked once
         for layer in range(self.c.layers):
-            kernels.write_kv(kv[2 * layer], kv[2 * layer + 1], self.cache.k(layer), self.cache.v(layer), slots_dev)
+            write.run(kv[2 * layer], kv[2 * layer + 1], self.cache.k(layer), self.cache.v(layer))
         bounds = np.cumsum(counts)[:-1]
         for layer in self.layers:
             k = np.split(_host64(kv[2 * layer]), bounds)
@@ -149,10 +149,10 @@ class _Workload:
         q = self.rng.standard_normal((len(seqs), c.q_heads, c.head_dim), dtype=np.float32).astype(self.cache.dtype)
         tables, lens = self.cache.block_tables(seqs), self.cache.seq_lens(seqs)
         errors = []
+        q_dev = xp.asarray(q)
+        plan = kernels.DecodePlan(q_dev, self.cache.k(0), tables, lens, block_mask=self.cache.block_mask())
         for layer in self.layers:
-            out = kernels.paged_decode(xp.asarray(q), self.cache.k(layer), self.cache.v(layer), tables, lens,
-                                       block_mask=self.cache.block_mask())
-            out = _host64(out)
+            out = _host64(plan.run(q_dev, self.cache.k(layer), self.cache.v(layer)))
             for i, seq in enumerate(seqs):
                 k, v = self.history[seq][layer]
                 ref = attention64(_host64(q[i]), k, v)
