@@ -268,10 +268,9 @@ class DecodePlan:
     plan was made with. ``run`` costs about a third of the host time of
     :func:`paged_decode`, which is a plan and one run (on the H200 machines 21 us
     against 60-79, or 29-33 against 92-97: benchmarks/NOTES.md, "The other
-    overheads"). A plan reads
-    ``block_tables`` and ``seq_lens`` when each run executes: it belongs to the step
-    whose tables and lengths it checked; make a new one when they change. Arguments
-    are those of :func:`paged_decode`.
+    overheads"). A plan reads ``block_tables`` and ``seq_lens`` when each run
+    executes: it belongs to the step whose tables and lengths it checked; make a new
+    one when they change. Arguments are those of :func:`paged_decode`.
     """
 
     def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
@@ -302,7 +301,6 @@ class DecodePlan:
         self._tables, self._lens, self._num_splits = block_tables, seq_lens, num_splits
         self._launch = None
         if xp is not np:
-            aligned("k_cache", k_cache)
             self._device = q.device.id
             if q.shape[0]:
                 self._launch = _prepare(q.shape[0], q.shape[1], cfg, True, pk.block_stride,

@@ -3,8 +3,8 @@
 import numpy as np
 
 from .. import source
-from .args import (aligned, array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane,
-                   ptr, same_layout)
+from .args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane, ptr,
+                   same_layout)
 from .configs import config, sweep
 from .validate import check_slots
 
@@ -49,7 +49,6 @@ class WritePlan:
         self._slots, self._launch = slot_mapping, None
         if xp is not np:
             import cupy
-            aligned("k_cache", k_cache)
             self._device = k.device.id
             total = num_tokens * pk.num_kv_heads * pk.head_dim * k.itemsize // 16
             if total:
