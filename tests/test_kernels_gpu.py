@@ -162,6 +162,18 @@ def test_plan_runs_every_layer_and_keeps_to_its_stream(num_splits):
             assert rel_error(to_host(out), ref) <= TOLERANCE[BASE.dtype]
 
 
+def test_plan_keeps_its_split_workspace_when_the_cache_of_workspaces_moves_on():
+    """Workspaces for other split counts push this plan's out of decode._workspace's cache; the plan holds it."""
+    case = Case(BASE, [5000, 17, 300], seed=17)
+    dev = OnDevice(case)
+    plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens, num_splits=4)
+    for n in range(5, 5 + decode._workspace.cache_info().maxsize + 1):
+        run(dev, case, num_splits=n)
+    out = poisoned(case.q.shape, case.q.dtype)
+    plan.run(dev.q, dev.k, dev.v, out=out)
+    assert rel_error(to_host(out), reference(case)) <= TOLERANCE[BASE.dtype]
+
+
 def test_planes_in_a_cuda_pool():
     case = Case(BASE, [700, 33, 1], seed=3)
     dev = OnDevice(case)

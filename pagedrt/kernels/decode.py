@@ -203,8 +203,9 @@ class _Launch:
     threads: tuple
     smem: int
     middle: tuple  # the arguments between v and out: block stride ... segment_tokens
-    tail: tuple    # the split workspace (part_o, part_ml, arrivals), or nulls
+    tail: tuple    # pointers to the split workspace (part_o, part_ml, arrivals), or nulls
     stream: object  # the stream (pointer) whose workspace ``tail`` holds; None when unsplit (any stream will do)
+    workspace: tuple  # the workspace's arrays: held, so that _workspace's cache cannot free them under a plan
 
     def __call__(self, q, k, v, out):
         self.kernel(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail), shared_mem=self.smem)
@@ -219,14 +220,15 @@ def _prepare(batch, q_heads, cfg, paged, block_stride, table_args, max_blocks, s
     plan = _plan(cfg, batch, kv_heads, max_seq_len, num_splits, device, mean_seq_len)
     kern = _kernels(cfg, paged, plan.short, device)
     check(plan.num_splits <= MAX_GRID_YZ, lambda: f"num_splits={plan.num_splits} exceeds {MAX_GRID_YZ}")
-    stream, tail = None, (NULL, NULL, NULL)
+    stream, workspace, tail = None, (), (NULL, NULL, NULL)
     if plan.num_splits > 1:
         stream = cupy.cuda.get_current_stream().ptr
-        tail = tuple(ptr(a) for a in _workspace(device, stream, batch * q_heads, plan.num_splits, cfg.head_dim))
+        workspace = _workspace(device, stream, batch * q_heads, plan.num_splits, cfg.head_dim)
+        tail = tuple(ptr(a) for a in workspace)
     middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), ptr(seq_lens),
               np.float32(scale * LOG2E), np.int32(plan.segment_tokens))
     return _Launch(kern.decode, (kv_heads, batch, plan.num_splits), (kern.geometry.threads,),
-                   kern.geometry.smem_bytes, middle, tail, stream)
+                   kern.geometry.smem_bytes, middle, tail, stream, workspace)
 
 
 # --- public launchers -----------------------------------------------------------------
