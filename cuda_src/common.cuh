@@ -55,6 +55,15 @@ template <> __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& r
     }
 }
 
+// kElems floats as one 16-byte vector of T (the inverse of unpack).
+template <typename T> __device__ __forceinline__ uint4 pack16(const float (&x)[Vec16<T>::kElems]) {
+    uint4 raw;
+    T* const elems = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < Vec16<T>::kElems; ++i) elems[i] = from_float<T>(x[i]);
+    return raw;
+}
+
 // --- cp.async: global -> shared copies that bypass registers (and L1) ----------
 
 // Copy 16 bytes; with src_bytes == 0 nothing is read and the 16 bytes are zero-filled.

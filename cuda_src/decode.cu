@@ -599,20 +599,33 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         }
     }
     __syncthreads();
-    for (int i = tid; i < GROUP * HEAD_DIM; i += NT) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        float sum = 0.f, total = 0.f, top = neg_inf();
+    // Each thread finishes one 16-byte vector of the output (V dims of one query head) and
+    // stores it whole: V times fewer stores than one element a thread, which made b64, b128 and
+    // b256 about 1% faster (benchmarks/NOTES.md, v12).
+    for (int c = tid; c < GROUP * NV; c += NT) {
+        const int g = c / NV, d0 = (c % NV) * V;
+        float sum[V], total = 0.f, top = neg_inf();
+#pragma unroll
+        for (int e = 0; e < V; ++e) sum[e] = 0.f;
         for (int x = 0; x < LG; ++x) {
-            sum += red_acc[(x * GROUP + g) * HEAD_DIM + d];
+            const float* const src = red_acc + (x * GROUP + g) * HEAD_DIM + d0;
+#pragma unroll
+            for (int e = 0; e < V; ++e) sum[e] += src[e];
             total += red_l[x * GROUP + g];
             top = fmaxf(top, red_m[x * GROUP + g]);
         }
         const long long row = head_row + g;
         if (merged) {
-            part_o[(row * num_splits + split) * HEAD_DIM + d] = sum;
-            if (d == 0) part_ml[row * num_splits + split] = make_float2(top, total);
+            float4* const dst = reinterpret_cast<float4*>(part_o + (row * num_splits + split) * HEAD_DIM + d0);
+#pragma unroll
+            for (int e = 0; e < V / 4; ++e)
+                dst[e] = make_float4(sum[4 * e], sum[4 * e + 1], sum[4 * e + 2], sum[4 * e + 3]);
+            if (d0 == 0) part_ml[row * num_splits + split] = make_float2(top, total);
         } else {
-            out[row * HEAD_DIM + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+            for (int e = 0; e < V; ++e) sum[e] *= inv;
+            *reinterpret_cast<uint4*>(out + row * HEAD_DIM + d0) = pack16<T>(sum);
         }
     }
     if (merged)  // the staged ids' space is free now (the merge above used the pipeline's)
