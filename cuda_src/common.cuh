@@ -66,17 +66,21 @@ template <typename T> __device__ __forceinline__ uint4 pack16(const float (&x)[V
 
 // --- cp.async: global -> shared copies that bypass registers (and L1) ----------
 
-// Copy 16 bytes; with src_bytes == 0 nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, int src_bytes) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
+// An L2 cache policy for data read once: evict it first. The decode kernel streams K and V
+// with it, so that what is read again (tables, q, split partials, out) stays in L2 (on the
+// H200, 1-4% faster in most cases: benchmarks/NOTES.md, v12).
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
 }
 
-// The same with the destination as a shared-space address (see __cvta_generic_to_shared).
-__device__ __forceinline__ void cp_async16_shared(unsigned smem_dst, const void* gmem_src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_dst), "l"(gmem_src), "r"(src_bytes) : "memory");
+// Copy 16 bytes to a shared-space address (see __cvta_generic_to_shared) under an L2 cache
+// policy; with src_bytes == 0 nothing is read and the 16 bytes are zero-filled.
+__device__ __forceinline__ void cp_async16_shared(unsigned smem_dst, const void* gmem_src, int src_bytes,
+                                                  unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                 :: "r"(smem_dst), "l"(gmem_src), "r"(src_bytes), "l"(policy) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {

@@ -7,7 +7,9 @@
 // stage into shared memory (16-byte copies, coalesced: a (block, head) chunk is
 // contiguous in the HND layout). The block ids a tile needs are read from the
 // table one tile ahead and turned into source addresses then, so a copy never
-// waits for the table. Only a segment's last tile checks for missing tokens.
+// waits for the table. Only a segment's last tile checks for missing tokens. The
+// copies carry an evict-first L2 policy: K and V are read once, and what is read
+// again (the table, q, the split partials, out) then stays in L2.
 //
 // Math: a token's head_dim is spread over LANES lanes (LANES chosen by the
 // launcher from the group size: fewer lanes, fewer shuffles, more registers);
@@ -371,6 +373,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     const long long v_minus_k = reinterpret_cast<const char*>(v) - k_bytes;  // same offset in the V plane
     const unsigned smem_k_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_k));
     constexpr unsigned V_SMEM = STAGES * S::kTileElems * sizeof(T);  // smem_v - smem_k, bytes
+    const unsigned long long read_once = evict_first_policy();  // the L2 policy of the K/V stream
     int row_of[COPIES], block_of[COPIES], src_off[COPIES];
 #pragma unroll
     for (int c = 0; c < COPIES; ++c) {
@@ -425,8 +428,8 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
                 const bool live = FULL || ids[c] >= 0;  // else zero-fill, reading nothing
                 const char* const from = live ? k_bytes + ids[c] * stride_bytes + src_off[c] + slot_bytes
                                               : reinterpret_cast<const char*>(q);
-                cp_async16_shared(dst, from, live ? 16 : 0);
-                cp_async16_shared(dst + V_SMEM, live ? from + v_minus_k : from, live ? 16 : 0);
+                cp_async16_shared(dst, from, live ? 16 : 0, read_once);
+                cp_async16_shared(dst + V_SMEM, live ? from + v_minus_k : from, live ? 16 : 0, read_once);
             }
         }
     };
