@@ -316,11 +316,16 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     const int raw_len = seq_lens[seq];
     const int begin = split * segment_tokens;
     const int* const table_row = block_tables + (PAGED ? seq * table_stride : 0);
+    // A segment that is not its sequence's last reads only its own ids (long-1's 256 blocks each read
+    // 64 where a full window is 256; 1% faster on the H200: benchmarks/NOTES.md, v12); the last may
+    // run on to the sequence's end and takes a whole window.
+    const int id_limit = split == num_splits - 1
+        ? max_blocks : min(max_blocks, (begin + segment_tokens + BLOCK_SIZE - 1) / BLOCK_SIZE);
     int first_ids[kIdsWindow / NT];
 #pragma unroll
     for (int i = 0; i < kIdsWindow / NT; ++i) {
         const int logical = begin / BLOCK_SIZE + i * NT + tid;
-        first_ids[i] = PAGED && logical < max_blocks ? __ldg(table_row + logical) : 0;
+        first_ids[i] = PAGED && logical < id_limit ? __ldg(table_row + logical) : 0;
     }
 
     float qf[GROUP][LV][V];
