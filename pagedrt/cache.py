@@ -25,33 +25,12 @@ import numpy as np
 from .blocks import BlockAllocator, BlockTables, ranks, ceil_div
 from .errors import SnapshotError, UnknownSequenceError, UnsupportedConfigError
 from .memory import Pool, select_backend
+from .supported import BLOCK_SIZES, HEAD_DIMS, check, numpy_dtype
 
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 PLACEMENTS = ("plane", "block")
 KINDS = ("k", "v")
 SNAPSHOT_SCHEMA, SNAPSHOT_VERSION = "pagedrt-snapshot", 1
 MiB = 1 << 20
-
-
-def resolve_dtype(dtype):
-    """The NumPy dtype for "float16", "bfloat16" (through ml_dtypes) or "float32"."""
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in SUPPORTED_DTYPES:
-        raise UnsupportedConfigError(f"dtype {dtype!r} is not supported: use one of {', '.join(SUPPORTED_DTYPES)}")
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise UnsupportedConfigError("bfloat16 needs the ml_dtypes package: pip install ml_dtypes") from None
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _check_choice(name, value, allowed):
-    if value not in allowed:
-        raise UnsupportedConfigError(f"{name}={value!r} is not supported: use one of {allowed}")
 
 
 def _check_positive(name, value):
@@ -78,7 +57,7 @@ class Layout:
     def plan(cls, num_layers, num_kv_heads, head_dim, block_size, dtype, placement, page_bytes,
              max_blocks, chunk_bytes=None):
         """Choose the chunk size (a whole number of pages and of blocks) and the range's size."""
-        dtype = resolve_dtype(dtype)
+        dtype = numpy_dtype(dtype)
         shape = cls(num_layers, num_kv_heads, head_dim, block_size, dtype.name, dtype.itemsize, placement,
                     page_bytes, 0, 0)
         step, unit = shape.chunk_step, shape.block_stride_bytes
@@ -212,10 +191,10 @@ class PagedKVCache:
                  placement="plane", chunk_bytes=None, backend="auto"):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("max_seqs", max_seqs)):
             _check_positive(name, value)
-        _check_choice("head_dim", head_dim, SUPPORTED_HEAD_DIMS)
-        _check_choice("block_size", block_size, SUPPORTED_BLOCK_SIZES)
-        _check_choice("placement", placement, PLACEMENTS)
-        self.dtype = resolve_dtype(dtype)
+        check("head_dim", head_dim, HEAD_DIMS)
+        check("block_size", block_size, BLOCK_SIZES)
+        check("placement", placement, PLACEMENTS)
+        self.dtype = numpy_dtype(dtype)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
         _check_positive("max_tokens" if max_bytes is None else "max_bytes", max_tokens or max_bytes)

@@ -15,6 +15,7 @@ import click
 
 from .errors import PagedRTError
 from .memory import BACKENDS
+from .supported import DTYPES, GROUPS
 
 DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1
 
@@ -54,7 +55,7 @@ def demo_options(fn):
         click.option("--q-heads", type=int, help="Override the preset's query heads."),
         click.option("--kv-heads", type=int, help="Override the preset's KV heads."),
         click.option("--head-dim", type=int, help="Override the preset's head_dim."),
-        click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+        click.option("--dtype", type=click.Choice(DTYPES), default="float16",
                      show_default=True),
         click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per block."),
         click.option("--placement", type=click.Choice(["plane", "block"]), default="plane", show_default=True,
@@ -77,8 +78,9 @@ def demo_config(backend, preset, layers, q_heads, kv_heads, head_dim, dtype, blo
     layers, q_heads, kv_heads, head_dim = (layers or p_layers, q_heads or p_q, kv_heads or p_kv, head_dim or p_dim)
     if q_heads % kv_heads:
         raise click.UsageError(f"--kv-heads {kv_heads} must divide --q-heads {q_heads} (query heads share KV heads)")
-    if q_heads // kv_heads > 8:
-        raise click.UsageError(f"{q_heads // kv_heads} query heads per KV head: the kernels support 1 to 8")
+    if q_heads // kv_heads not in GROUPS:
+        raise click.UsageError(f"{q_heads // kv_heads} query heads per KV head: the kernels support "
+                               f"{GROUPS[0]} to {GROUPS[-1]}")
     return DemoConfig(layers, q_heads, kv_heads, head_dim, dtype, block_size, placement, steps, max_seqs,
                       256, max_tokens, seed, backend)
 

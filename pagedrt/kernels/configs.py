@@ -9,14 +9,9 @@ memory grow with the group). The CI compile check and the GPU tests both use it.
 import functools
 from dataclasses import dataclass
 
-import numpy as np
+from ..supported import BLOCK_SIZES, DTYPES, GROUPS, HEAD_DIMS, check, dtype_name
 
-from ..errors import UnsupportedConfigError
-
-CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
-HEAD_DIMS = (64, 80, 96, 128, 256)
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-GROUPS = tuple(range(1, 9))
+CUDA_TYPES = dict(zip(DTYPES, ("__half", "__nv_bfloat16", "float")))
 
 
 @dataclass(frozen=True)
@@ -39,31 +34,12 @@ BASE = Config("float16", 128, 16, 4)
 
 
 @functools.lru_cache(maxsize=None)
-def dtype_name(dtype):
-    """The supported name of a NumPy/CuPy dtype ("float16", "bfloat16", "float32"), else raise.
-
-    Cached, as :func:`config` is: NumPy takes microseconds to name a dtype, and launchers ask on every call."""
-    name = np.dtype(dtype).name
-    if name not in CUDA_TYPES:
-        raise UnsupportedConfigError(
-            f"dtype {name} is not supported: use one of {', '.join(CUDA_TYPES)} "
-            "(bfloat16 as ml_dtypes.bfloat16)")
-    return name
-
-
-def _check(what, value, supported):
-    if value not in supported:
-        raise UnsupportedConfigError(
-            f"{what}={value} is not supported: use one of {', '.join(map(str, supported))}")
-
-
-@functools.lru_cache(maxsize=None)
 def config(dtype, head_dim, block_size, group):
     """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value."""
     name = dtype_name(dtype)
-    _check("head_dim", head_dim, HEAD_DIMS)
-    _check("block_size", block_size, BLOCK_SIZES)
-    _check("group (query heads per KV head)", group, GROUPS)
+    check("head_dim", head_dim, HEAD_DIMS)
+    check("block_size", block_size, BLOCK_SIZES)
+    check("group (query heads per KV head)", group, GROUPS)
     return Config(name, head_dim, block_size, group)
 
 
