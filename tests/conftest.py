@@ -2,7 +2,6 @@
 
 import functools
 
-import numpy as np
 import pytest
 
 
@@ -26,8 +25,3 @@ def pytest_collection_modifyitems(config, items):
 def backend(request):
     """Each pool test runs once per backend."""
     return request.param
-
-
-def to_host(a):
-    """A NumPy copy of a NumPy or CuPy array."""
-    return a.get() if hasattr(a, "get") else np.array(a)

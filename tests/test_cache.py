@@ -12,7 +12,7 @@ from pagedrt.cache import PagedKVCache, load_snapshot
 from pagedrt.memory import select_backend
 from pagedrt.errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
                             SnapshotError, TooManySequencesError, UnknownSequenceError, UnsupportedConfigError)
-from tests.conftest import to_host
+from helpers import to_host
 
 LAYERS, HEADS, DIM, BS = 2, 2, 64, 8
 

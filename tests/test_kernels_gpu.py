@@ -16,7 +16,7 @@ from pagedrt.kernels import (DecodePlan, WritePlan, contiguous_decode, copy_bloc
 from pagedrt import source
 from pagedrt.kernels import configs, copy, decode, validate, write
 from pagedrt.kernels.configs import BASE, Config
-from tests.conftest import to_host
+from helpers import to_host
 from tests.kernel_cases import Case, np_dtype, rel_error
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ import pytest
 from pagedrt import Pool
 from pagedrt.errors import (BackendUnavailableError, ChunkStateError, PoolClosedError, PoolSizeError,
                             ReservationExceededError, UnknownChunkError, UnmappedRangeError)
-from tests.conftest import to_host
+from helpers import to_host
 
 MiB = 1 << 20
 
