@@ -1,4 +1,4 @@
-"""The software layer: block ids over the pool's chunks, and per-sequence block tables.
+"""The software layer: block ids over the pool's chunks, and per-sequence block tables (host bookkeeping).
 
 :class:`BlockAllocator` hands out block ids with reference counts. It is
 chunk-aware: block ``b`` lives in chunk ``b // blocks_per_chunk``; it takes free
@@ -9,14 +9,16 @@ that many equal regions (one per layer and K/V) and allocator chunk ``k`` stands
 for the k-th chunk of every region: they are mapped and released together.
 
 :class:`BlockTables` keeps, per sequence, its length and its row of the dense
-block table (logical block -> block id), on the host and as int32 arrays on the
-pool's device, updating only what changed. A sequence's handle is its row.
-All per-step work is vectorised NumPy: no per-token Python loops.
+block table (logical block -> block id). A sequence's handle is its row. It logs
+which table entries and lengths change; :mod:`pagedrt.step` drains that log to
+keep the device's copies current. Everything here is NumPy on the host, and all
+per-step work is vectorised: no per-token or per-sequence Python loops.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 
-from . import source
 from .errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
                      TooManySequencesError, UnknownSequenceError)
 
@@ -169,7 +171,7 @@ class BlockAllocator:
 
 
 class BlockTables:
-    """Sequences: length and block-table row each, on the host and on the pool's device.
+    """Sequences: a length and a block-table row each, with a log of what changed.
 
     ``seq`` handles are rows of the table; a freed handle may be given to a later sequence.
     """
@@ -187,14 +189,8 @@ class BlockTables:
         self._mark = np.zeros(max_seqs, np.int64)  # scratch for the duplicate check
         self._live_cache = None                    # np.flatnonzero(live), until add or free
         self._free_rows = list(range(max_seqs - 1, -1, -1))
-        if allocator.pool.xp is np:  # host backend: the kernels' twins read the host arrays themselves
-            self._device = None
-            self.device_table, self.device_lens = self.table, self.lens
-        else:
-            self._device = _DeviceTables(self.table, self.lens)
-            self.device_table, self.device_lens = self._device.table, self._device.lens
-        self._stale_entries = []   # (rows, cols) of table entries the device has not seen
-        self._stale_lens = []      # rows whose length the device has not seen
+        self._changed_entries = []  # (rows, cols) of table entries changed since the last drain
+        self._changed_lens = []     # rows whose length changed since the last drain
 
     # --- queries ------------------------------------------------------------------------
 
@@ -287,7 +283,7 @@ class BlockTables:
             cow_dst = ids[:cow_src.size]
             self.allocator.free(cow_src)
             self.table[cow_rows, cow_cols] = cow_dst
-            self._stale_entries.append((cow_rows, cow_cols))
+            self._changed_entries.append((cow_rows, cow_cols))
             copies = np.stack([cow_src, cow_dst], axis=1).astype(np.int32)
         if total:
             if uniform and step <= mask + 1:  # at most one new block per sequence
@@ -296,7 +292,7 @@ class BlockTables:
             else:
                 new_rows, new_cols = np.repeat(rows, need), np.repeat(old_nb, need) + ranks(need)
             self.table[new_rows, new_cols] = ids[cow_src.size:]
-            self._stale_entries.append((new_rows, new_cols))
+            self._changed_entries.append((new_rows, new_cols))
         if uniform and step == 1:
             slots = (self.table[rows, old >> shift].astype(np.int64) << shift) | (old & mask)
         else:
@@ -305,7 +301,7 @@ class BlockTables:
             pos = np.repeat(old.astype(np.int64), counts) + ranks(counts)
             slots = (self.table[token_rows, pos >> shift].astype(np.int64) << shift) | (pos & mask)
         self.lens[rows] = new
-        self._stale_lens.append(rows)
+        self._changed_lens.append(rows)
         return slots, copies
 
     def _append_one(self, rows):
@@ -323,10 +319,10 @@ class BlockTables:
         if fresh.size:
             new_rows, new_cols = rows[fresh], cols[fresh]
             self.table[new_rows, new_cols] = ids
-            self._stale_entries.append((new_rows, new_cols))
+            self._changed_entries.append((new_rows, new_cols))
         slots = (self.table[rows, cols].astype(np.int64) << shift) | within
         self.lens[rows] = old + 1
-        self._stale_lens.append(rows)
+        self._changed_lens.append(rows)
         return slots, _NO_COPIES
 
     def _live_rows(self):
@@ -360,8 +356,8 @@ class BlockTables:
         self.allocator.share(blocks)
         self.table[child, :blocks.size] = blocks
         self.lens[child] = self.lens[parent]
-        self._stale_entries.append((np.full(blocks.size, child), np.arange(blocks.size)))
-        self._stale_lens.append(np.array([child]))
+        self._changed_entries.append((np.full(blocks.size, child), np.arange(blocks.size)))
+        self._changed_lens.append(np.array([child]))
         return child
 
     def free(self, seqs):
@@ -375,70 +371,36 @@ class BlockTables:
         self.live[rows] = False
         self._live_cache = None
         self._free_rows.extend(int(r) for r in rows[::-1])
-        self._stale_entries.append((held_rows, held_cols))
-        self._stale_lens.append(rows)
+        self._changed_entries.append((held_rows, held_cols))
+        self._changed_lens.append(rows)
 
-    # --- the device copy ----------------------------------------------------------------
+    # --- the change log -------------------------------------------------------------------
 
-    def sync_device(self):
-        """Bring the device table and lengths up to date: one host-to-device copy, one launch."""
-        entries, lens = self._stale_entries, self._stale_lens
-        if self._device is None or not (entries or lens):
-            entries.clear()
-            lens.clear()
-            return
-        flat = (np.concatenate([r * self.max_blocks_per_seq + c for r, c in entries]) if entries
-                else _NO_ROWS)
-        rows = np.concatenate(lens) if lens else _NO_ROWS
-        entries.clear()
-        lens.clear()
-        self._device.apply(flat, self.table.ravel()[flat], rows, self.lens[rows])
+    def drain_changes(self):
+        """What changed since the last drain, and an empty log: a :class:`Changes`.
+
+        The step module drains it to bring the device's copies of the table and the
+        lengths up to date; nothing else reads the log.
+        """
+        entries = (np.concatenate([r * self.max_blocks_per_seq + c for r, c in self._changed_entries])
+                   if self._changed_entries else _NO_ROWS)
+        rows = np.concatenate(self._changed_lens) if self._changed_lens else _NO_ROWS
+        self._changed_entries.clear()
+        self._changed_lens.clear()
+        return Changes(entries, self.table.ravel()[entries], rows, self.lens[rows])
 
 
-class _DeviceTables:
-    """Device copies of the block table and lengths, updated from the host's change log.
+class Changes(NamedTuple):
+    """Table entries and lengths changed since the last drain, with their values now.
 
-    The changes travel as (index, value) pairs through a pinned staging buffer (two,
-    used in turn, so the host never overwrites one a copy may still read) in one
-    asynchronous copy, and one small kernel (cuda_src/tables.cu) applies them.
+    An entry or row may appear more than once, always with the same value, so the
+    changes may be applied in any order.
     """
 
-    def __init__(self, table, lens):
-        import cupy
-        self.cupy = cupy
-        self.table, self.lens = cupy.asarray(table), cupy.asarray(lens)
-        self._kernel = source.function("tables.cu", "pagedrt::apply_table_updates")
-        self._capacity = 0
-        self._turn = 0
-
-    def _reserve(self, pairs):
-        if pairs <= self._capacity:
-            return
-        import cupyx
-        cupy = self.cupy
-        cupy.cuda.get_current_stream().synchronize()  # the old buffers may still be read
-        self._capacity = max(pairs, 2 * self._capacity, 1024)
-        self._staging = [cupyx.empty_pinned(2 * self._capacity, np.int64) for _ in range(2)]
-        self._copied = [None, None]
-        self._updates = cupy.empty(2 * self._capacity, np.int64)
-
-    def apply(self, flat, values, rows, lens):
-        cupy = self.cupy
-        n_entries, n_lens = flat.size, rows.size
-        self._reserve(n_entries + n_lens)
-        turn = self._turn = 1 - self._turn
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()
-        pairs = self._staging[turn][:2 * (n_entries + n_lens)].reshape(-1, 2)
-        pairs[:n_entries, 0], pairs[:n_entries, 1] = flat, values
-        pairs[n_entries:, 0], pairs[n_entries:, 1] = rows, lens
-        stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(self._updates.data.ptr, pairs.ctypes.data, pairs.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._copied[turn] = stream.record()
-        n = n_entries + n_lens
-        self._kernel(((n + 255) // 256,), (256,),
-                     (self.table, self.lens, self._updates, np.int32(n_entries), np.int32(n_lens)))
+    entries: np.ndarray  # int64 flat indices into the table: row * max_blocks_per_seq + logical block
+    blocks: np.ndarray   # int32 block ids now held there (-1: none)
+    rows: np.ndarray     # int64 rows whose length changed
+    lens: np.ndarray     # int32 their lengths now
 
 
 _NO_COPIES = np.empty((0, 2), np.int32)

@@ -25,6 +25,7 @@ import numpy as np
 from .blocks import BlockAllocator, BlockTables, ranks, ceil_div
 from .errors import SnapshotError, UnknownSequenceError, UnsupportedConfigError
 from .memory import Pool, select_backend
+from .step import StepMetadata
 from .supported import BLOCK_SIZES, HEAD_DIMS, check, numpy_dtype
 
 PLACEMENTS = ("plane", "block")
@@ -210,6 +211,7 @@ class PagedKVCache:
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.planes)
         self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
+        self.step = StepMetadata(self.tables, self.pool.xp)
         self._planes = [self._plane_view(layer, kind) for layer in range(num_layers) for kind in KINDS]
         self._mask = None  # device copy of allocator.usable_mask(), rebuilt after grow/trim
         self._mask_version = None
@@ -275,13 +277,13 @@ class PagedKVCache:
 
         Consecutive handles give a view of the table (no copy); others a gathered copy.
         """
-        self.tables.sync_device()
-        return self._select(self.tables.device_table, seqs)
+        self.step.upload()
+        return self._select(self.step.block_table, seqs)
 
     def seq_lens(self, seqs=None):
         """The device lengths (int32), all rows or those of ``seqs`` in order."""
-        self.tables.sync_device()
-        return self._select(self.tables.device_lens, seqs)
+        self.step.upload()
+        return self._select(self.step.seq_lens, seqs)
 
     def _select(self, array, seqs):
         if seqs is None:

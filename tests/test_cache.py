@@ -341,3 +341,58 @@ def test_snapshot_round_trip_and_bad_files(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
     with pytest.raises(SnapshotError, match="not a pagedrt snapshot"):
         load_snapshot(tmp_path / "other.json")
+
+
+# --- the change log and the step's upload -------------------------------------------------
+
+def test_change_log_names_every_changed_entry_and_length():
+    with small_cache() as cache:
+        t = cache.tables
+        table, lens = t.table.copy(), t.lens.copy()  # a copy that only the drained changes update
+
+        def apply_changes():
+            changes = t.drain_changes()
+            assert changes.entries.dtype == np.int64 and changes.rows.dtype == np.int64
+            table.ravel()[changes.entries] = changes.blocks
+            lens[changes.rows] = changes.lens
+            assert np.array_equal(table, t.table) and np.array_equal(lens, t.lens)
+
+        a, b = cache.add_sequence(), cache.add_sequence()
+        cache.append([a, b], [BS + 3, 2 * BS])
+        apply_changes()
+        child = cache.fork(a)
+        cache.append(child, 1)  # copy-on-write of the shared tail
+        cache.append(None, 1)
+        apply_changes()
+        cache.free([a, b])
+        apply_changes()
+        empty = t.drain_changes()
+        assert empty.entries.size == empty.rows.size == 0
+
+
+def assert_device_matches(cache):
+    assert np.array_equal(to_host(cache.block_tables()), cache.tables.table)
+    assert np.array_equal(to_host(cache.seq_lens()), cache.tables.lens)
+
+
+@pytest.mark.gpu
+def test_step_upload_keeps_the_device_tables_equal_to_the_host():
+    with small_cache("cuda", max_tokens=2048 * BS, max_seqs=64) as cache:
+        first = [cache.add_sequence() for _ in range(8)]
+        cache.append(first, np.arange(1, 9) * 5)
+        assert_device_matches(cache)
+        children = [cache.fork(s) for s in first[:3]]
+        cache.append(children, 1)
+        cache.append(None, 1)
+        cache.free(first[1:3])
+        assert_device_matches(cache)
+        more = [cache.add_sequence() for _ in range(55)]
+        cache.append(more, 20 * BS)  # 1100 table entries and 55 lengths: the staging buffers regrow
+        assert_device_matches(cache)
+        for _ in range(3):
+            cache.append(None, 1)
+            assert_device_matches(cache)
+        cache.free(more[::2])
+        cache.append(children, BS)
+        assert_device_matches(cache)
+        assert np.array_equal(to_host(cache.block_tables(children)), cache.tables.table[children])
