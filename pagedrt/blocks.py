@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
-                     TooManySequencesError, UnknownSequenceError)
+from .errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
+                     SequenceFullError, TooManySequencesError, UnknownSequenceError)
 
 
 def ceil_div(a, b):
@@ -239,70 +239,33 @@ class BlockTables:
         or one per sequence. One token for every live sequence is the decode
         step, and has a fast path.
         """
-        if seqs is None:
-            rows = self._live_rows()
-        else:
-            rows = self.rows(seqs)
-            if rows.size > 1:
-                iota = self._iota[:rows.size]
-                self._mark[rows] = iota
-                if (self._mark[rows] != iota).any():
-                    raise InvalidTokenCountError("a sequence appears twice in one append: sum its counts instead")
-        n = rows.size
-        uniform = isinstance(counts, (int, np.integer)) and not isinstance(counts, (bool, np.bool_))
-        if uniform:
-            if counts < 0:
-                raise InvalidTokenCountError(f"token counts must be >= 0, got {counts}")
-            step = int(counts)
-        else:
-            counts = np.asarray(counts)
-            if counts.dtype.kind not in "iu":
-                raise InvalidTokenCountError(f"token counts must be ints, got {counts.dtype}")
-            if counts.shape != rows.shape:
-                raise InvalidTokenCountError(f"{counts.size} token counts given for {n} sequences")
-            if (counts < 0).any():
-                raise InvalidTokenCountError(f"token counts must be >= 0, got {counts[counts < 0][0]}")
-            step = counts.astype(np.int64)
-        if uniform and step == 1 and self.allocator.num_shared == 0:
+        rows, step = self._request(seqs, counts)
+        if isinstance(step, int) and step == 1 and self.allocator.num_shared == 0:
             return self._append_one(rows)
-        shift, mask = self._shift, self.block_size - 1
-        old = self.lens[rows]
-        new = old + step
-        old_nb, new_nb = (old + mask) >> shift, (new + mask) >> shift
-        if n and new_nb.max() > self.max_blocks_per_seq:
-            i = int(new_nb.argmax())
-            raise SequenceFullError(
-                f"sequence {rows[i]} would hold {new[i]} tokens ({new_nb[i]} blocks) but a block-table row "
-                f"holds {self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << shift} tokens)")
-        cow_rows, cow_cols, cow_src = self._shared_tails(rows, old, old_nb, step, uniform)
+        old, old_nb, new_nb = self._block_counts(rows, step)
+        self._check_capacity(rows, old + step, new_nb)
+        tail_rows, tail_cols, tail_src = self._shared_tails(rows, old, old_nb, step)
         need = new_nb - old_nb
-        total = int(need.sum())
-        ids = self.allocator.allocate(total + cow_src.size)  # the only step that can fail
-        copies = _NO_COPIES
-        if cow_src.size:
-            cow_dst = ids[:cow_src.size]
-            self.allocator.free(cow_src)
-            self.table[cow_rows, cow_cols] = cow_dst
-            self._changed_entries.append((cow_rows, cow_cols))
-            copies = np.stack([cow_src, cow_dst], axis=1).astype(np.int32)
-        if total:
-            if uniform and step <= mask + 1:  # at most one new block per sequence
-                grew = need.astype(bool)
-                new_rows, new_cols = rows[grew], old_nb[grew]
-            else:
-                new_rows, new_cols = np.repeat(rows, need), np.repeat(old_nb, need) + ranks(need)
-            self.table[new_rows, new_cols] = ids[cow_src.size:]
-            self._changed_entries.append((new_rows, new_cols))
-        if uniform and step == 1:
-            slots = (self.table[rows, old >> shift].astype(np.int64) << shift) | (old & mask)
-        else:
-            counts = np.broadcast_to(step, rows.shape)
-            token_rows = np.repeat(rows, counts)
-            pos = np.repeat(old.astype(np.int64), counts) + ranks(counts)
-            slots = (self.table[token_rows, pos >> shift].astype(np.int64) << shift) | (pos & mask)
-        self.lens[rows] = new
-        self._changed_lens.append(rows)
+        ids = self.allocator.allocate(int(need.sum()) + tail_src.size)  # the last step that can fail
+        copies = self._copy_on_write(tail_rows, tail_cols, tail_src, ids[:tail_src.size])
+        self._place_new_blocks(rows, old_nb, need, ids[tail_src.size:], step)
+        slots = self._slots(rows, old, step)
+        self._set_lens(rows, old + step)
         return slots, copies
+
+    def can_append(self, seqs, counts):
+        """Whether ``append(seqs, counts)`` would succeed now.
+
+        True when every sequence's row is wide enough and the free blocks, with those
+        of chunks not mapped yet, cover the new blocks and the private copies of shared
+        tail blocks. Bad arguments raise as :meth:`append` does.
+        """
+        rows, step = self._request(seqs, counts)
+        old, old_nb, new_nb = self._block_counts(rows, step)
+        if self._overflow(new_nb) is not None:
+            return False
+        copies = self._shared_tails(rows, old, old_nb, step)[2].size
+        return self.allocator.can_allocate(int((new_nb - old_nb).sum()) + copies)
 
     def _append_one(self, rows):
         """append(rows, 1) when no block is shared: the decode step, in about twenty NumPy calls."""
@@ -317,28 +280,61 @@ class BlockTables:
                 f"{self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << shift} tokens)")
         ids = self.allocator.allocate(fresh.size)
         if fresh.size:
-            new_rows, new_cols = rows[fresh], cols[fresh]
-            self.table[new_rows, new_cols] = ids
-            self._changed_entries.append((new_rows, new_cols))
+            self._set_entries(rows[fresh], cols[fresh], ids)
         slots = (self.table[rows, cols].astype(np.int64) << shift) | within
-        self.lens[rows] = old + 1
-        self._changed_lens.append(rows)
+        self._set_lens(rows, old + 1)
         return slots, _NO_COPIES
 
-    def _live_rows(self):
-        if self._live_cache is None:
-            self._live_cache = np.flatnonzero(self.live)
-        return self._live_cache
+    # --- the steps of an append -------------------------------------------------------------
 
-    def _shared_tails(self, rows, old, old_nb, step, uniform):
+    def _request(self, seqs, counts):
+        """The rows to update (live, each once) and their token counts.
+
+        The counts come back as one int for every row, or an int64 array, one per row.
+        """
+        if seqs is None:
+            rows = self._live_rows()
+        else:
+            rows = self._distinct(self.rows(seqs), "append", "sum its counts instead")
+        if isinstance(counts, (int, np.integer)) and not isinstance(counts, (bool, np.bool_)):
+            if counts < 0:
+                raise InvalidTokenCountError(f"token counts must be >= 0, got {counts}")
+            return rows, int(counts)
+        counts = np.asarray(counts)
+        if counts.dtype.kind not in "iu":
+            raise InvalidTokenCountError(f"token counts must be ints, got {counts.dtype}")
+        if counts.shape != rows.shape:
+            raise InvalidTokenCountError(f"{counts.size} token counts given for {rows.size} sequences")
+        if (counts < 0).any():
+            raise InvalidTokenCountError(f"token counts must be >= 0, got {counts[counts < 0][0]}")
+        return rows, counts.astype(np.int64)
+
+    def _block_counts(self, rows, step):
+        """Each row's length now, and its blocks before and after ``step`` more tokens."""
+        shift, mask = self._shift, self.block_size - 1
+        old = self.lens[rows]
+        return old, (old + mask) >> shift, (old + step + mask) >> shift
+
+    def _overflow(self, new_nb):
+        """The index of a row that would need more blocks than a table row holds, or None."""
+        if new_nb.size and new_nb.max() > self.max_blocks_per_seq:
+            return int(new_nb.argmax())
+        return None
+
+    def _check_capacity(self, rows, new, new_nb):
+        i = self._overflow(new_nb)
+        if i is not None:
+            raise SequenceFullError(
+                f"sequence {rows[i]} would hold {new[i]} tokens ({new_nb[i]} blocks) but a block-table row "
+                f"holds {self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << self._shift} tokens)")
+
+    def _shared_tails(self, rows, old, old_nb, step):
         """(rows, cols, block ids) of partly filled last blocks held by others, about to be written."""
-        if self.allocator.num_shared == 0:
+        if self.allocator.num_shared == 0 or (isinstance(step, int) and step == 0):
             return _NO_ROWS, _NO_ROWS, _NO_ROWS
         tail = (old & (self.block_size - 1)) != 0
-        if not uniform:
+        if not isinstance(step, int):
             tail &= step > 0
-        elif step == 0:
-            tail[:] = False
         tail_rows, tail_cols = rows[tail], old_nb[tail] - 1
         tail_blocks = self.table[tail_rows, tail_cols]
         shared = self.allocator.ref_count[tail_blocks] > 1
@@ -348,31 +344,80 @@ class BlockTables:
             shared[keep] = False
         return tail_rows[shared], tail_cols[shared], tail_blocks[shared]
 
+    def _copy_on_write(self, rows, cols, src, dst):
+        """Give each row its private ``dst`` in place of the shared ``src``; the (src, dst) pairs to copy."""
+        if not src.size:
+            return _NO_COPIES
+        self.allocator.free(src)
+        self._set_entries(rows, cols, dst)
+        return np.stack([src, dst], axis=1).astype(np.int32)
+
+    def _place_new_blocks(self, rows, old_nb, need, ids, step):
+        """Put ``ids`` in the table after each row's last block, ``need[i]`` of them for row ``i``."""
+        if not ids.size:
+            return
+        if isinstance(step, int) and step <= self.block_size:  # at most one new block per row
+            grew = need.astype(bool)
+            self._set_entries(rows[grew], old_nb[grew], ids)
+        else:
+            self._set_entries(np.repeat(rows, need), np.repeat(old_nb, need) + ranks(need), ids)
+
+    def _slots(self, rows, old, step):
+        """The pool slots of the new tokens, row by row, once their blocks are in the table."""
+        shift, mask = self._shift, self.block_size - 1
+        if isinstance(step, int) and step == 1:
+            return (self.table[rows, old >> shift].astype(np.int64) << shift) | (old & mask)
+        counts = np.broadcast_to(step, rows.shape)
+        token_rows = np.repeat(rows, counts)
+        pos = np.repeat(old.astype(np.int64), counts) + ranks(counts)
+        return (self.table[token_rows, pos >> shift].astype(np.int64) << shift) | (pos & mask)
+
+    def _set_entries(self, rows, cols, block_ids):
+        self.table[rows, cols] = block_ids
+        self._changed_entries.append((rows, cols))
+
+    def _set_lens(self, rows, lens):
+        self.lens[rows] = lens
+        self._changed_lens.append(rows)
+
+    def _distinct(self, rows, what, hint):
+        """``rows``, checked to hold no row twice."""
+        if rows.size > 1:
+            iota = self._iota[:rows.size]
+            self._mark[rows] = iota
+            again = self._mark[rows] != iota
+            if again.any():
+                raise DuplicateSequenceError(f"sequence {rows[again][0]} appears twice in one {what}: {hint}")
+        return rows
+
+    def _live_rows(self):
+        if self._live_cache is None:
+            self._live_cache = np.flatnonzero(self.live)
+        return self._live_cache
+
+    # --- forks and frees ---------------------------------------------------------------------
+
     def fork(self, seq):
         """A new sequence sharing every block of ``seq`` (parallel sampling, beam search)."""
         parent = self.rows(seq)[0]
         blocks = self.blocks(parent)
         child = self.add()
         self.allocator.share(blocks)
-        self.table[child, :blocks.size] = blocks
-        self.lens[child] = self.lens[parent]
-        self._changed_entries.append((np.full(blocks.size, child), np.arange(blocks.size)))
-        self._changed_lens.append(np.array([child]))
+        self._set_entries(np.full(blocks.size, child), np.arange(blocks.size), blocks)
+        self._set_lens(np.array([child]), self.lens[parent])
         return child
 
     def free(self, seqs):
-        """Free sequences: drop their references to their blocks; their handles may be reused."""
-        rows = np.unique(self.rows(seqs))
+        """Free sequences, each given once: drop their references to their blocks; their handles may be reused."""
+        rows = np.sort(self._distinct(self.rows(seqs), "free", "free each sequence once"))
         nb = ceil_div(self.lens[rows].astype(np.int64), self.block_size)
         held_rows, held_cols = np.repeat(rows, nb), ranks(nb)
         self.allocator.free(self.table[held_rows, held_cols])
-        self.table[held_rows, held_cols] = -1
-        self.lens[rows] = 0
+        self._set_entries(held_rows, held_cols, -1)
+        self._set_lens(rows, 0)
         self.live[rows] = False
         self._live_cache = None
         self._free_rows.extend(int(r) for r in rows[::-1])
-        self._changed_entries.append((held_rows, held_cols))
-        self._changed_lens.append(rows)
 
     # --- the change log -------------------------------------------------------------------
 

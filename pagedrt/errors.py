@@ -68,7 +68,7 @@ class UnknownSequenceError(PagedRTError, KeyError):
 
 
 class DuplicateSequenceError(PagedRTError, ValueError):
-    """A sequence id that is already live."""
+    """A sequence given twice where each may appear once (in one append, in one free)."""
 
 
 class DoubleFreeError(PagedRTError, ValueError):

@@ -10,8 +10,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedrt.cache import PagedKVCache, load_snapshot
 from pagedrt.memory import select_backend
-from pagedrt.errors import (DoubleFreeError, InvalidTokenCountError, PoolExhaustedError, SequenceFullError,
-                            SnapshotError, TooManySequencesError, UnknownSequenceError, UnsupportedConfigError)
+from pagedrt.errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
+                            SequenceFullError, SnapshotError, TooManySequencesError, UnknownSequenceError,
+                            UnsupportedConfigError)
 from helpers import to_host
 
 LAYERS, HEADS, DIM, BS = 2, 2, 64, 8
@@ -231,7 +232,8 @@ def test_bad_input_changes_nothing():
             (SequenceFullError, "holds 24 blocks", lambda: cache.append(a, 24 * BS)),
             (InvalidTokenCountError, ">= 0", lambda: cache.append([a, b], [4, -1])),
             (InvalidTokenCountError, "must be ints", lambda: cache.append(a, 1.5)),
-            (InvalidTokenCountError, "twice", lambda: cache.append([a, a], 1)),
+            (DuplicateSequenceError, f"sequence {a} appears twice in one append", lambda: cache.append([a, b, a], 1)),
+            (DuplicateSequenceError, f"sequence {b} appears twice in one free", lambda: cache.free([b, c, b])),
             (UnknownSequenceError, "sequence 5 does not exist", lambda: cache.append([a, 5], 1)),
             (UnknownSequenceError, "sequence 99 does not exist", lambda: cache.fork(99)),
             (UnknownSequenceError, "-1 does not exist", lambda: cache.free(-1)),
