@@ -51,9 +51,6 @@ class BlockAllocator:
         """The pool chunks that allocator chunk ``chunk`` stands for (one per plane)."""
         return [p * self.num_chunks + chunk for p in range(self.planes)]
 
-    def chunk_of(self, block_ids):
-        return np.asarray(block_ids) // self.blocks_per_chunk
-
     @property
     def num_free(self):
         return int(self.free_in_chunk.sum())

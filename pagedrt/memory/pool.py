@@ -93,10 +93,6 @@ class Pool:
         return max(touched) + 1 if touched else 0
 
     @property
-    def mapped_chunks(self):
-        return sorted(self._handles)
-
-    @property
     def mapped_bytes(self):
         return len(self._handles) * self.chunk_bytes
 
