@@ -1,181 +1,25 @@
-"""PagedKVCache: every layer's K and V over one pool, and the whole chain from token to chunk.
+"""PagedKVCache: every layer's K and V over one pool, its sequences, and what kernels read.
 
-Layout (see docs/ARCHITECTURE.md for why):
-
-- Inside a block, K (and V) of one layer is ``[num_kv_heads, block_size, head_dim]``
-  (HND): a decode thread block reads one KV head's ``block_size * head_dim`` run.
-- Placement ``"plane"`` (the default) gives each (layer, K|V) its own region of the
-  range, ``2 * num_layers`` planes; block ``b`` of a plane is at ``b * plane_block_bytes``
-  and allocator chunk ``k`` is the k-th chunk of every plane. Placement ``"block"``
-  puts all layers' K and V of a block together (``[layer][K|V][head][slot][dim]``),
-  so one chunk holds whole blocks of every layer.
-
-Either way a kernel sees, per layer and K|V, a base pointer and one block stride.
+The facade over the layers below: the pool (:mod:`pagedrt.memory`), the block
+allocator and tables (:mod:`pagedrt.blocks`), the step's device metadata
+(:mod:`pagedrt.step`), the layout (:mod:`pagedrt.layout`) and snapshots
+(:mod:`pagedrt.snapshot`).
 """
-
-import json
-import math
-import os
-import tempfile
-import time
-from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .blocks import BlockAllocator, BlockTables, ranks, ceil_div
-from .errors import SnapshotError, UnknownSequenceError, UnsupportedConfigError
+from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
+from .errors import UnsupportedConfigError
+from .layout import KINDS, PLACEMENTS, Layout, translate
 from .memory import Pool, select_backend
+from .snapshot import build_snapshot, write_snapshot
 from .step import StepMetadata
 from .supported import BLOCK_SIZES, HEAD_DIMS, check, numpy_dtype
-
-PLACEMENTS = ("plane", "block")
-KINDS = ("k", "v")
-SNAPSHOT_SCHEMA, SNAPSHOT_VERSION = "pagedrt-snapshot", 1
-MiB = 1 << 20
 
 
 def _check_positive(name, value):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise UnsupportedConfigError(f"{name} must be a positive int, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where every block of every layer's K and V lies in the pool's range (bytes)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-    itemsize: int
-    placement: str
-    page_bytes: int
-    chunk_bytes: int       # one physical chunk
-    chunks_per_plane: int  # allocator chunks
-
-    @classmethod
-    def plan(cls, num_layers, num_kv_heads, head_dim, block_size, dtype, placement, page_bytes,
-             max_blocks, chunk_bytes=None):
-        """Choose the chunk size (a whole number of pages and of blocks) and the range's size."""
-        dtype = numpy_dtype(dtype)
-        shape = cls(num_layers, num_kv_heads, head_dim, block_size, dtype.name, dtype.itemsize, placement,
-                    page_bytes, 0, 0)
-        step, unit = shape.chunk_step, shape.block_stride_bytes
-        if chunk_bytes is not None and (chunk_bytes <= 0 or chunk_bytes % step):
-            raise UnsupportedConfigError(
-                f"chunk_bytes={chunk_bytes} must be a positive multiple of {step} bytes (a whole number of "
-                f"{page_bytes}-byte pages and of {unit}-byte blocks)")
-        # By default 64 MiB a grow step, and never chunks under 16 MiB: memory mapped in
-        # 2 MiB chunks streams 20% slower (docs/ARCHITECTURE.md). Less for a small cache.
-        wanted = chunk_bytes or min(max(64 * MiB // shape.planes, 16 * MiB), max_blocks * unit)
-        chunk = ceil_div(wanted, step) * step
-        return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit))
-
-    # --- derived sizes ----------------------------------------------------------------
-
-    @property
-    def planes(self):
-        return 2 * self.num_layers if self.placement == "plane" else 1
-
-    @property
-    def chunk_step(self):
-        """Chunk sizes must be multiples of this: whole pages, and whole blocks of one plane."""
-        return math.lcm(self.page_bytes, self.block_stride_bytes)
-
-    @property
-    def plane_block_bytes(self):
-        """One block of one layer's K (or V)."""
-        return self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
-
-    @property
-    def block_bytes(self):
-        """One block of every layer's K and V: what a block id costs."""
-        return 2 * self.num_layers * self.plane_block_bytes
-
-    @property
-    def bytes_per_token(self):
-        return self.block_bytes // self.block_size
-
-    @property
-    def block_stride_bytes(self):
-        """Bytes between block b and b + 1 of one plane; also what one block takes in one chunk."""
-        return self.plane_block_bytes if self.placement == "plane" else self.block_bytes
-
-    @property
-    def blocks_per_chunk(self):
-        return self.chunk_bytes // self.block_stride_bytes
-
-    @property
-    def max_blocks(self):
-        return self.chunks_per_plane * self.blocks_per_chunk
-
-    @property
-    def pool_bytes(self):
-        return self.chunks_per_plane * self.chunk_bytes * self.planes
-
-    # --- addresses ----------------------------------------------------------------------
-
-    def plane_offset(self, layer, kind):
-        """Byte offset of block 0 of (layer, K|V) from the pool's base."""
-        index = 2 * layer + KINDS.index(kind)
-        if self.placement == "plane":
-            return index * self.chunks_per_plane * self.chunk_bytes
-        return index * self.plane_block_bytes
-
-    def offset(self, block_id, slot, layer, kind, head=0):
-        """Byte offset of (block, slot, layer, K|V, kv head)'s ``head_dim`` values from the base."""
-        inner = (head * self.block_size + slot) * self.head_dim * self.itemsize
-        return self.plane_offset(layer, kind) + block_id * self.block_stride_bytes + inner
-
-    def locate(self, offset):
-        """(pool chunk, offset inside it, page inside it) of a byte offset."""
-        chunk, within = divmod(offset, self.chunk_bytes)
-        return chunk, within, within // self.page_bytes
-
-    def check(self, layer, kind, head):
-        if not 0 <= layer < self.num_layers:
-            raise UnsupportedConfigError(f"layer {layer} does not exist: layers are 0..{self.num_layers - 1}")
-        if kind not in KINDS:
-            raise UnsupportedConfigError(f"kind {kind!r} must be 'k' or 'v'")
-        if not 0 <= head < self.num_kv_heads:
-            raise UnsupportedConfigError(f"kv head {head} does not exist: heads are 0..{self.num_kv_heads - 1}")
-
-
-@dataclass(frozen=True)
-class Translation:
-    """The whole chain for one token of one sequence, layer, K|V and KV head."""
-
-    seq: int
-    pos: int
-    layer: int
-    kind: str
-    kv_head: int
-    logical_block: int    # pos // block_size
-    slot: int             # pos % block_size
-    block_id: int         # block_table[seq][logical_block]
-    pool_offset: int      # bytes from the pool's base
-    virtual_address: int  # pool base + pool_offset
-    chunk: int            # the pool chunk (physical allocation) the MMU maps it to
-    chunk_offset: int     # bytes into that chunk
-    page: int             # page index inside the chunk
-    nbytes: int           # contiguous bytes of this token's head_dim values
-
-    def as_dict(self):
-        return asdict(self)
-
-
-def translate(layout, base, block_row, length, seq, pos, layer=0, kind="k", head=0):
-    """The chain for token ``pos`` of a sequence whose block-table row and length are given."""
-    if not 0 <= pos < length:
-        raise UnknownSequenceError(f"sequence {seq} has no token {pos}: its positions are 0..{length - 1}")
-    layout.check(layer, kind, head)
-    logical, slot = divmod(pos, layout.block_size)
-    block_id = int(block_row[logical])
-    offset = layout.offset(block_id, slot, layer, kind, head)
-    chunk, within, page = layout.locate(offset)
-    return Translation(seq, pos, layer, kind, head, logical, slot, block_id, offset, base + offset,
-                       chunk, within, page, layout.head_dim * layout.itemsize)
 
 
 class PagedKVCache:
@@ -342,34 +186,11 @@ class PagedKVCache:
 
     def snapshot(self):
         """Both layers as a JSON-ready dict (schema in docs/SNAPSHOT.md)."""
-        lay, a, t = self.layout, self.allocator, self.tables
-        frontier = (int(np.flatnonzero(a.chunk_mapped).max()) + 1 if a.chunk_mapped.any() else 0)
-        return {
-            "schema": SNAPSHOT_SCHEMA, "version": SNAPSHOT_VERSION, "time": time.time(),
-            "layout": asdict(lay),
-            "pool": {"backend": self.pool.backend, "base": self.pool.base, "max_bytes": self.pool.max_bytes,
-                     "chunk_bytes": self.pool.chunk_bytes, "page_bytes": self.pool.page_bytes,
-                     "num_chunks": self.pool.num_chunks, "chunks": [r.as_dict() for r in self.pool.mappings()]},
-            "blocks": {"blocks_per_chunk": a.blocks_per_chunk, "planes": a.planes, "num_chunks": a.num_chunks,
-                       "max_blocks": a.max_blocks, "free": a.num_free, "held": a.num_held,
-                       "chunk_mapped": a.chunk_mapped.tolist(), "free_in_chunk": a.free_in_chunk.tolist(),
-                       "ref_counts": a.ref_count[:frontier * a.blocks_per_chunk].tolist()},
-            "sequences": [{"seq": int(s), "length": int(t.lens[s]), "blocks": t.blocks(s).tolist()}
-                          for s in t.sequences],
-            "max_seqs": t.max_seqs, "max_blocks_per_seq": t.max_blocks_per_seq,
-        }
+        return build_snapshot(self.layout, self.pool, self.allocator, self.tables)
 
     def write_snapshot(self, path):
         """Write :meth:`snapshot` to ``path`` atomically (a temp file renamed over it)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".snapshot-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.snapshot(), f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_snapshot(self.snapshot(), path)
 
     # --- lifetime -----------------------------------------------------------------------------
 
@@ -388,27 +209,3 @@ class PagedKVCache:
         lay = self.layout
         return (f"PagedKVCache({lay.num_layers} layers, {lay.num_kv_heads} kv heads x {lay.head_dim}, "
                 f"block {lay.block_size}, {lay.dtype}, {lay.placement}-major, {self.pool!r})")
-
-
-def load_snapshot(path):
-    """Read a snapshot file; SnapshotError if it is missing, corrupt, or of a newer schema."""
-    try:
-        with open(path) as f:
-            snap = json.load(f)
-    except FileNotFoundError:
-        raise SnapshotError(f"no snapshot at {path}: write one with cache.write_snapshot(path)") from None
-    except (OSError, ValueError) as exc:
-        raise SnapshotError(f"cannot read snapshot {path}: {exc}") from None
-    if not isinstance(snap, dict) or snap.get("schema") != SNAPSHOT_SCHEMA:
-        raise SnapshotError(f"{path} is not a pagedrt snapshot (no schema {SNAPSHOT_SCHEMA!r})")
-    version = snap.get("version")
-    if not isinstance(version, int) or version > SNAPSHOT_VERSION:
-        raise SnapshotError(f"{path} has snapshot version {version!r}; this pagedrt reads up to "
-                            f"version {SNAPSHOT_VERSION}: upgrade pagedrt")
-    try:
-        Layout(**snap["layout"])
-        for key in ("pool", "blocks", "sequences"):
-            snap[key]
-    except (KeyError, TypeError) as exc:
-        raise SnapshotError(f"{path} is a corrupt snapshot: {exc!r}") from None
-    return snap

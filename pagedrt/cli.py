@@ -202,7 +202,7 @@ def snapshot_source(fn):
 
 
 def load_state(snapshot, from_demo, backend, options):
-    from .cache import load_snapshot
+    from .snapshot import load_snapshot
     if snapshot and from_demo:
         raise click.UsageError("give a SNAPSHOT file or --from-demo, not both")
     if snapshot:
@@ -267,7 +267,7 @@ def inspect(path, watch, backend, as_json, no_color):
 
     A snapshot is read, not a pool made: --backend is accepted, as by every command, and unused.
     """
-    from .cache import load_snapshot
+    from .snapshot import load_snapshot
     style = styler(no_color)
     while True:
         snap = load_snapshot(path)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import kernels
-from .cache import Layout, PagedKVCache
+from .cache import PagedKVCache
+from .layout import Layout
 from .memory import select_backend
 
 PRESETS = {  # name: (layers, query heads, kv heads, head_dim)

@@ -7,7 +7,7 @@ written by another process as on a live cache.
 
 import math
 
-from .cache import Layout, translate
+from .layout import Layout, translate
 from .errors import UnknownSequenceError
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"

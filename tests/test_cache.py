@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedrt.cache import PagedKVCache, load_snapshot
+from pagedrt.cache import PagedKVCache
+from pagedrt.snapshot import load_snapshot
 from pagedrt.memory import select_backend
 from pagedrt.errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
                             SequenceFullError, SnapshotError, TooManySequencesError, UnknownSequenceError,
