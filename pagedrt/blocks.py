@@ -4,7 +4,7 @@
 chunk-aware: block ``b`` lives in chunk ``b // blocks_per_chunk``; it takes free
 blocks from the fullest mapped chunks first (so that whole chunks fall empty),
 maps more chunks when none are free, and :meth:`~BlockAllocator.trim` hands back
-every chunk whose blocks are all free. With ``planes > 1`` the range is cut into
+every chunk whose blocks are all free. With ``num_planes > 1`` the range is cut into
 that many equal regions (one per layer and K/V) and allocator chunk ``k`` stands
 for the k-th chunk of every region: they are mapped and released together.
 
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
-                     SequenceFullError, TooManySequencesError, UnknownSequenceError)
+                     PoolSizeError, SequenceFullError, TooManySequencesError, UnknownSequenceError)
 
 
 def ceil_div(a, b):
@@ -30,13 +30,13 @@ def ceil_div(a, b):
 class BlockAllocator:
     """Reference-counted block ids over a :class:`~pagedrt.memory.Pool`'s chunks."""
 
-    def __init__(self, pool, blocks_per_chunk, planes=1):
-        if pool.num_chunks % planes:
-            raise ValueError(f"the pool's {pool.num_chunks} chunks do not split into {planes} planes")
+    def __init__(self, pool, blocks_per_chunk, num_planes=1):
+        if pool.num_chunks % num_planes:
+            raise PoolSizeError(f"the pool's {pool.num_chunks} chunks do not split into {num_planes} planes")
         self.pool = pool
-        self.planes = planes
+        self.num_planes = num_planes
         self.blocks_per_chunk = blocks_per_chunk
-        self.num_chunks = pool.num_chunks // planes    # allocator chunks (rows of pool chunks)
+        self.num_chunks = pool.num_chunks // num_planes    # allocator chunks (rows of pool chunks)
         self.max_blocks = self.num_chunks * blocks_per_chunk
         self.ref_count = np.zeros(self.max_blocks, np.int32)
         self.is_free = np.zeros(self.max_blocks, bool)
@@ -49,7 +49,7 @@ class BlockAllocator:
 
     def pool_chunks(self, chunk):
         """The pool chunks that allocator chunk ``chunk`` stands for (one per plane)."""
-        return [p * self.num_chunks + chunk for p in range(self.planes)]
+        return [p * self.num_chunks + chunk for p in range(self.num_planes)]
 
     @property
     def num_free(self):

@@ -10,7 +10,7 @@ import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
 from .errors import UnsupportedConfigError
-from .layout import KINDS, PLACEMENTS, Layout, translate
+from .layout import KV, PLACEMENTS, Layout, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
 from .step import StepMetadata
@@ -53,10 +53,10 @@ class PagedKVCache:
             max_seq_len = min(self.layout.max_blocks * block_size, 32768)
         _check_positive("max_seq_len", max_seq_len)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
-        self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.planes)
+        self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes)
         self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
         self.step = StepMetadata(self.tables, self.pool.xp)
-        self._planes = [self._plane_view(layer, kind) for layer in range(num_layers) for kind in KINDS]
+        self._planes = [self._plane_view(layer, kv) for layer in range(num_layers) for kv in KV]
         self._mask = None  # device copy of allocator.usable_mask(), rebuilt after grow/trim
         self._mask_version = None
 
@@ -145,20 +145,20 @@ class PagedKVCache:
             self._mask_version = self.allocator.version
         return self._mask
 
-    def _plane_view(self, layer, kind):
+    def _plane_view(self, layer, kv):
         lay = self.layout
         e = lay.itemsize
         shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
         strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
-        return self.pool.view(lay.plane_offset(layer, kind), shape, self.dtype, strides, allow_holes=True)
+        return self.pool.view(lay.plane_offset(layer, kv), shape, self.dtype, strides, allow_holes=True)
 
     # --- both layers at once ----------------------------------------------------------------
 
-    def translate(self, seq, pos, layer=0, kind="k", head=0):
+    def translate(self, seq, pos, layer=0, kv="k", head=0):
         """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page."""
         row = self.tables.rows(seq)[0]
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
-                         int(seq), pos, layer, kind, head)
+                         int(seq), pos, layer, kv, head)
 
     def stats(self):
         """Token and byte counts: what holds tokens against what is mapped.

@@ -188,7 +188,7 @@ def run_demo(config, progress=None):
     backend = select_backend(c.backend)
     full = Layout.plan(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, c.placement, backend.page_bytes,
                        -(-c.max_tokens // c.block_size))
-    plane_bytes, step = full.pool_bytes // full.planes, full.chunk_step
+    plane_bytes, step = full.pool_bytes // full.num_planes, full.chunk_step
     chunk = step * max(1, plane_bytes // (DEMO_CHUNKS * step))  # about DEMO_CHUNKS chunks: growth to watch
     cache = PagedKVCache(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, max_tokens=c.max_tokens,
                          max_seqs=c.max_seqs, max_seq_len=c.max_prompt + 4 * c.steps + 16,

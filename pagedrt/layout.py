@@ -23,7 +23,7 @@ from .errors import UnknownSequenceError, UnsupportedConfigError
 from .supported import numpy_dtype
 
 PLACEMENTS = ("plane", "block")
-KINDS = ("k", "v")
+KV = ("k", "v")
 MiB = 1 << 20
 
 
@@ -56,14 +56,14 @@ class Layout:
                 f"{page_bytes}-byte pages and of {unit}-byte blocks)")
         # By default 64 MiB a grow step, and never chunks under 16 MiB: memory mapped in
         # 2 MiB chunks streams 20% slower (docs/ARCHITECTURE.md). Less for a small cache.
-        wanted = chunk_bytes or min(max(64 * MiB // shape.planes, 16 * MiB), max_blocks * unit)
+        wanted = chunk_bytes or min(max(64 * MiB // shape.num_planes, 16 * MiB), max_blocks * unit)
         chunk = ceil_div(wanted, step) * step
         return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit))
 
     # --- derived sizes ----------------------------------------------------------------
 
     @property
-    def planes(self):
+    def num_planes(self):
         return 2 * self.num_layers if self.placement == "plane" else 1
 
     @property
@@ -100,32 +100,32 @@ class Layout:
 
     @property
     def pool_bytes(self):
-        return self.chunks_per_plane * self.chunk_bytes * self.planes
+        return self.chunks_per_plane * self.chunk_bytes * self.num_planes
 
     # --- addresses ----------------------------------------------------------------------
 
-    def plane_offset(self, layer, kind):
+    def plane_offset(self, layer, kv):
         """Byte offset of block 0 of (layer, K|V) from the pool's base."""
-        index = 2 * layer + KINDS.index(kind)
+        index = 2 * layer + KV.index(kv)
         if self.placement == "plane":
             return index * self.chunks_per_plane * self.chunk_bytes
         return index * self.plane_block_bytes
 
-    def offset(self, block_id, slot, layer, kind, head=0):
+    def offset(self, block_id, slot, layer, kv, head=0):
         """Byte offset of (block, slot, layer, K|V, kv head)'s ``head_dim`` values from the base."""
         inner = (head * self.block_size + slot) * self.head_dim * self.itemsize
-        return self.plane_offset(layer, kind) + block_id * self.block_stride_bytes + inner
+        return self.plane_offset(layer, kv) + block_id * self.block_stride_bytes + inner
 
     def locate(self, offset):
         """(pool chunk, offset inside it, page inside it) of a byte offset."""
         chunk, within = divmod(offset, self.chunk_bytes)
         return chunk, within, within // self.page_bytes
 
-    def check(self, layer, kind, head):
+    def check(self, layer, kv, head):
         if not 0 <= layer < self.num_layers:
             raise UnsupportedConfigError(f"layer {layer} does not exist: layers are 0..{self.num_layers - 1}")
-        if kind not in KINDS:
-            raise UnsupportedConfigError(f"kind {kind!r} must be 'k' or 'v'")
+        if kv not in KV:
+            raise UnsupportedConfigError(f"kv {kv!r} must be 'k' or 'v'")
         if not 0 <= head < self.num_kv_heads:
             raise UnsupportedConfigError(f"kv head {head} does not exist: heads are 0..{self.num_kv_heads - 1}")
 
@@ -137,7 +137,7 @@ class Translation:
     seq: int
     pos: int
     layer: int
-    kind: str
+    kv: str
     kv_head: int
     logical_block: int    # pos // block_size
     slot: int             # pos % block_size
@@ -153,14 +153,14 @@ class Translation:
         return asdict(self)
 
 
-def translate(layout, base, block_row, length, seq, pos, layer=0, kind="k", head=0):
+def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0):
     """The chain for token ``pos`` of a sequence whose block-table row and length are given."""
     if not 0 <= pos < length:
         raise UnknownSequenceError(f"sequence {seq} has no token {pos}: its positions are 0..{length - 1}")
-    layout.check(layer, kind, head)
+    layout.check(layer, kv, head)
     logical, slot = divmod(pos, layout.block_size)
     block_id = int(block_row[logical])
-    offset = layout.offset(block_id, slot, layer, kind, head)
+    offset = layout.offset(block_id, slot, layer, kv, head)
     chunk, within, page = layout.locate(offset)
-    return Translation(seq, pos, layer, kind, head, logical, slot, block_id, offset, base + offset,
+    return Translation(seq, pos, layer, kv, head, logical, slot, block_id, offset, base + offset,
                        chunk, within, page, layout.head_dim * layout.itemsize)

@@ -34,7 +34,7 @@ def seq_symbol(seq, style=plain):
 def chunk_table(snap, style=plain):
     """One line per allocator chunk ever mapped: place, VA range, size, state, blocks held."""
     lay, pool, blocks = Layout(**snap["layout"]), snap["pool"], snap["blocks"]
-    planes, per_plane = lay.planes, blocks["num_chunks"]
+    planes, per_plane = lay.num_planes, blocks["num_chunks"]
     records = {c["chunk"]: c for c in pool["chunks"]}
     held = _block_owners(snap)
     bpc = blocks["blocks_per_chunk"]
@@ -119,26 +119,26 @@ def _cell(block_range, owners, mapped, bpc, style):
     return seq_symbol(max(counts, key=counts.get), style)
 
 
-def chain(snap, seq, pos, layer=0, kind="k", head=0):
+def chain(snap, seq, pos, layer=0, kv="k", head=0):
     """The Translation of token ``pos`` of ``seq`` from a snapshot."""
     entry = next((e for e in snap["sequences"] if e["seq"] == seq), None)
     if entry is None:
         raise UnknownSequenceError(f"sequence {seq} does not exist in this snapshot: it holds "
                                    f"{[e['seq'] for e in snap['sequences']]}")
     return translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
-                     seq, pos, layer, kind, head)
+                     seq, pos, layer, kv, head)
 
 
 def chain_lines(snap, tr, style=plain):
     """One line per step, token -> HBM chunk."""
     lay = Layout(**snap["layout"])
     bold = lambda text: style(str(text), bold=True)
-    plane = lay.plane_offset(tr.layer, tr.kind)
+    plane = lay.plane_offset(tr.layer, tr.kv)
     inner = tr.pool_offset - plane - tr.block_id * lay.block_stride_bytes
     where = (f" (chunk {tr.chunk % lay.chunks_per_plane} of plane {tr.chunk // lay.chunks_per_plane})"
-             if lay.planes > 1 else "")
+             if lay.num_planes > 1 else "")
     return [
-        f"token    sequence {tr.seq}, position {tr.pos}, layer {tr.layer}, {tr.kind.upper()}, kv head {tr.kv_head}",
+        f"token    sequence {tr.seq}, position {tr.pos}, layer {tr.layer}, {tr.kv.upper()}, kv head {tr.kv_head}",
         f"block    logical block {bold(tr.logical_block)} = {tr.pos} // {lay.block_size}, "
         f"slot {bold(tr.slot)} = {tr.pos} % {lay.block_size}",
         f"table    block_table[{tr.seq}][{tr.logical_block}] = block id {bold(tr.block_id)}   "

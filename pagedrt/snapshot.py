@@ -30,7 +30,7 @@ def build_snapshot(layout, pool, allocator, tables):
         "pool": {"backend": pool.backend, "base": pool.base, "max_bytes": pool.max_bytes,
                  "chunk_bytes": pool.chunk_bytes, "page_bytes": pool.page_bytes,
                  "num_chunks": pool.num_chunks, "chunks": [r.as_dict() for r in pool.mappings()]},
-        "blocks": {"blocks_per_chunk": a.blocks_per_chunk, "planes": a.planes, "num_chunks": a.num_chunks,
+        "blocks": {"blocks_per_chunk": a.blocks_per_chunk, "num_planes": a.num_planes, "num_chunks": a.num_chunks,
                    "max_blocks": a.max_blocks, "free": a.num_free, "held": a.num_held,
                    "chunk_mapped": a.chunk_mapped.tolist(), "free_in_chunk": a.free_in_chunk.tolist(),
                    "ref_counts": a.ref_count[:frontier * a.blocks_per_chunk].tolist()},

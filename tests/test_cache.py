@@ -180,10 +180,10 @@ class CacheMachine(RuleBasedStateMachine):
         if n == 0:
             return
         pos = int(self.rng.integers(n))
-        layer, kind, head = int(self.rng.integers(LAYERS)), "kv"[int(self.rng.integers(2))], int(self.rng.integers(HEADS))
-        tr = self.cache.translate(seq, pos, layer, kind, head)
+        layer, kv, head = int(self.rng.integers(LAYERS)), "kv"[int(self.rng.integers(2))], int(self.rng.integers(HEADS))
+        tr = self.cache.translate(seq, pos, layer, kv, head)
         block = self.cache.tables.blocks(seq)[pos // BS]
-        plane = self.cache.k(layer) if kind == "k" else self.cache.v(layer)
+        plane = self.cache.k(layer) if kv == "k" else self.cache.v(layer)
         element = plane[block, head, pos % BS]
         address = element.__array_interface__["data"][0] if isinstance(element, np.ndarray) else element.data.ptr
         assert (tr.logical_block, tr.slot, tr.block_id) == (pos // BS, pos % BS, block)
@@ -240,7 +240,7 @@ def test_bad_input_changes_nothing():
             (UnknownSequenceError, "-1 does not exist", lambda: cache.free(-1)),
             (UnknownSequenceError, "has no token 9: its positions are 0..8", lambda: cache.translate(b, 9)),
             (UnsupportedConfigError, "layer 2 does not exist", lambda: cache.translate(a, 0, layer=2)),
-            (UnsupportedConfigError, "kind", lambda: cache.translate(a, 0, kind="q")),
+            (UnsupportedConfigError, "kv 'q' must be", lambda: cache.translate(a, 0, kv="q")),
             (DoubleFreeError, "holds 0 references", lambda: cache.allocator.free([60])),
             (DoubleFreeError, "holds 1 references, 2 were dropped",
              lambda: cache.allocator.free(np.repeat(cache.tables.blocks(b)[:1], 2))),
@@ -284,11 +284,11 @@ def test_growth_is_lazy_and_trim_gives_chunks_back():
         seqs = [cache.add_sequence() for _ in range(4)]
         cache.append(seqs, 8 * BS)  # 32 blocks = 8 chunks of 4
         assert cache.allocator.num_mapped_blocks == 32
-        assert cache.pool.mapped_bytes == 8 * cache.layout.planes * cache.pool.chunk_bytes
+        assert cache.pool.mapped_bytes == 8 * cache.layout.num_planes * cache.pool.chunk_bytes
         cache.free(seqs[:2])
         released = cache.trim()
         assert len(released) == 4  # fullest-first packing left whole chunks empty
-        assert cache.pool.mapped_bytes == 4 * cache.layout.planes * cache.pool.chunk_bytes
+        assert cache.pool.mapped_bytes == 4 * cache.layout.num_planes * cache.pool.chunk_bytes
         held = set(cache.tables.blocks(seqs[2])) | set(cache.tables.blocks(seqs[3]))
         assert not held & {b for k in released for b in range(4 * k, 4 * k + 4)}
 
