@@ -63,6 +63,11 @@ class BlockAllocator:
     def num_held(self):
         return self.num_mapped_blocks - self.num_free
 
+    @property
+    def num_available(self):
+        """Blocks :meth:`allocate` can still hand out: the free ones and every block of unmapped chunks."""
+        return self.max_blocks - self.num_held
+
     def usable_mask(self):
         """Per block: True where its chunk is mapped (free or held)."""
         return np.repeat(self.chunk_mapped, self.blocks_per_chunk)
@@ -70,8 +75,7 @@ class BlockAllocator:
     # --- allocation -------------------------------------------------------------------
 
     def can_allocate(self, n):
-        unmapped = self.num_chunks - int(self.chunk_mapped.sum())
-        return n <= self.num_free + unmapped * self.blocks_per_chunk
+        return n <= self.num_available
 
     def allocate(self, n):
         """``n`` block ids with reference count 1, fullest chunks first; grows the pool if needed."""

@@ -89,7 +89,22 @@ class PagedKVCache:
         return self.tables.fork(seq)
 
     def free(self, seqs):
+        """Free sequences, each given once; their blocks go back when no fork holds them."""
         self.tables.free(seqs)
+
+    def can_append(self, seqs, counts=1):
+        """Whether ``append(seqs, counts)`` would succeed now.
+
+        Every sequence's block-table row must be wide enough, and the available blocks
+        must cover the new blocks and the private copies of shared tail blocks that
+        copy-on-write takes. Bad arguments raise as :meth:`append` does.
+        """
+        return self.tables.can_append(seqs, counts)
+
+    @property
+    def num_available_blocks(self):
+        """Blocks that appends can still get: the free ones and every block of chunks not mapped yet."""
+        return self.allocator.num_available
 
     def trim(self):
         """Hand back every chunk whose blocks are all free; returns the allocator chunks released."""

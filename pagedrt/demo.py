@@ -114,8 +114,8 @@ class _Workload:
             return 0
         prompt = int(min(self.c.max_prompt, max(1, self.rng.lognormal(np.log(self.c.max_prompt / 4), 0.8))))
         limit = self.cache.max_blocks_per_seq * self.c.block_size
-        if not self.cache.allocator.can_allocate(-(-prompt // self.c.block_size) + len(self.history)):
-            return 0
+        if self.cache.num_available_blocks < -(-prompt // self.c.block_size) + len(self.history):
+            return 0  # room for the prompt, and a decode step's new block for every sequence
         seq = self.cache.add_sequence()
         empty = np.zeros((0, self.c.kv_heads, self.c.head_dim))
         self.history[seq] = {layer: (empty, empty) for layer in self.layers}
@@ -135,7 +135,7 @@ class _Workload:
 
     def decode(self):
         seqs = self.cache.sequences
-        if not seqs or not self.cache.allocator.can_allocate(len(seqs)):
+        if not seqs or not self.cache.can_append(None, 1):
             return 0
         slots, copies = self.cache.append(None, 1)
         self.write(seqs, [1] * len(seqs), slots, copies)

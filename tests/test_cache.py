@@ -84,13 +84,16 @@ class CacheMachine(RuleBasedStateMachine):
         seqs = sorted({live[p % len(live)] for p in picks})
         counts = np.array(counts[:len(seqs)])
         before = self.cache.snapshot()
+        fits = self.cache.can_append(seqs, counts)
         try:
             slots, copies = self.cache.append(seqs, counts)
         except (PoolExhaustedError, SequenceFullError):
             after = self.cache.snapshot()
             before.pop("time"), after.pop("time")
             assert after == before  # nothing changed
+            assert not fits
             return
+        assert fits
         assert slots.dtype == np.int64 and slots.size == counts.sum()
         copy_blocks(self.cache, copies)
         values = self.rng.standard_normal((slots.size, 2 * LAYERS, HEADS, DIM)).astype(np.float32)
@@ -102,10 +105,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def decode_step(self):
         """One token for every live sequence (the fast path when nothing is shared)."""
+        fits = self.cache.can_append(None, 1)
         try:
             slots, copies = self.cache.append(None, 1)
         except (PoolExhaustedError, SequenceFullError):
+            assert not fits
             return
+        assert fits
         seqs = sorted(self.data)
         assert slots.size == len(seqs)
         copy_blocks(self.cache, copies)
@@ -157,6 +163,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert not (a.is_free & (a.ref_count > 0)).any()
         assert np.array_equal(a.is_free | (a.ref_count > 0), mapped)  # released chunks hold nothing
         assert a.num_free + a.num_held == a.num_mapped_blocks == int(mapped.sum())
+        assert self.cache.num_available_blocks == a.max_blocks - a.num_held
         assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
         assert a.num_shared == int((a.ref_count > 1).sum())
         pool_mapped = {r.chunk for r in self.cache.pool.mappings() if r.state == "mapped"}
@@ -304,6 +311,36 @@ def test_stats_count_shared_tokens_once():
         stats = cache.stats()
         assert stats["stored_tokens"] == BS + 3 + 4 and stats["held_blocks"] == 3
         assert stats["token_bytes"] == stats["stored_tokens"] * cache.layout.bytes_per_token
+
+
+def test_can_append_counts_row_width_free_blocks_and_copy_on_write():
+    with small_cache() as cache:  # 64 blocks, rows of 24
+        parent = cache.add_sequence()
+        cache.append(parent, BS + 3)  # one full block, one partial
+        child = cache.fork(parent)
+        fillers = [cache.add_sequence() for _ in range(3)]
+        cache.append(fillers, [24 * BS, 24 * BS, 13 * BS])
+        assert cache.num_available_blocks == 1
+        assert cache.can_append(child, 1)  # its private copy of the shared tail takes the last block
+        assert not cache.can_append(child, BS)  # a new block and the copy: two
+        assert cache.can_append(parent, BS - 3)  # fills its tail: the copy alone
+        assert not cache.can_append(fillers[0], 1)  # its row is full
+        assert cache.can_append(fillers, 0)
+        before = frozen(cache)
+        for error, action in ((DuplicateSequenceError, lambda: cache.can_append([child, child], 1)),
+                              (UnknownSequenceError, lambda: cache.can_append(99, 1)),
+                              (InvalidTokenCountError, lambda: cache.can_append([child, parent], [1]))):
+            with pytest.raises(error):
+                action()
+        assert frozen(cache) == before
+        with pytest.raises(PoolExhaustedError):
+            cache.append(child, BS)
+        cache.append(child, 1)
+        assert cache.num_available_blocks == 0 and not cache.can_append(None, 1)
+        cache.free(fillers[2])
+        assert cache.num_available_blocks == 13 and not cache.can_append(None, 1)  # full rows still
+        cache.free(fillers[:2])
+        assert cache.num_available_blocks == 61 and cache.can_append(None, 1)
 
 
 def test_fork_then_append_copies_only_the_shared_tail():
