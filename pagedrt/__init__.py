@@ -3,7 +3,8 @@
 Two address translations, in layers (each imports only the ones below it):
 ``driver`` -> ``memory`` (the pool: hardware mapping, the MMU translates) ->
 ``blocks`` (allocator and block tables: software mapping, the kernel translates) ->
-``cache`` (PagedKVCache, translate) -> ``kernels`` -> ``cli``.
+``step`` (the step's device metadata) -> ``layout``, ``snapshot``, ``cache`` (PagedKVCache,
+translate) -> ``kernels`` -> ``cli``.
 """
 
 from .cache import PagedKVCache

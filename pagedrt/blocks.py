@@ -269,7 +269,7 @@ class BlockTables:
         return self.allocator.can_allocate(int((new_nb - old_nb).sum()) + copies)
 
     def _append_one(self, rows):
-        """append(rows, 1) when no block is shared: the decode step, in about twenty NumPy calls."""
+        """append(rows, 1) when no block is shared (the decode step): no tails to copy, one new block at most."""
         shift, mask = self._shift, self.block_size - 1
         old = self.lens[rows]
         within, cols = old & mask, old >> shift

@@ -55,7 +55,7 @@ class Layout:
                 f"chunk_bytes={chunk_bytes} must be a positive multiple of {step} bytes (a whole number of "
                 f"{page_bytes}-byte pages and of {unit}-byte blocks)")
         # By default 64 MiB a grow step, and never chunks under 16 MiB: memory mapped in
-        # 2 MiB chunks streams 20% slower (docs/ARCHITECTURE.md). Less for a small cache.
+        # small chunks streams slower (docs/ARCHITECTURE.md). Less for a small cache.
         wanted = chunk_bytes or min(max(64 * MiB // shape.num_planes, 16 * MiB), max_blocks * unit)
         chunk = ceil_div(wanted, step) * step
         return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit))
