@@ -8,11 +8,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pagedrt import Pool
+from pagedrt.blocks import BlockAllocator
 from pagedrt.cache import PagedKVCache
 from pagedrt.snapshot import load_snapshot
 from pagedrt.memory import select_backend
 from pagedrt.errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
-                            SequenceFullError, SnapshotError, TooManySequencesError, UnknownSequenceError,
+                            PoolSizeError, SequenceFullError, SnapshotError, TooManySequencesError, UnknownSequenceError,
                             UnsupportedConfigError)
 from helpers import to_host
 
@@ -193,6 +195,7 @@ class CacheMachine(RuleBasedStateMachine):
         plane = self.cache.k(layer) if kv == "k" else self.cache.v(layer)
         element = plane[block, head, pos % BS]
         address = element.__array_interface__["data"][0] if isinstance(element, np.ndarray) else element.data.ptr
+        assert (tr.layer, tr.kv, tr.kv_head) == (layer, kv, head)
         assert (tr.logical_block, tr.slot, tr.block_id) == (pos // BS, pos % BS, block)
         assert tr.virtual_address == address == self.cache.pool.base + tr.pool_offset
         chunk_bytes = self.cache.pool.chunk_bytes
@@ -259,6 +262,13 @@ def test_bad_input_changes_nothing():
         cache.free(a)
         with pytest.raises(UnknownSequenceError, match="freed"):
             cache.append(a, 1)
+
+
+def test_allocator_refuses_a_pool_that_does_not_split_into_its_planes():
+    page = select_backend("host").page_bytes
+    with Pool(4 * page, page, "host") as pool:
+        with pytest.raises(PoolSizeError, match="4 chunks do not split into 3 planes"):
+            BlockAllocator(pool, 1, 3)
 
 
 def test_too_many_sequences():
