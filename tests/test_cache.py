@@ -14,8 +14,8 @@ from pagedrt.cache import PagedKVCache
 from pagedrt.snapshot import load_snapshot
 from pagedrt.memory import select_backend
 from pagedrt.errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
-                            PoolSizeError, SequenceFullError, SnapshotError, TooManySequencesError, UnknownSequenceError,
-                            UnsupportedConfigError)
+                            PoolSizeError, SequenceFullError, SnapshotError, TooManySequencesError,
+                            UnknownSequenceError, UnsupportedConfigError)
 from helpers import to_host
 
 LAYERS, HEADS, DIM, BS = 2, 2, 64, 8
