@@ -190,6 +190,7 @@ class BlockTables:
         self._mark = np.zeros(max_seqs, np.int64)  # scratch for the duplicate check
         self._live_cache = None                    # np.flatnonzero(live), until add or free
         self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self.log_changes = True     # False where no device copy reads the log (the host backend)
         self._changed_entries = []  # (rows, cols) of table entries changed since the last drain
         self._changed_lens = []     # rows whose length changed since the last drain
 
@@ -375,11 +376,13 @@ class BlockTables:
 
     def _set_entries(self, rows, cols, block_ids):
         self.table[rows, cols] = block_ids
-        self._changed_entries.append((rows, cols))
+        if self.log_changes:
+            self._changed_entries.append((rows, cols))
 
     def _set_lens(self, rows, lens):
         self.lens[rows] = lens
-        self._changed_lens.append(rows)
+        if self.log_changes:
+            self._changed_lens.append(rows)
 
     def _distinct(self, rows, what, hint):
         """``rows``, checked to hold no row twice."""

@@ -31,6 +31,7 @@ class StepMetadata:
         self.tables = tables
         tables.drain_changes()  # the copies below start from the state now
         if xp is np:
+            tables.log_changes = False  # nothing to keep current: the host arrays are what kernels read
             self.block_table, self.seq_lens = tables.table, tables.lens
             self._staging = None
         else:

@@ -398,6 +398,8 @@ def test_snapshot_round_trip_and_bad_files(tmp_path):
 def test_change_log_names_every_changed_entry_and_length():
     with small_cache() as cache:
         t = cache.tables
+        assert not t.log_changes  # the host backend's kernels read the host arrays: nothing is logged
+        t.log_changes = True      # as on a GPU, where the step module drains the log
         table, lens = t.table.copy(), t.lens.copy()  # a copy that only the drained changes update
 
         def apply_changes():
