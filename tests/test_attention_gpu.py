@@ -75,6 +75,13 @@ def run(dev, case, **kw):
     return to_host(out)
 
 
+def run_plan(plan, dev, case):
+    """A plan's run over the case's layer on the device, into a poisoned out, brought to the host."""
+    out = poisoned(case.q.shape, case.q.dtype)
+    assert plan.run(dev.q, dev.k, dev.v, out=out) is out
+    return to_host(out)
+
+
 def arrival_counts(workspace, batch, q_heads, head_dim, num_splits):
     """The arrival counts inside a workspace laid out for these shapes (int32, one per query row)."""
     at = planner.workspace_layout(batch, q_heads, head_dim, num_splits)[2]
@@ -131,9 +138,7 @@ def test_device_plan_cuts_whole_tiles_and_honours_requests(hints):
     standard = decode._kernel(BASE, True, "standard", cupy.cuda.Device().id)
     assert split == planner.plan_splits(3, 2, capacity, standard.geometry.tile, 2 * 128 * 2,
                                         standard.resident_blocks, **hints)
-    out = poisoned(case.q.shape, case.q.dtype)
-    plan.run(dev.q, dev.k, dev.v, out=out)
-    assert rel_error(to_host(out), expected(case)) <= TOLERANCE[BASE.dtype]
+    assert rel_error(run_plan(plan, dev, case), expected(case)) <= TOLERANCE[BASE.dtype]
 
 
 def test_planes_in_a_cuda_pool():
@@ -195,9 +200,7 @@ def test_split_workspace_is_never_read_stale_and_its_counts_reset():
             for _ in range(3):
                 assert not counts.any()
                 partials.fill(0xFF)  # NaN in every partial o, m and l
-                out = poisoned(case.q.shape, case.q.dtype)
-                plan.run(dev.q, dev.k, dev.v, out=out)
-                assert rel_error(to_host(out), expected(case)) <= TOLERANCE[BASE.dtype]
+                assert rel_error(run_plan(plan, dev, case), expected(case)) <= TOLERANCE[BASE.dtype]
         assert not counts.any()
 
 
@@ -218,9 +221,7 @@ def test_caller_workspace_gives_the_reference_and_serves_plan_after_plan(geometr
                          geometry=geometry, workspace=workspace), dev_other, other)]
     for _ in range(2):
         for plan, d, c in steps:
-            out = poisoned(c.q.shape, c.q.dtype)
-            assert plan.run(d.q, d.k, d.v, out=out) is out
-            assert rel_error(to_host(out), expected(c)) <= TOLERANCE[BASE.dtype]
+            assert rel_error(run_plan(plan, d, c), expected(c)) <= TOLERANCE[BASE.dtype]
     k, v = (cupy.asarray(x) for x in case.contiguous())
     out = contiguous_decode(dev.q, k, v, dev.lens, num_splits=5, geometry=geometry, workspace=workspace)
     assert rel_error(to_host(out), expected(case)) <= TOLERANCE[BASE.dtype]
@@ -256,9 +257,7 @@ def test_plan_holds_its_own_workspace_while_others_come_and_go():
     plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens, num_splits=4)
     for n in range(5, 14):
         run(dev, case, num_splits=n)
-    out = poisoned(case.q.shape, case.q.dtype)
-    plan.run(dev.q, dev.k, dev.v, out=out)
-    assert rel_error(to_host(out), expected(case)) <= TOLERANCE[BASE.dtype]
+    assert rel_error(run_plan(plan, dev, case), expected(case)) <= TOLERANCE[BASE.dtype]
 
 
 def test_plan_with_a_caller_workspace_replays_in_a_cuda_graph():
