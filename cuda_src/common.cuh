@@ -67,8 +67,7 @@ template <typename T> __device__ __forceinline__ uint4 pack16(const float (&x)[V
 // --- cp.async: global -> shared copies that bypass registers (and L1) ----------
 
 // An L2 cache policy for data read once: evict it first. The decode kernel streams K and V
-// with it, so that what is read again (tables, q, split partials, out) stays in L2 (on the
-// H200, 1-4% faster in most cases: benchmarks/NOTES.md, v12).
+// with it, so that what is read again (tables, q, split partials, out) stays in L2.
 __device__ __forceinline__ unsigned long long evict_first_policy() {
     unsigned long long policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -25,8 +25,11 @@
 // layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared. A tile
 // is 16 tokens per warp: 64 with THREADS = 128, 32 with the short geometry's 64.
 //
-// PAGED=false is the contiguous twin: block id = seq * max_blocks + logical
+// PAGED=false is the contiguous baseline: block id = seq * max_blocks + logical
 // block, no table read; the rest of the code is shared.
+//
+// Block ids: IDS_WINDOW table entries at a time are staged in shared memory
+// after the pipeline's stages, read by the whole thread block with coalesced loads.
 //
 // Split-K: with a partial-output workspace (part_o != nullptr) a block writes
 // its unnormalised output, m and l for its segment and counts itself in; the
@@ -37,16 +40,14 @@
 
 namespace pagedrt {
 
-constexpr int kIdsWindow = 256;  // block ids staged in shared memory at a time (decode.py: IDS_WINDOW)
-
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
 constexpr int min_int(int a, int b) { return a < b ? a : b; }
 
 template <typename X, X VALUE> struct integral_constant { static constexpr X value = VALUE; };
 
-// Work decomposition of one thread block. THREADS, LANES, TILE and STAGES come from the
-// launcher (pagedrt/kernels/decode.py: geometry), which also sizes shared memory.
-template <typename T, int HEAD_DIM, int GROUP, int THREADS, int LANES, int TILE, int STAGES>
+// Work decomposition of one thread block. THREADS, LANES, TILE, STAGES and IDS_WINDOW come from
+// the planner (pagedrt/attention/planner.py: geometry), which also sizes shared memory.
+template <typename T, int HEAD_DIM, int GROUP, int THREADS, int LANES, int TILE, int STAGES, int IDS_WINDOW>
 struct DecodeShape {
     static constexpr int kThreads = THREADS;
     static constexpr int kVec = Vec16<T>::kElems;                  // elements per 16-byte vector
@@ -69,8 +70,8 @@ struct DecodeShape {
     static_assert(kTokensPerGroup % kStep == 0, "STEP must divide the tokens per lane group");
     static_assert(STAGES >= 2, "the pipeline needs at least two stages");
     static_assert(kReduceFloats * 4 <= kSmemBytes, "the final merge reuses the pipeline's shared memory");
-    static_assert(kIdsWindow >= (STAGES + 1) * (TILE / 8 + 1), "the staged ids cover the prologue's tiles");
-    static_assert(kIdsWindow % kThreads == 0, "each thread stages the same number of ids");
+    static_assert(IDS_WINDOW >= (STAGES + 1) * (TILE / 8 + 1), "the staged ids cover the prologue's tiles");
+    static_assert(IDS_WINDOW % kThreads == 0, "each thread stages the same number of ids");
 };
 
 // Rescale the running output only when the running max grows by more than this
@@ -289,19 +290,18 @@ __device__ __forceinline__ void arrive_and_merge(const float* part_o, const floa
 //               and [batch*num_kv_heads] int32 arrival counts, zero before the launch (and after it:
 //               the merging block resets its count)
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int THREADS, int LANES, int TILE, int STAGES,
-          bool MMA>
+          bool MMA, int IDS_WINDOW>
 __global__ void __launch_bounds__(THREADS)
 decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
        const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
        T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals) {
-    using S = DecodeShape<T, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES>;
+    using S = DecodeShape<T, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES, IDS_WINDOW>;
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
 
-    // 128-byte aligned: with the stages 16 bytes off a 128-byte boundary (what a static
-    // __shared__ variable placed before them does) every case ran 12-18% slower on the H200
-    // (benchmarks/NOTES.md, v8).
+    // 128-byte aligned: stages 16 bytes off a 128-byte boundary (what a static __shared__
+    // variable placed before them does) made every case markedly slower (docs/KERNELS.md).
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* const smem_k = reinterpret_cast<T*>(smem_raw);
     T* const smem_v = smem_k + STAGES * S::kTileElems;
@@ -316,14 +316,14 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     const int raw_len = seq_lens[seq];
     const int begin = split * segment_tokens;
     const int* const table_row = block_tables + (PAGED ? seq * table_stride : 0);
-    // A segment that is not its sequence's last reads only its own ids (long-1's 256 blocks each read
-    // 64 where a full window is 256; 1% faster on the H200: benchmarks/NOTES.md, v12); the last may
-    // run on to the sequence's end and takes a whole window.
+    // A segment that is not its sequence's last reads only its own ids, not a whole window (fewer
+    // table bytes when many short segments start at once); the last may run on to the sequence's
+    // end and takes a whole window.
     const int id_limit = split == num_splits - 1
         ? max_blocks : min(max_blocks, (begin + segment_tokens + BLOCK_SIZE - 1) / BLOCK_SIZE);
-    int first_ids[kIdsWindow / NT];
+    int first_ids[IDS_WINDOW / NT];
 #pragma unroll
-    for (int i = 0; i < kIdsWindow / NT; ++i) {
+    for (int i = 0; i < IDS_WINDOW / NT; ++i) {
         const int logical = begin / BLOCK_SIZE + i * NT + tid;
         first_ids[i] = PAGED && logical < id_limit ? __ldg(table_row + logical) : 0;
     }
@@ -389,14 +389,14 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     }
     auto copy_exists = [&](int c) { return S::kEvenCopies || c * NT + tid < TILE * NV; };
 
-    // The table entries of the next kIdsWindow logical blocks, loaded by the whole thread
+    // The table entries of the next IDS_WINDOW logical blocks, loaded by the whole thread
     // block with coalesced reads into shared memory (after the pipeline's bytes), so a
     // tile's ids cost shared-memory reads rather than global loads on every tile.
     int* const smem_ids = reinterpret_cast<int*>(smem_raw + S::kSmemBytes);
     int window = 0;  // logical block held in smem_ids[0]
     auto load_window = [&](int first_block) {
 #pragma unroll
-        for (int i = 0; i < kIdsWindow / NT; ++i) {
+        for (int i = 0; i < IDS_WINDOW / NT; ++i) {
             const int logical = first_block + i * NT + tid;
             smem_ids[i * NT + tid] = logical < max_blocks ? __ldg(table_row + logical) : 0;
         }
@@ -512,7 +512,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     const int num_tiles = (end - begin + TILE - 1) / TILE;
     if (PAGED) {
 #pragma unroll
-        for (int i = 0; i < kIdsWindow / NT; ++i) smem_ids[i * NT + tid] = first_ids[i];
+        for (int i = 0; i < IDS_WINDOW / NT; ++i) smem_ids[i * NT + tid] = first_ids[i];
         window = begin / BLOCK_SIZE;
         __syncthreads();
     }
@@ -531,7 +531,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         cp_async_commit();
         // Past the staged ids: every thread is beyond this tile's barrier, so none reads
         // the old window any more (the ids of tiles in flight are in registers).
-        if (PAGED && ahead + 1 < num_tiles && (begin + (ahead + 2) * TILE - 1) / BLOCK_SIZE >= window + kIdsWindow) {
+        if (PAGED && ahead + 1 < num_tiles && (begin + (ahead + 2) * TILE - 1) / BLOCK_SIZE >= window + IDS_WINDOW) {
             load_window((begin + (ahead + 1) * TILE) / BLOCK_SIZE);
             __syncthreads();
         }
@@ -608,8 +608,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     }
     __syncthreads();
     // Each thread finishes one 16-byte vector of the output (V dims of one query head) and
-    // stores it whole: V times fewer stores than one element a thread, which made b64, b128 and
-    // b256 about 1% faster (benchmarks/NOTES.md, v12).
+    // stores it whole: V times fewer stores than one element a thread.
     for (int c = tid; c < GROUP * NV; c += NT) {
         const int g = c / NV, d0 = (c % NV) * V;
         float sum[V], total = 0.f, top = neg_inf();

@@ -4,7 +4,7 @@
 //
 // find_bad_entries:
 // block_tables: [batch, >= width] int32 with row stride table_stride, or nullptr
-//               to check lengths only (the contiguous twin).
+//               to check lengths only (the contiguous baseline).
 // seq_lens:     [batch] int32; bad unless 1 <= len <= width*block_size.
 // block_mask:   [num_blocks] uint8 (nonzero = usable) or nullptr.
 // first_bad:    [0] = lowest row with a bad length,

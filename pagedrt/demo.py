@@ -1,8 +1,8 @@
 """The demo workload: sequences arrive, grow, fork and finish over a real PagedKVCache.
 
 Every step writes K/V through the slot mapping (``kernels.write_kv``) and computes
-decode attention through the block tables (``kernels.paged_decode``: the CUDA
-kernel on a GPU, its NumPy twin on the host) for the first and last layer, and
+decode attention through the block tables (``attention.paged_decode``: the CUDA
+kernel on a GPU, its float64 reference on the host) for the first and last layer, and
 checks it against float64 attention over a contiguous copy of the same K/V.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import kernels
+from . import attention, kernels
 from .cache import PagedKVCache
 from .layout import Layout
 from .memory import select_backend
@@ -151,7 +151,7 @@ class _Workload:
         tables, lens = self.cache.block_tables(seqs), self.cache.seq_lens(seqs)
         errors = []
         q_dev = xp.asarray(q)
-        plan = kernels.DecodePlan(q_dev, self.cache.k(0), tables, lens, block_mask=self.cache.block_mask())
+        plan = attention.DecodePlan(q_dev, self.cache.k(0), tables, lens, block_mask=self.cache.block_mask())
         for layer in self.layers:
             out = _host64(plan.run(q_dev, self.cache.k(layer), self.cache.v(layer)))
             for i, seq in enumerate(seqs):

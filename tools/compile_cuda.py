@@ -4,7 +4,7 @@
 
 A .cu file is compiled as the launchers hand it to NVRTC (local includes inlined,
 ``pagedrt.source.text``) together with every template instance the
-launchers name for the representative configurations (``pagedrt.kernels.instances()``),
+launchers name for the representative configurations (:func:`instances`),
 so template code is really compiled. Instances are spread over several translation
 units compiled in parallel. Headers are compiled on their own. Prints registers,
 stack and spills per kernel; any compile error exits non-zero.
@@ -23,11 +23,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pagedrt.kernels import instances  # noqa: E402
+from pagedrt.attention import decode  # noqa: E402
+from pagedrt import kernels  # noqa: E402
 from pagedrt.source import CUDA_SRC, text  # noqa: E402
 
 PER_UNIT = 12  # instances per translation unit
 NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with NVRTC (it adds -ftz=true)
+
+
+def instances():
+    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels' and pagedrt.attention's."""
+    return {**kernels.instances(), **decode.instances()}
 
 
 def units(tmp):

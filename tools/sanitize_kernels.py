@@ -4,11 +4,11 @@
     compute-sanitizer --tool racecheck python3 tools/sanitize_kernels.py
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
-(with empty segments), each in both geometries, the contiguous twin, block copy, and
+(with empty segments), each in both geometries, the contiguous baseline, block copy, and
 validation (a good table, then a bad one refused), on the base configuration. CuPy's
 memory pool is switched off, so every array is its own exact-size allocation and a
 read one element past it is an error memcheck reports. Each result is also checked
-against its twin; exits non-zero on a mismatch.
+against its reference; exits non-zero on a mismatch.
 """
 
 import math
@@ -19,12 +19,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedrt.errors import BlockTableError  # noqa: E402
-from pagedrt.kernels import (contiguous_decode, contiguous_decode_reference, copy_blocks,  # noqa: E402
-                             copy_blocks_reference, paged_decode, paged_decode_reference, write_kv,
-                             write_kv_reference)
 from pagedrt import source  # noqa: E402
-from pagedrt.kernels import configs, copy, decode, validate, write  # noqa: E402
+from pagedrt.attention import contiguous_decode, paged_decode, reference  # noqa: E402
+from pagedrt.attention import decode, planner  # noqa: E402
+from pagedrt.errors import BlockTableError  # noqa: E402
+from pagedrt.kernels import copy_blocks, copy_blocks_reference, write_kv, write_kv_reference  # noqa: E402
+from pagedrt.kernels import configs, copy, validate, write  # noqa: E402
 
 KV_HEADS, GROUP, BLOCK, DIM = 2, 4, 16, 128
 LENS = [1, 17, 100]
@@ -72,20 +72,16 @@ def main():
     same = lambda: np.array_equal(cupy.asnumpy(k), host_k) and np.array_equal(cupy.asnumpy(v), host_v)  # noqa: E731
     expect("write_kv (with padding slots)", same())
 
-    ref = paged_decode_reference(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
-    waves = decode.SHORT_WAVES
-    for splits, short, name in ((1, False, "paged_decode unsplit"),
-                                (1, True, "paged_decode unsplit, short-segment geometry"),
-                                (12, False, "paged_decode split, merged by the last segment, empty segments"),
-                                (12, True, "paged_decode split, short-segment geometry")):
-        # the plan picks the short-segment geometry for many thread blocks; force it on this small case
-        decode.SHORT_WAVES = 0 if short else waves
-        out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=splits)
-        expect(name, rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+    ref = reference.paged_decode(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
+    for kind in planner.GEOMETRIES:
+        for splits, name in ((1, "paged_decode unsplit"),
+                             (12, "paged_decode split, merged by the last segment, empty segments")):
+            out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=splits, geometry=kind)
+            expect(f"{name}, {kind} geometry", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
     dense = [np.stack([p[table[i]] for i in range(len(LENS))]) for p in (host_k, host_v)]
     out = contiguous_decode(d_q, cupy.asarray(dense[0]), cupy.asarray(dense[1]), d_lens)
-    expect("contiguous_decode", rel_error(cupy.asnumpy(out), contiguous_decode_reference(
+    expect("contiguous_decode", rel_error(cupy.asnumpy(out), reference.contiguous_decode(
         q.astype(np.float64), *dense, lens)) <= 2e-3)
 
     pairs = np.array([[int(perm[0]), int(perm[-1])], [int(perm[1]), int(perm[-2])]])

@@ -1,23 +1,20 @@
-"""CUDA kernels (``cuda_src/``) behind thin launchers, each beside its NumPy float64 reference twin.
+"""CUDA kernels (``cuda_src/``) behind thin launchers: K/V writes, block copies, table checks.
 
-A launcher given NumPy arrays runs its twin (the host backend); given CuPy arrays
-it checks every argument, then launches the kernel.
+A launcher given NumPy arrays runs its NumPy reference (``*_reference``, the host
+backend); given CuPy arrays it checks every argument, then launches the kernel.
+Attention has its own package, :mod:`pagedrt.attention`.
 """
 
 from .copy import copy_blocks, copy_blocks_reference
-from .decode import (DecodePlan, contiguous_decode, contiguous_decode_reference, merge_partials_reference,
-                     paged_decode, paged_decode_reference, plan_splits, split_plan)
 from .write import WritePlan, write_kv, write_kv_reference
 
-__all__ = ["DecodePlan", "contiguous_decode", "contiguous_decode_reference", "copy_blocks",
-           "copy_blocks_reference", "instances", "merge_partials_reference", "paged_decode", "paged_decode_reference",
-           "plan_splits", "split_plan", "WritePlan", "write_kv", "write_kv_reference"]
+__all__ = ["WritePlan", "copy_blocks", "copy_blocks_reference", "instances", "write_kv", "write_kv_reference"]
 
 
 def instances():
-    """{cuda_src file: name expressions} the launchers use, over the representative configurations."""
-    from . import copy, decode, validate, write
+    """{cuda_src file: name expressions} of this package's launchers, over the representative configurations."""
+    from . import copy, validate, write
     out = {}
-    for module in (decode, write, copy, validate):
+    for module in (write, copy, validate):
         out.update(module.instances())
     return out

@@ -1,4 +1,4 @@
-"""Copy whole blocks (copy-on-write, compaction) in every plane with one launch, and the NumPy twin."""
+"""Copy whole blocks (copy-on-write, compaction) in every plane with one launch, and its NumPy reference."""
 
 import numpy as np
 
@@ -76,7 +76,7 @@ def _host_pairs(pairs, num_blocks):
 
 
 def copy_blocks_reference(planes, pairs):
-    """NumPy twin of :func:`copy_blocks` (no checks)."""
+    """NumPy reference of :func:`copy_blocks` (no checks)."""
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     for p in planes:
         p[pairs[:, 1]] = p[pairs[:, 0]]

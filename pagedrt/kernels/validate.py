@@ -48,7 +48,7 @@ def check_block_tables(block_tables, seq_lens, block_size, num_blocks, block_mas
     """Raise BlockTableError for the first bad length, then the first bad used entry (row-major).
 
     ``block_tables`` None checks only the lengths against ``width`` blocks per row
-    (the contiguous twin). Host arrays are checked with NumPy, device arrays on the device.
+    (the contiguous baseline). Host arrays are checked with NumPy, device arrays on the device.
     """
     width = block_tables.shape[1] if block_tables is not None else width
     if isinstance(seq_lens, np.ndarray):

@@ -1,4 +1,4 @@
-"""Write the K/V of new tokens into their cache slots (any number of tokens), and the NumPy twin."""
+"""Write the K/V of new tokens into their cache slots (any number of tokens), and its NumPy reference."""
 
 import numpy as np
 
@@ -22,7 +22,7 @@ def instances(configs=None):
 
 
 class WritePlan:
-    """One step's K/V writes, prepared once and run for every layer (as :class:`~pagedrt.kernels.DecodePlan`).
+    """One step's K/V writes, prepared once and run for every layer (as :class:`~pagedrt.attention.DecodePlan`).
 
     ``WritePlan(k, k_cache, slot_mapping)`` checks the shapes and the slots (with
     ``validate``, on the device, once) and sizes the launch; :meth:`run` stores one
@@ -92,7 +92,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
 
 
 def write_kv_reference(k, v, k_cache, v_cache, slot_mapping):
-    """NumPy twin of :func:`write_kv` (no checks): scatter the non-padding tokens into their slots."""
+    """NumPy reference of :func:`write_kv` (no checks): scatter the non-padding tokens into their slots."""
     keep = slot_mapping >= 0
     blocks, offsets = np.divmod(slot_mapping[keep], k_cache.shape[2])
     k_cache[blocks, :, offsets, :] = k[keep]

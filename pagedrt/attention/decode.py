@@ -1,0 +1,339 @@
+"""Decode attention over a paged KV cache (one query token per sequence): the device side.
+
+:class:`DecodePlan` does a step's checks and planning once; its :meth:`~DecodePlan.run`
+attends for one layer. :func:`paged_decode` is a plan run once. :func:`contiguous_decode`
+runs the same kernel source over K/V stored one sequence after another: the
+contiguous baseline, which shows what paging itself costs. Given NumPy arrays they
+run the float64 references (:mod:`pagedrt.attention.reference`).
+
+Long sequences in small batches are split (split-K): each thread block handles one
+segment of a sequence and writes a partial state (m, l, unnormalised o) into the
+plan's workspace; the last segment of each sequence and KV head to finish combines
+them exactly. :func:`~pagedrt.attention.planner.plan_splits` picks the split count
+and the geometry.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import source
+from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
+                            multiprocessors, plane, positive_int, ptr, same_layout)
+from ..kernels.configs import config, sweep
+from ..kernels.validate import check_block_tables
+from . import reference
+from .planner import GEOMETRIES, check_geometry, geometry, plan_splits, workspace_layout
+
+FILE = "decode.cu"
+MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
+LOG2E = 1.4426950408889634
+
+
+def kernel_name(cfg, paged, kind):
+    """The decode kernel's name expression for configuration ``cfg`` in geometry ``kind``."""
+    geo = geometry(cfg, kind)
+    return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
+            f"{'true' if paged else 'false'}, {geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, "
+            f"{'true' if geo.mma else 'false'}, {geo.ids_window}>")
+
+
+def instances(configs=None, paged=(True, False)):
+    """{file: name expressions} for ``configs`` (default: the representative sweep), in every geometry."""
+    names = [kernel_name(c, p, kind) for c in (configs or sweep()) for p in paged for kind in GEOMETRIES]
+    return {FILE: tuple(dict.fromkeys(names))}
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    function: object
+    geometry: object       # planner.Geometry
+    resident_blocks: int   # thread blocks of this kernel the whole device holds at once
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg, paged, kind, device_id):
+    """The compiled kernel of a configuration and geometry, and its occupancy, per device."""
+    from cupy_backends.cuda.api import driver
+    fn = source.function(FILE, kernel_name(cfg, paged, kind))
+    geo = geometry(cfg, kind)
+    fn.max_dynamic_shared_size_bytes = geo.smem_bytes
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, geo.threads, geo.smem_bytes)
+    return _Kernel(fn, geo, max(1, per_sm) * multiprocessors(device_id))
+
+
+def _device_split(cfg, batch, kv_heads, max_seq_len, num_splits, mean_seq_len, kind):
+    """The split plan on the current device, from the standard paged kernel's occupancy (so the contiguous
+    baseline runs the same plan as the paged kernel)."""
+    import cupy
+    standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
+    return plan_splits(batch, kv_heads, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
+                       standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len, geometry=kind)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A decode launch but for its per-layer pointers: q, the K and V planes, out."""
+    function: object
+    grid: tuple
+    threads: tuple
+    smem: int
+    middle: tuple  # the arguments between v and out: block stride ... segment_tokens
+    tail: tuple    # pointers to the split partials in the workspace (part_o, part_ml, arrivals), or nulls
+
+    def __call__(self, q, k, v, out):
+        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail), shared_mem=self.smem)
+
+
+def _check_workspace(workspace):
+    """A caller's workspace: a contiguous 1-D uint8 array (device arrays also 16-byte aligned)."""
+    if workspace is None:
+        return
+    check(workspace.dtype == np.uint8 and workspace.ndim == 1 and workspace.flags.c_contiguous,
+          lambda: f"workspace must be a contiguous 1-D uint8 array, got {workspace.dtype} {workspace.shape}")
+    if not isinstance(workspace, np.ndarray):
+        aligned("workspace", workspace)
+
+
+def _workspace_fits(workspace, batch, q_heads, head_dim, split):
+    """Check a caller's workspace holds the split's partials; returns the layout (o, ml, arrivals, total)."""
+    layout = workspace_layout(batch, q_heads, head_dim, split.num_splits)
+    check(workspace is None or workspace.nbytes >= layout[3],
+          lambda: f"workspace holds {workspace.nbytes} bytes but {split.num_splits} splits of {batch} x {q_heads} "
+                  f"heads of head_dim {head_dim} need {layout[3]}: pass workspace_bytes({batch}, {q_heads}, "
+                  f"{head_dim}, {split.num_splits}) bytes or more")
+    return layout
+
+
+def _bind_workspace(workspace, layout, rows):
+    """The workspace (the caller's, or one allocated for the plan) and the kernel's pointers into it, with the
+    arrival counts zeroed on the current stream. ``rows``: batch * q_heads."""
+    import cupy
+    if workspace is None:
+        workspace = cupy.empty(layout[3], np.uint8)
+    base = workspace.data.ptr
+    cupy.cuda.runtime.memsetAsync(base + layout[2], 0, rows * 4, cupy.cuda.get_current_stream().ptr)
+    return workspace, tuple(np.uint64(base + offset) for offset in layout[:3])
+
+
+def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, seq_lens, scale, split, layout,
+             workspace):
+    """The launch of a checked decode (on the current device and stream); returns (launch, workspace held)."""
+    import cupy
+    kern = _kernel(cfg, paged, split.geometry, cupy.cuda.Device().id)
+    tail = (NULL, NULL, NULL)
+    if split.num_splits > 1:
+        workspace, tail = _bind_workspace(workspace, layout, batch * q_heads)
+    middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), ptr(seq_lens),
+              np.float32(scale * LOG2E), np.int32(split.segment_tokens))
+    launch = _Launch(kern.function, (q_heads // cfg.group, batch, split.num_splits), (kern.geometry.threads,),
+                     kern.geometry.smem_bytes, middle, tail)
+    return launch, workspace
+
+
+def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, kind,
+            workspace):
+    """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len)."""
+    batch, q_heads, q_dim = (int(x) for x in q.shape)
+    check(q.dtype == dtype, lambda: f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
+    check(q_dim == head_dim, lambda: f"q has head_dim {q_dim} but the K/V cache has {head_dim}")
+    check(q_heads % kv_heads == 0, lambda: f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
+    cfg = config(dtype, head_dim, block_size, q_heads // kv_heads)
+    check(batch <= MAX_GRID_YZ, lambda: f"batch {batch} exceeds {MAX_GRID_YZ}: split the batch")
+    if out is not None:
+        c_contiguous("out", out, 3)
+        check(out.shape == q.shape and out.dtype == q.dtype,
+              lambda: f"out must be {q.dtype} of q's shape {q.shape}, got {out.dtype} {out.shape}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
+    positive_int("num_splits", num_splits, MAX_GRID_YZ)
+    max_seq_len = positive_int("max_seq_len", max_seq_len, capacity) or capacity
+    check_geometry(kind)
+    _check_workspace(workspace)
+    return cfg, scale, max_seq_len
+
+
+def _lens(seq_lens, batch):
+    int_array("seq_lens", seq_lens, np.int32, 1)
+    check(seq_lens.shape[0] == batch and seq_lens.flags.c_contiguous,
+          lambda: f"seq_lens must be contiguous with one length per query row ({batch}), got shape "
+                  f"{seq_lens.shape}")
+
+
+def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, kind):
+    """The split plan: the device's (from the kernel's occupancy), or on the host the reference's cut."""
+    if xp is np:
+        return reference.split(max_seq_len, cfg.block_size, num_splits or 1, kind or "standard")
+    return _device_split(cfg, q.shape[0], q.shape[1] // cfg.group, max_seq_len, num_splits, mean_seq_len, kind)
+
+
+class DecodePlan:
+    """One decode step's attention, planned once and run for every layer (a plan/run split).
+
+    ``DecodePlan(q, k_cache, block_tables, seq_lens, ...)`` does the per-step work:
+    it checks the shapes, the table and the lengths (with ``validate``, on the
+    device, once), picks the split plan (:attr:`split`) and the kernel, and carves
+    the split partials out of the workspace, zeroing its arrival counts on the
+    current stream. :meth:`run` then attends for one layer: its q, K and V planes and
+    out must have the shape, dtype and plane layout of the q and K plane the plan
+    was made with, and it only checks that and launches, so a step over many layers
+    pays the planning once (and a CUDA graph can capture the runs). A plan reads
+    ``block_tables`` and ``seq_lens`` when each run executes: it belongs to the step
+    whose tables and lengths it checked; make a new one when they change.
+
+    ``workspace``: a caller-owned CuPy uint8 array of at least
+    :func:`~pagedrt.attention.planner.workspace_bytes` bytes for the plan's split
+    count, reusable across steps and layers (one stream at a time) and fixed for
+    graph capture; without one, a split plan allocates its own and holds it. A split
+    plan runs on the stream it was made on. ``geometry`` forces the kernel's geometry
+    ("standard" or "short"; None: the plan's choice). On NumPy arrays the plan runs
+    the float64 reference, cut as :func:`reference.split` says (``num_splits``
+    segments of whole blocks, unsplit by default), and :attr:`split` is that cut.
+    Other arguments are those of :func:`paged_decode`.
+    """
+
+    def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
+                 mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None):
+        xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
+                          block_mask=block_mask, workspace=workspace)
+        c_contiguous("q", q, 3)
+        pk = plane("k_cache", k_cache)
+        int_array("block_tables", block_tables, np.int32, 2)
+        width = int(block_tables.shape[1])
+        check(block_tables.shape[0] == q.shape[0],
+              lambda: f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
+        check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
+              lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
+                      "contiguous columns and rows at least a row apart")
+        cfg, self._scale, self._max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads,
+                                                      pk.block_size, None, scale, num_splits, width * pk.block_size,
+                                                      max_seq_len, geometry, workspace)
+        _lens(seq_lens, q.shape[0])
+        if block_mask is not None:
+            check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
+                  and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
+                  lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
+                          f"block), got {block_mask.dtype} {block_mask.shape}")
+        split = _split(xp, cfg, q, self._max_seq_len, num_splits, mean_seq_len, geometry)
+        layout = _workspace_fits(workspace, q.shape[0], q.shape[1], pk.head_dim, split)
+        if xp is np or validate:
+            check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
+        self._split = split
+        self._array_type, self._q = type(q), (q.shape, q.dtype)
+        self._plane = (k_cache.shape, k_cache.strides, k_cache.dtype)
+        self._tables, self._lens = block_tables, seq_lens
+        self._launch, self._workspace, self._stream = None, workspace, None
+        if xp is not np:
+            import cupy
+            self._device = q.device.id
+            if q.shape[0]:
+                self._launch, self._workspace = _prepare(
+                    cfg, q.shape[0], q.shape[1], True, pk.block_stride,
+                    (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width, seq_lens, self._scale, split,
+                    layout, workspace)
+                if split.num_splits > 1:
+                    self._stream = cupy.cuda.get_current_stream().ptr
+
+    @property
+    def split(self):
+        """The :class:`~pagedrt.attention.planner.SplitPlan` this plan runs."""
+        return self._split
+
+    def run(self, q, k_cache, v_cache, out=None):
+        """Attention of ``q`` over one layer's planes, through the plan's tables; returns ``out``."""
+        array_type = self._array_type
+        check(type(q) is array_type and type(k_cache) is array_type and type(v_cache) is array_type
+              and (out is None or type(out) is array_type),
+              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
+                      "the plan's: NumPy or CuPy arrays, not a mix")
+        shape, dtype = self._q
+        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
+              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
+        same_layout("k_cache", k_cache, self._plane, "K plane")
+        same_layout("v_cache", v_cache, self._plane, "K plane")
+        if out is not None:
+            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
+                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
+        if array_type is np.ndarray:
+            result = reference.paged_decode(q, k_cache, v_cache, self._tables, self._lens, self._scale,
+                                            num_splits=self._split.num_splits, max_seq_len=self._max_seq_len)
+            return _store(result, out)
+        import cupy
+        check(self._stream is None or self._stream == cupy.cuda.get_current_stream().ptr,
+              lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
+                      "run it on that stream, or make a plan per stream")
+        out = cupy.empty_like(q) if out is None else out
+        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k_cache, v_cache, out))
+        if self._launch is not None:
+            self._launch(*pointers)
+        return out
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
+                 max_seq_len=None, mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None):
+    """Attention of one query token per sequence over its paged K/V; returns ``out``.
+
+    q: [batch, q_heads, head_dim]; k_cache, v_cache: planes [num_blocks, kv_heads,
+    block_size, head_dim] (any block stride); block_tables: int32 [batch, width]
+    (row stride may exceed width); seq_lens: int32 [batch]. Query head h uses KV head
+    h // (q_heads // kv_heads). ``max_seq_len`` (default width * block_size) and
+    ``mean_seq_len`` (host-side figures of the lengths, if the caller has them, as
+    the cache does) size the split plan (and so the geometry) only.
+    ``validate`` checks lengths and every used block id (against ``block_mask`` too,
+    when given) on the device first, at the cost of one small device-to-host read;
+    NumPy inputs are always checked. ``geometry`` and ``workspace`` as for
+    :class:`DecodePlan`. For many layers over the same tables, make one
+    :class:`DecodePlan` and run it per layer.
+    """
+    plan = DecodePlan(q, k_cache, block_tables, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
+                      mean_seq_len=mean_seq_len, block_mask=block_mask, validate=validate, geometry=geometry,
+                      workspace=workspace)
+    return plan.run(q, k_cache, v_cache, out)
+
+
+def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=None, max_seq_len=None,
+                      mean_seq_len=None, validate=True, geometry=None, workspace=None):
+    """The contiguous baseline: the same attention over k, v [batch, width, kv_heads, block_size, head_dim].
+
+    Sequence i's token t is k[i, t // block_size, :, t % block_size]: the paged
+    kernel with block id i*width + t // block_size instead of a table read, split
+    by the same plan. ``validate`` checks the lengths on the device first. Other
+    arguments are those of :func:`paged_decode`.
+    """
+    xp = array_module(q=q, k=k, v=v, seq_lens=seq_lens, out=out, workspace=workspace)
+    c_contiguous("q", q, 3)
+    for name, a in (("k", k), ("v", v)):
+        c_contiguous(name, a, 5)
+    check(k.shape == v.shape and k.dtype == v.dtype,
+          lambda: f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must have the same shape and dtype")
+    batch, width, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
+    check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
+    cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, out, scale, num_splits,
+                                      width * block_size, max_seq_len, geometry, workspace)
+    _lens(seq_lens, batch)
+    split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
+    layout = _workspace_fits(workspace, batch, q.shape[1], head_dim, split)
+    if xp is np:
+        check_block_tables(None, seq_lens, block_size, 0, width=width)
+        return _store(reference.contiguous_decode(q, k, v, seq_lens, scale, num_splits=split.num_splits,
+                                                  max_seq_len=max_seq_len), out)
+    for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if a is not None:
+            aligned(name, a)
+    if validate:
+        check_block_tables(None, seq_lens, block_size, 0, width=width)
+    out = xp.empty_like(q) if out is None else out
+    if batch:
+        launch, workspace = _prepare(cfg, batch, q.shape[1], False, kv_heads * block_size * head_dim,
+                                     (NULL, np.int64(0)), width, seq_lens, scale, split, layout, workspace)
+        launch(ptr(q), ptr(k), ptr(v), ptr(out))  # an allocated workspace is freed after this, in stream order
+    return out
+
+
+def _store(result, out):
+    if out is None:
+        return result
+    out[...] = result
+    return out

@@ -1,0 +1,181 @@
+"""How attention work is cut: the launch geometry of a configuration and the split plan of a step.
+
+Host code only (no cupy): the device side (:mod:`pagedrt.attention.decode`) asks the
+occupancy API how many thread blocks of a geometry fit on the device and hands that
+count here. A forced geometry is an argument (``geometry="standard" | "short"``),
+never a changed constant.
+"""
+
+from dataclasses import dataclass
+
+from ..kernels.args import check
+
+GEOMETRIES = ("standard", "short")
+
+THREADS = 128                   # threads per thread block (MMA_SHORT_THREADS in the short tensor-core geometry)
+STAGES = 4                      # cp.async pipeline depth on CUDA cores
+TILE_BYTES = 8192               # bytes of K (and again of V) per pipeline stage on CUDA cores
+LANE_FLOATS = 64                # floats of q and of the output a lane holds, over the group
+SHORT_STAGES = 3                # the short geometry's pipeline depth on CUDA cores
+SHORT_LANE_FLOATS = 32          # the short geometry's lane budget: half the registers, twice the resident blocks
+MMA_HEAD_DIMS = (64, 128)       # fp16/bf16 head dims that run on tensor cores (a row is 8 or 16 16-byte chunks)
+MMA_STAGES = 3                  # pipeline depth on tensor cores
+MMA_SHORT_THREADS = 64          # the short tensor-core geometry: two warps, a 32-token tile
+MMA_SHORT_STAGES = 3            # and its pipeline depth
+IDS_WINDOW = 256                # block ids a thread block stages in shared memory at a time
+SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
+SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
+MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
+UNEVEN = 1.5                    # longest / mean length above which a batch that fills the device is split anyway
+
+
+def _unknown(name):
+    return lambda: (f"geometry={name!r} is not a geometry: use one of {', '.join(map(repr, GEOMETRIES))} "
+                    "(or None for the plan's choice)")
+
+
+def check_geometry(name):
+    """Raise LaunchArgumentError unless ``name`` is None or one of GEOMETRIES."""
+    check(name is None or name in GEOMETRIES, _unknown(name))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How one thread block cuts the work of a configuration (template arguments of the kernel)."""
+
+    lanes: int       # lanes sharing one token's dot product (each holds head_dim/lanes dims of q)
+    tile: int        # tokens per pipeline stage
+    stages: int
+    smem_bytes: int  # dynamic shared memory per thread block: the pipeline's stages, then the staged ids
+    mma: bool = False  # scores and weighted sums on tensor cores (mma.m16n8k16), a warp per 16 tokens
+    threads: int = THREADS
+    ids_window: int = IDS_WINDOW  # block ids staged in shared memory at a time
+
+
+def _pow2_floor(x):
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def geometry(cfg, kind="standard"):
+    """The :class:`Geometry` of configuration ``cfg`` (a ``kernels.configs.Config``) in geometry ``kind``.
+
+    CUDA cores: lanes per token: the fewer, the fewer shuffles and the less softmax
+    work repeated across lanes, but each lane then holds more dims of q and of the
+    output for every query head: LANE_FLOATS of them (q and output together, about
+    2 * LANE_FLOATS registers). A stage holds TILE_BYTES of K (a power-of-two token
+    count, at least one per lane group). The ``"short"`` geometry is for short
+    segments, where each thread block's start and end weigh most: half the lane
+    budget and one stage less let twice as many thread blocks share an SM and hide
+    each other's start; on long segments it does more shuffles and softmax work per
+    byte, so the split plan picks it only for many short segments (:func:`plan_splits`).
+
+    fp16/bf16 at head_dim 64 or 128 run on tensor cores instead: a warp per 16 tokens
+    of a 64-token tile, MMA_STAGES stages. Their short geometry has two warps (a
+    32-token tile) and stages of half the bytes, so twice as many thread blocks
+    share an SM with the same bytes in flight, and each block's start is hidden by
+    the others'.
+    """
+    check(kind in GEOMETRIES, _unknown(kind))
+    short = kind == "short"
+    row = cfg.head_dim * cfg.itemsize
+    if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
+        threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
+        tile = 16 * threads // 32
+        return Geometry(32, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW, True, threads)
+    vec = 16 // cfg.itemsize
+    row_vecs = cfg.head_dim // vec
+    budget, stages = (SHORT_LANE_FLOATS, SHORT_STAGES) if short else (LANE_FLOATS, STAGES)
+    lane_vecs = min(4, _pow2_floor(budget // (vec * cfg.group)))
+    lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
+    tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
+    return Geometry(lanes, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How each sequence's tokens are cut into segments, one thread block each, and which geometry runs them."""
+
+    num_splits: int
+    segment_tokens: int  # split i covers tokens [i*segment_tokens, (i+1)*segment_tokens); the last, the rest
+    geometry: str        # "standard" or "short" (see :func:`geometry`)
+
+    def segments(self, length):
+        """Token ranges [begin, end) of the splits of a sequence of ``length`` tokens, as the kernel cuts
+        them: the last split takes the rest; splits past the end are empty."""
+        out = []
+        for i in range(self.num_splits):
+            begin = i * self.segment_tokens
+            end = length if i == self.num_splits - 1 else min(length, begin + self.segment_tokens)
+            out.append((begin, max(begin, end)))
+        return out
+
+
+def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, resident_blocks, *, num_splits=None,
+                mean_seq_len=None, geometry=None):
+    """Cut sequences into segments for split-K; ``num_splits`` overrides the count, ``geometry`` the geometry.
+
+    Without a request: ``batch * num_kv_heads`` thread blocks. If they leave some of
+    the ``resident_blocks`` (thread blocks the device holds at once: SMs x blocks per
+    SM) unused, split each sequence into as many segments as fill them in one wave,
+    but never into segments of fewer than MIN_SEGMENT_BYTES of K+V (each thread block
+    pays a pipeline fill and a share of the final merge). If they fill the device but
+    lengths are uneven (the longest over UNEVEN times the mean, when ``mean_seq_len``
+    is known), cut segments of about a quarter of the mean length, so that short and
+    long sequences become work units of similar size and no long sequence runs alone
+    at the end. Segments are whole tiles; splits the rounding left empty are dropped.
+    A requested count is kept even if some segments are then empty.
+
+    ``tile`` and ``resident_blocks`` are the standard geometry's (the short
+    geometry's tile divides the standard one's, so the segments are whole tiles of
+    either). Unless forced, the plan picks the ``"short"`` geometry when segments are
+    at most SHORT_TILES tiles, the thread blocks outnumber SHORT_WAVES waves and the
+    lengths were not cut for unevenness: many short thread blocks, whose starts the
+    extra resident blocks hide. A single wave of short segments, or segments cut for
+    unevenness, keep the standard geometry, whose thread blocks stream faster once
+    started.
+    """
+    check_geometry(geometry)
+    units = batch * num_kv_heads
+    min_tokens = max(1, MIN_SEGMENT_BYTES // bytes_per_token)
+    uneven = bool(mean_seq_len) and max_seq_len > UNEVEN * mean_seq_len
+    if num_splits is not None:
+        wanted = num_splits
+    elif 0 < units < resident_blocks:
+        wanted = max(1, min(resident_blocks // units, max_seq_len // min_tokens))
+    elif uneven:
+        wanted = -(-max_seq_len // max(min_tokens, int(mean_seq_len) // 4))
+    else:
+        wanted = 1
+    segment = -(-max_seq_len // wanted)
+    segment = -(-segment // tile) * tile
+    if num_splits is None:
+        wanted = -(-max_seq_len // segment)
+    if geometry is None:
+        short = segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * resident_blocks and not uneven
+        geometry = "short" if short else "standard"
+    return SplitPlan(wanted, segment, geometry)
+
+
+def _round16(n):
+    return -(-n // 16) * 16
+
+
+def workspace_layout(batch, q_heads, head_dim, num_splits):
+    """Byte offsets of the split partials in a workspace, and its size: (o, ml, arrivals, total).
+
+    o: float32 [batch*q_heads, num_splits, head_dim] (unnormalised outputs); ml:
+    float32 [batch*q_heads, num_splits, 2] (running max and sum); arrivals: int32
+    [batch*q_heads] counts (one per (sequence, KV head) is used). Each starts on a
+    16-byte boundary. An unsplit plan needs none: total 0.
+    """
+    if num_splits <= 1:
+        return 0, 0, 0, 0
+    rows = batch * q_heads
+    o_bytes = _round16(rows * num_splits * head_dim * 4)
+    ml_bytes = _round16(rows * num_splits * 2 * 4)
+    return 0, o_bytes, o_bytes + ml_bytes, o_bytes + ml_bytes + _round16(rows * 4)
+
+
+def workspace_bytes(batch, q_heads, head_dim, num_splits):
+    """Bytes of workspace a plan of ``num_splits`` splits needs (0 when unsplit)."""
+    return workspace_layout(batch, q_heads, head_dim, num_splits)[3]
