@@ -136,7 +136,7 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
 
     Sequences arrive with prompts, grow token by token, some fork and some finish;
     K/V are written through the slot mapping and decode attention is computed through
-    the block tables (the CUDA kernel on a GPU, its NumPy twin on the host), checked
+    the block tables (the CUDA kernel on a GPU, its NumPy reference on the host), checked
     against float64 attention over contiguous K/V.
     """
     from .demo import run_demo

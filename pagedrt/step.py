@@ -11,7 +11,7 @@ from the scheduler's decisions, belong here too.
 changed entries and lengths travel as int64 (index, value) pairs through pinned
 staging (two buffers used in turn, so the host never overwrites one that a copy
 may still read) in one asynchronous host-to-device copy, and one small kernel
-(``cuda_src/tables.cu``) applies them. On the host backend the kernels' NumPy twins
+(``cuda_src/tables.cu``) applies them. On the host backend the kernels' NumPy references
 read the host arrays themselves and there is nothing to upload.
 """
 
