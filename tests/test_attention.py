@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernel_cases import Case, naive_attention, np_dtype, rel_error
 from pagedrt import Pool
-from pagedrt.attention import (DecodePlan, SplitPlan, contiguous_decode, paged_decode, plan_splits, reference,
+from pagedrt.attention import (ContiguousDecodePlan, DecodePlan, SplitPlan, contiguous_decode, paged_decode, plan_splits, reference,
                                workspace_bytes)
 from pagedrt.attention import decode, planner
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
@@ -50,6 +50,20 @@ def test_contiguous_baseline_reference_equals_paged_reference(num_splits):
     k, v = case.contiguous()
     paged = paged_decode(case.q, case.k, case.v, case.table, case.lens, num_splits=num_splits)
     assert np.array_equal(contiguous_decode(case.q, k, v, case.lens, num_splits=num_splits), paged)
+
+
+def test_contiguous_plan_runs_per_layer_and_refuses_unlike_arrays():
+    case = Case(Config("float32", 64, 16, 4), lengths(16))
+    k, v = case.contiguous()
+    plan = ContiguousDecodePlan(case.q, k, case.lens, num_splits=2)
+    assert plan.split.num_splits == 2
+    for layer_k, layer_v in ((k, v), (v, k)):  # two "layers" over the same lengths
+        assert np.array_equal(plan.run(case.q, layer_k, layer_v),
+                              contiguous_decode(case.q, layer_k, layer_v, case.lens, num_splits=2))
+    with pytest.raises(LaunchArgumentError, match="must match the plan's k"):
+        plan.run(case.q, k[:, :1].copy(), v)
+    with pytest.raises(LaunchArgumentError, match="must be 5-D"):
+        ContiguousDecodePlan(case.q, case.k, case.lens)
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 64])

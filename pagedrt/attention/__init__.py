@@ -7,8 +7,8 @@ float64 references the tests compare with and the host backend runs.
 """
 
 from . import reference
-from .decode import DecodePlan, contiguous_decode, paged_decode
+from .decode import ContiguousDecodePlan, DecodePlan, contiguous_decode, paged_decode
 from .planner import SplitPlan, plan_splits, workspace_bytes
 
-__all__ = ["DecodePlan", "SplitPlan", "contiguous_decode", "paged_decode", "plan_splits", "reference",
+__all__ = ["ContiguousDecodePlan", "DecodePlan", "SplitPlan", "contiguous_decode", "paged_decode", "plan_splits", "reference",
            "workspace_bytes"]

@@ -1,9 +1,9 @@
 """Decode attention over a paged KV cache (one query token per sequence): the device side.
 
 :class:`DecodePlan` does a step's checks and planning once; its :meth:`~DecodePlan.run`
-attends for one layer. :func:`paged_decode` is a plan run once. :func:`contiguous_decode`
-runs the same kernel source over K/V stored one sequence after another: the
-contiguous baseline, which shows what paging itself costs. Given NumPy arrays they
+attends for one layer. :func:`paged_decode` is a plan run once. :class:`ContiguousDecodePlan`
+and :func:`contiguous_decode` run the same kernel source over K/V stored one sequence
+after another: the contiguous baseline, which shows what paging itself costs. Given NumPy arrays they
 run the float64 references (:mod:`pagedrt.attention.reference`).
 
 Long sequences in small batches are split (split-K): each thread block handles one
@@ -169,19 +169,76 @@ def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, kind):
     return _device_split(cfg, q.shape[0], q.shape[1] // cfg.group, max_seq_len, num_splits, mean_seq_len, kind)
 
 
-class DecodePlan:
+class _Plan:
+    """What a decode plan of either layout does once it is checked: bind the launch, then run per layer."""
+
+    def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, paged,
+              block_stride, table_args, width, seq_lens):
+        """Keep what :meth:`run` checks against, and prepare the launch (device arrays only)."""
+        self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
+        self._array_type, self._q = type(q), (q.shape, q.dtype)
+        self._layout = (k.shape, k.strides, k.dtype)
+        self._what = "K plane" if paged else "k"
+        self._reference = reference_run
+        self._launch, self._workspace, self._stream = None, workspace, None
+        if xp is np:
+            return
+        import cupy
+        self._device = q.device.id
+        if q.shape[0]:
+            self._launch, self._workspace = _prepare(cfg, q.shape[0], q.shape[1], paged, block_stride, table_args,
+                                                     width, seq_lens, scale, split, layout, workspace)
+            if split.num_splits > 1:
+                self._stream = cupy.cuda.get_current_stream().ptr
+
+    @property
+    def split(self):
+        """The :class:`~pagedrt.attention.planner.SplitPlan` this plan runs."""
+        return self._split
+
+    def run(self, q, k_cache, v_cache, out=None):
+        """Attention of ``q`` over one layer's K and V; returns ``out``."""
+        k, v = k_cache, v_cache
+        array_type = self._array_type
+        check(type(q) is array_type and type(k) is array_type and type(v) is array_type
+              and (out is None or type(out) is array_type),
+              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as the plan's: "
+                      "NumPy or CuPy arrays, not a mix")
+        shape, dtype = self._q
+        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
+              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
+        same_layout("k_cache", k, self._layout, self._what)
+        same_layout("v_cache", v, self._layout, self._what)
+        if out is not None:
+            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
+                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
+        if array_type is np.ndarray:
+            return _store(self._reference(q, k, v), out)
+        import cupy
+        check(self._stream is None or self._stream == cupy.cuda.get_current_stream().ptr,
+              lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
+                      "run it on that stream, or make a plan per stream")
+        out = cupy.empty_like(q) if out is None else out
+        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
+        if self._launch is not None:
+            self._launch(*pointers)
+        return out
+
+
+class DecodePlan(_Plan):
     """One decode step's attention, planned once and run for every layer (a plan/run split).
 
     ``DecodePlan(q, k_cache, block_tables, seq_lens, ...)`` does the per-step work:
     it checks the shapes, the table and the lengths (with ``validate``, on the
     device, once), picks the split plan (:attr:`split`) and the kernel, and carves
     the split partials out of the workspace, zeroing its arrival counts on the
-    current stream. :meth:`run` then attends for one layer: its q, K and V planes and
-    out must have the shape, dtype and plane layout of the q and K plane the plan
-    was made with, and it only checks that and launches, so a step over many layers
-    pays the planning once (and a CUDA graph can capture the runs). A plan reads
-    ``block_tables`` and ``seq_lens`` when each run executes: it belongs to the step
-    whose tables and lengths it checked; make a new one when they change.
+    current stream. :meth:`run` ``(q, k_cache, v_cache, out=None)`` then attends for
+    one layer: its q, K and V planes and out must have the shape, dtype and plane
+    layout of the q and K plane the plan was made with, and it only checks that and
+    launches, so a step over many layers pays the planning once (and a CUDA graph
+    can capture the runs). A plan reads ``block_tables`` and ``seq_lens`` when each
+    run executes: it belongs to the step whose tables and lengths it checked; make a
+    new one when they change.
 
     ``workspace``: a caller-owned CuPy uint8 array of at least
     :func:`~pagedrt.attention.planner.workspace_bytes` bytes for the plan's split
@@ -207,68 +264,65 @@ class DecodePlan:
         check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
               lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
                       "contiguous columns and rows at least a row apart")
-        cfg, self._scale, self._max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads,
-                                                      pk.block_size, None, scale, num_splits, width * pk.block_size,
-                                                      max_seq_len, geometry, workspace)
+        cfg, scale, max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size, None,
+                                          scale, num_splits, width * pk.block_size, max_seq_len, geometry,
+                                          workspace)
         _lens(seq_lens, q.shape[0])
         if block_mask is not None:
             check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
                   and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
                   lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
                           f"block), got {block_mask.dtype} {block_mask.shape}")
-        split = _split(xp, cfg, q, self._max_seq_len, num_splits, mean_seq_len, geometry)
+        split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
         layout = _workspace_fits(workspace, q.shape[0], q.shape[1], pk.head_dim, split)
         if xp is np or validate:
             check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
-        self._split = split
-        self._array_type, self._q = type(q), (q.shape, q.dtype)
-        self._plane = (k_cache.shape, k_cache.strides, k_cache.dtype)
-        self._tables, self._lens = block_tables, seq_lens
-        self._launch, self._workspace, self._stream = None, workspace, None
-        if xp is not np:
-            import cupy
-            self._device = q.device.id
-            if q.shape[0]:
-                self._launch, self._workspace = _prepare(
-                    cfg, q.shape[0], q.shape[1], True, pk.block_stride,
-                    (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width, seq_lens, self._scale, split,
-                    layout, workspace)
-                if split.num_splits > 1:
-                    self._stream = cupy.cuda.get_current_stream().ptr
+        reference_run = functools.partial(_paged_reference, block_tables=block_tables, seq_lens=seq_lens,
+                                          scale=scale, num_splits=split.num_splits, max_seq_len=max_seq_len)
+        table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4)) if xp is not np else None
+        self._bind(xp, q, k_cache, cfg, scale, max_seq_len, split, layout, workspace, reference_run, True,
+                   pk.block_stride, table_args, width, seq_lens)
 
-    @property
-    def split(self):
-        """The :class:`~pagedrt.attention.planner.SplitPlan` this plan runs."""
-        return self._split
 
-    def run(self, q, k_cache, v_cache, out=None):
-        """Attention of ``q`` over one layer's planes, through the plan's tables; returns ``out``."""
-        array_type = self._array_type
-        check(type(q) is array_type and type(k_cache) is array_type and type(v_cache) is array_type
-              and (out is None or type(out) is array_type),
-              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
-                      "the plan's: NumPy or CuPy arrays, not a mix")
-        shape, dtype = self._q
-        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
-              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
-        same_layout("k_cache", k_cache, self._plane, "K plane")
-        same_layout("v_cache", v_cache, self._plane, "K plane")
-        if out is not None:
-            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
-                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
-        if array_type is np.ndarray:
-            result = reference.paged_decode(q, k_cache, v_cache, self._tables, self._lens, self._scale,
-                                            num_splits=self._split.num_splits, max_seq_len=self._max_seq_len)
-            return _store(result, out)
-        import cupy
-        check(self._stream is None or self._stream == cupy.cuda.get_current_stream().ptr,
-              lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
-                      "run it on that stream, or make a plan per stream")
-        out = cupy.empty_like(q) if out is None else out
-        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k_cache, v_cache, out))
-        if self._launch is not None:
-            self._launch(*pointers)
-        return out
+class ContiguousDecodePlan(_Plan):
+    """The contiguous baseline's plan: the same kernel and split plan over K/V stored one sequence after another.
+
+    ``ContiguousDecodePlan(q, k, seq_lens, ...)`` with k [batch, width, kv_heads,
+    block_size, head_dim] C-contiguous: sequence i's token t is
+    k[i, t // block_size, :, t % block_size], the paged kernel with block id
+    i*width + t // block_size instead of a table read. :meth:`run` ``(q, k, v, out=None)``
+    takes K and V of k's shape. Comparing it with :class:`DecodePlan` over the same
+    tokens shows what paging itself costs. ``validate`` checks the lengths on the
+    device first; other arguments are those of :class:`DecodePlan`.
+    """
+
+    def __init__(self, q, k, seq_lens, scale=None, *, num_splits=None, max_seq_len=None, mean_seq_len=None,
+                 validate=True, geometry=None, workspace=None):
+        xp = array_module(q=q, k=k, seq_lens=seq_lens, workspace=workspace)
+        c_contiguous("q", q, 3)
+        c_contiguous("k", k, 5)
+        batch, width, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
+        check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
+        cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, None, scale, num_splits,
+                                          width * block_size, max_seq_len, geometry, workspace)
+        _lens(seq_lens, batch)
+        split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
+        layout = _workspace_fits(workspace, batch, q.shape[1], head_dim, split)
+        if xp is np or validate:
+            check_block_tables(None, seq_lens, block_size, 0, width=width)
+        reference_run = functools.partial(_contiguous_reference, seq_lens=seq_lens, scale=scale,
+                                          num_splits=split.num_splits, max_seq_len=max_seq_len)
+        self._bind(xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, False,
+                   kv_heads * block_size * head_dim, (NULL, np.int64(0)), width, seq_lens)
+
+
+def _paged_reference(q, k, v, *, block_tables, seq_lens, scale, num_splits, max_seq_len):
+    return reference.paged_decode(q, k, v, block_tables, seq_lens, scale, num_splits=num_splits,
+                                  max_seq_len=max_seq_len)
+
+
+def _contiguous_reference(q, k, v, *, seq_lens, scale, num_splits, max_seq_len):
+    return reference.contiguous_decode(q, k, v, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
@@ -295,41 +349,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out
 
 def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=None, max_seq_len=None,
                       mean_seq_len=None, validate=True, geometry=None, workspace=None):
-    """The contiguous baseline: the same attention over k, v [batch, width, kv_heads, block_size, head_dim].
-
-    Sequence i's token t is k[i, t // block_size, :, t % block_size]: the paged
-    kernel with block id i*width + t // block_size instead of a table read, split
-    by the same plan. ``validate`` checks the lengths on the device first. Other
-    arguments are those of :func:`paged_decode`.
-    """
-    xp = array_module(q=q, k=k, v=v, seq_lens=seq_lens, out=out, workspace=workspace)
-    c_contiguous("q", q, 3)
-    for name, a in (("k", k), ("v", v)):
-        c_contiguous(name, a, 5)
-    check(k.shape == v.shape and k.dtype == v.dtype,
-          lambda: f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must have the same shape and dtype")
-    batch, width, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
-    check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
-    cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, out, scale, num_splits,
-                                      width * block_size, max_seq_len, geometry, workspace)
-    _lens(seq_lens, batch)
-    split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
-    layout = _workspace_fits(workspace, batch, q.shape[1], head_dim, split)
-    if xp is np:
-        check_block_tables(None, seq_lens, block_size, 0, width=width)
-        return _store(reference.contiguous_decode(q, k, v, seq_lens, scale, num_splits=split.num_splits,
-                                                  max_seq_len=max_seq_len), out)
-    for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if a is not None:
-            aligned(name, a)
-    if validate:
-        check_block_tables(None, seq_lens, block_size, 0, width=width)
-    out = xp.empty_like(q) if out is None else out
-    if batch:
-        launch, workspace = _prepare(cfg, batch, q.shape[1], False, kv_heads * block_size * head_dim,
-                                     (NULL, np.int64(0)), width, seq_lens, scale, split, layout, workspace)
-        launch(ptr(q), ptr(k), ptr(v), ptr(out))  # an allocated workspace is freed after this, in stream order
-    return out
+    """The contiguous baseline run once: :class:`ContiguousDecodePlan` ``(q, k, seq_lens, ...).run(q, k, v, out)``."""
+    plan = ContiguousDecodePlan(q, k, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
+                                mean_seq_len=mean_seq_len, validate=validate, geometry=geometry, workspace=workspace)
+    return plan.run(q, k, v, out)
 
 
 def _store(result, out):
