@@ -103,14 +103,14 @@ def test_format_table_aligns_formats_and_marks_missing_values():
                                  "long-1       -   -0.2%"]
 
 
-def test_a_record_says_what_ran_where_and_holds_rows_and_table(tmp_path, monkeypatch):
+def test_a_record_says_what_ran_where_and_holds_rows_and_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["decode.py", "--cases", "b8"])
     info = {"device": "NVIDIA H200", "driver": "13.0", "commit": "abc1234"}
-    rec = harness.record("decode", info, [{"case": "b8", "us": 68.6}], "a table", repeats=100,
-                         ceilings={"copy": 4.3e12, "stream": 4.54e12})
-    harness.write_record(tmp_path / "run.json", rec)
+    rows, bandwidth = [{"case": "b8", "us": 68.6}], {"copy": 4.3e12, "stream": 4.54e12}
+    harness.publish("decode", tmp_path / "run.json", info, rows, "a table", repeats=100, ceilings=bandwidth)
+    assert capsys.readouterr().out == "a table\n"
     back = json.loads((tmp_path / "run.json").read_text())
-    assert back == rec
+    assert back == harness.record("decode", info, rows, "a table", repeats=100, ceilings=bandwidth)
     assert list(back) == ["benchmark", "command", "device", "repeats", "ceilings", "rows", "table"]
     assert back["command"] == "python3 -m pagedrt.bench.decode --cases b8"
 

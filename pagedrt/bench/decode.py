@@ -195,11 +195,8 @@ def main(argv=None):
               f"{row['pct_stream']:.1f}% of stream), contiguous {row['contiguous_us']:.1f} us "
               f"(paging {row['paging_overhead_pct']:+.1f}%), {row['num_splits']} splits, "
               f"validation +{row['validate_us']:.1f} us" + ("  [fits in L2]" if row["fits_l2"] else ""))
-    text = table(rows)
-    print("\n" + text)
-    if args.out:
-        harness.write_record(args.out, harness.record("decode", info, rows, text, repeats=args.repeats,
-                                                      ceilings=bandwidth))
+    print()
+    harness.publish("decode", args.out, info, rows, table(rows), repeats=args.repeats, ceilings=bandwidth)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,10 @@ def record(benchmark, info, rows, table, **extra):
 
 def write_record(path, rec):
     Path(path).write_text(json.dumps(rec, indent=2) + "\n")
+
+
+def publish(benchmark, out, info, rows, table, **extra):
+    """Print a run's table; with ``out`` (the ``--out`` option) also write its record there."""
+    print(table)
+    if out:
+        write_record(out, record(benchmark, info, rows, table, **extra))

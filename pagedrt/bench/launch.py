@@ -103,10 +103,7 @@ def main(argv=None):
             f"{PER_SEQ * BLOCK_SIZE} tokens each\n"
             + harness.format_table((harness.Column("host_us", "host us", "{:.1f}"),
                                     harness.Column("call", "call", width=0, left=True)), rows))
-    print(text)
-    if args.out:
-        harness.write_record(args.out, harness.record("launch", info, rows, text, calls=args.calls,
-                                                      rounds=args.rounds))
+    harness.publish("launch", args.out, info, rows, text, calls=args.calls, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,9 @@ def main(argv=None):
             rows.append(row)
             print(harness.format_table(COLUMNS, [row]).splitlines()[-1])
             cp.get_default_memory_pool().free_all_blocks()
-    text = harness.format_table(COLUMNS, rows) + "\n" + LEGEND
-    print("\n" + text)
-    if args.out:
-        harness.write_record(args.out, harness.record("layers", info, rows, text, repeats=args.repeats,
-                                                      ceilings=bandwidth))
+    print()
+    harness.publish("layers", args.out, info, rows, harness.format_table(COLUMNS, rows) + "\n" + LEGEND,
+                    repeats=args.repeats, ceilings=bandwidth)
 
 
 if __name__ == "__main__":

@@ -167,10 +167,7 @@ def main(argv=None):
         lines += ["", f"copy bandwidth of cudaMalloc memory ({args.copy_gib} GiB, read + written): "
                       f"{plain / 1e12:.2f} TB/s"]
         extra = {"contiguous_regrow_us": regrow, "cudamalloc_copy_tb_s": plain / 1e12}
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        harness.write_record(args.out, harness.record("pool", info, rows, text, repeats=args.repeats, **extra))
+    harness.publish("pool", args.out, info, rows, "\n".join(lines), repeats=args.repeats, **extra)
 
 
 if __name__ == "__main__":

@@ -93,10 +93,8 @@ def main(argv=None):
                          "steady_p90_us": float(np.percentile(steady, 90)),
                          "steady_p99_us": float(np.percentile(steady, 99)),
                          "growing_mean_us": float(growing.mean()), "grows": grows})
-    text = harness.format_table(COLUMNS, rows) + f"\nus per step; backend: {backend}"
-    print(text)
-    if args.out:
-        harness.write_record(args.out, harness.record("step", {"backend": backend}, rows, text, steps=args.steps))
+    harness.publish("step", args.out, {"backend": backend}, rows,
+                    harness.format_table(COLUMNS, rows) + f"\nus per step; backend: {backend}", steps=args.steps)
 
 
 if __name__ == "__main__":
