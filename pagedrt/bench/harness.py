@@ -67,7 +67,7 @@ class Timer:
         self.cycles_per_s = 1e7 / (cp.cuda.get_elapsed_time(start, end) * 1e-3)
         self._scrub = None  # written before each timed call when flushing L2
 
-    def flush_l2(self):
+    def scrub_l2(self):
         """Write a buffer twice the L2's size, evicting whatever the last call left there."""
         cp = self.cp
         if self._scrub is None:
@@ -78,7 +78,7 @@ class Timer:
     def gpu_us(self, fn, repeats, warmup=5, flush_l2=False):
         """Median microseconds of ``fn()``'s GPU time over ``repeats`` calls queued behind a spin."""
         cp = self.cp
-        before = self.flush_l2 if flush_l2 else (lambda: None)
+        before = self.scrub_l2 if flush_l2 else (lambda: None)
         for _ in range(warmup):
             before()
             fn()
