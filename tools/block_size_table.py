@@ -3,10 +3,11 @@
     python3 tools/block_size_table.py [--kernel v8] [benchmarks/results]
 
 Reads ``h200-bench_decode.json`` (block 16, the standard run) and
-``h200-bench_decode_block{8,32,64,128}.json`` (``tools/bench_decode.py --block-size B
+``h200-bench_decode_block{8,32,64,128}.json`` (``python3 -m pagedrt.bench.decode --block-size B
 --repeats 50 --out ...``), all measured on the H200 with the v4 kernel; with ``--kernel
 v8``, ``h200-bench_decode_block{8,16,32,64,128}-v8.json`` instead. Prints the paged
-kernel's time per case and block size, and its overhead against the contiguous twin.
+kernel's time per case and block size, and its overhead against the contiguous baseline.
+Records written by ``pagedrt.bench`` hold their rows under ``rows``; these older ones under ``cases``.
 """
 
 import argparse
@@ -23,7 +24,8 @@ def load(folder, kernel):
             name = f"h200-bench_decode_block{size}-{kernel}.json"
         else:
             name = "h200-bench_decode.json" if size == 16 else f"h200-bench_decode_block{size}.json"
-        runs[size] = {c["case"]: c for c in json.loads((folder / name).read_text())["cases"]}
+        run = json.loads((folder / name).read_text())
+        runs[size] = {c["case"]: c for c in run.get("rows", run.get("cases"))}
     return runs
 
 
@@ -40,7 +42,7 @@ def main():
     for case in cases:
         cells = [f"{runs[s][case]['us']:7.1f} ({runs[s][case]['pct_stream']:4.1f}%)" for s in SIZES]
         print(f"{case:<9}" + "".join(f"{c:>16}" for c in cells))
-    print("\npaging overhead: paged time / contiguous twin time - 1, by block size")
+    print("\npaging overhead: paged time / contiguous baseline time - 1, by block size")
     print(f"{'case':<9}" + "".join(f"{'B=' + str(s):>9}" for s in SIZES))
     for case in cases:
         print(f"{case:<9}" + "".join(f"{runs[s][case]['paging_overhead_pct']:+8.1f}%" for s in SIZES))

@@ -12,9 +12,9 @@ import argparse
 
 import numpy as np
 
-from pagedrt import Pool
-from pagedrt.memory import vmm
-from timing import event_seconds  # tools/timing.py
+from pagedrt import Pool, driver
+from pagedrt.bench.harness import event_seconds
+from pagedrt.memory import select_backend
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -27,23 +27,29 @@ def measure(a, b):
     return copy / 1e12, read / 1e12
 
 
+def aligned_backend(alignment):
+    """The CUDA backend, reserving its range at a multiple of ``alignment`` instead of the page size."""
+    backend = select_backend("cuda")
+
+    def reserve(size):
+        backend.device.activate()
+        return int(driver.call(backend.device.driver, "cuMemAddressReserve", size, alignment, 0, 0))
+
+    backend.reserve = reserve
+    return backend
+
+
 def pool_buffers(nbytes, chunk, alignment=None):
-    original = vmm.CudaBackend.reserve
-    if alignment:
-        vmm.CudaBackend.reserve = lambda self, size: int(self._call("cuMemAddressReserve", size, alignment, 0, 0))
-    try:
-        pool = Pool(2 * nbytes, chunk, backend="cuda")
-    finally:
-        vmm.CudaBackend.reserve = original
+    pool = Pool(2 * nbytes, chunk, backend=aligned_backend(alignment) if alignment else "cuda")
     pool.grow(2 * nbytes // chunk)
     return pool, pool.view(0, nbytes // 4, np.int32), pool.view(nbytes, nbytes // 4, np.int32)
 
 
 def main():
-    import cupy
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=int, default=4)
     n = ap.parse_args().gib * GiB
+    import cupy
     print(f"{'memory':<36} {'copy TB/s':>9} {'read TB/s':>9}")
     a, b = cupy.empty(n // 4, cupy.int32), cupy.empty(n // 4, cupy.int32)
     copy, read = measure(a, b)

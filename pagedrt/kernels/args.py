@@ -42,7 +42,7 @@ def array_module(**arrays):
 def check(condition, message):
     """Raise LaunchArgumentError unless ``condition``. ``message`` is a string, or a callable that
     builds one: launchers run these checks on every call, and formatting a message (dtype names
-    above all) cost more host time than the launch itself (``tools/bench_launch.py``)."""
+    above all) cost more host time than the launch itself (``python3 -m pagedrt.bench.launch``)."""
     if not condition:
         raise LaunchArgumentError(message() if callable(message) else message)
 

@@ -1,0 +1,12 @@
+"""Benchmarks of the runtime, each a module run as ``python3 -m pagedrt.bench.<name>`` (``--help`` for its options).
+
+- ``decode``: decode attention on the standard workloads against the measured bandwidth ceilings;
+- ``launch``: host time per launch, the launchers against CuPy's own launch;
+- ``layers``: a 32-layer decode step, plane- vs block-major, Python launches vs a plan vs a CUDA graph;
+- ``pool``: what a pool grow costs, by chunk size, and copy bandwidth inside a pool;
+- ``step``: host time of one decode step's bookkeeping.
+
+``harness`` holds what they share (the GPU timer, the ceilings, the run header, tables
+and JSON records) and ``cases`` the standard cases. The benchmarks sit on top of the
+runtime: they import it; nothing in it imports them. benchmarks/README.md has the figures.
+"""

@@ -1,0 +1,203 @@
+"""Decode attention on the standard workloads: time, bandwidth against measured ceilings, paging cost.
+
+    python3 -m pagedrt.bench.decode [--cases b8,big,...] [--repeats 100] [--out run.json]
+
+The cases are the standard decode workloads (``pagedrt.bench.cases``), unchanged.
+K and V are two plane views of a CUDA Pool. Per case it prints the median time
+(CUDA events, warm-up first, queued behind a spin kernel), effective bandwidth =
+(K and V bytes of the valid tokens + q + out) / time, that bandwidth against the
+two ceilings measured in the same run (a device-to-device copy, bytes read +
+written, and a read-only streaming kernel, both over 4 GiB), the contiguous
+baseline's time (the same kernel over contiguous K/V) and the paging overhead
+(paged / contiguous - 1), the split count and geometry the plan chose, and what
+validation costs. The contiguous K/V live in the same kind of memory as the paged
+planes (a pool), so the overhead is that of the addressing alone. It also times
+the streaming kernel reading the case's own K and V planes once (``strm us``, one
+launch over the same bytes: the ceiling at this size, with its launch ramp and
+tail) and gives the decode time as a share of it (``%size``).
+
+validate=True reads a result back to the host before launching, so it cannot be
+queued: it is timed call by call, and the validation cost (validated -
+unvalidated) includes that round trip.
+"""
+
+import argparse
+import contextlib
+
+import numpy as np
+
+from .. import Pool
+from . import harness
+from .cases import DECODE_CASES, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
+
+COLUMNS = (
+    harness.Column("case", "case", width=9, left=True),
+    harness.Column("dtype", "dtype", width=8, left=True),
+    harness.Column("us", "us", "{:.1f}"),
+    harness.Column("tb_s", "TB/s", "{:.2f}", 6),
+    harness.Column("pct_copy", "%copy", "{:.1f}", 6),
+    harness.Column("pct_stream", "%strm", "{:.1f}", 6),
+    harness.Column("contiguous_us", "contig us", "{:.1f}", 9),
+    harness.Column("paging_overhead_pct", "paging", "{:+.1f}%", 7),
+    harness.Column("num_splits", "splits", "{}", 6),
+    harness.Column("geometry", "geometry", "{}", 8),
+    harness.Column("validate_us", "valid us", "{:.1f}"),
+    harness.Column("size_stream_us", "strm us", "{:.1f}"),
+    harness.Column("pct_size_stream", "%size", "{:.1f}", 6),
+    harness.Column("note", "note", width=0, left=True),
+)
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def random_bits(cp, shape, dtype):
+    """Random normal values of dtype as uint16 bits (bfloat16: a float32's upper half)."""
+    x = cp.random.standard_normal(shape, dtype=np.float32)
+    if dtype == "bfloat16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype(np.float16).view(np.uint16)
+
+
+def pool_planes(stack, shape, chunk):
+    """Two adjacent uint16 planes of ``shape`` in one CUDA pool of ``chunk``-byte chunks, mapped."""
+    plane_bytes = int(np.prod(shape)) * 2
+    total = -(-2 * plane_bytes // chunk) * chunk
+    pool = stack.enter_context(Pool(total, chunk, backend="cuda"))
+    pool.grow(total // chunk)
+    return [pool.view(i * plane_bytes, shape, np.uint16) for i in range(2)]
+
+
+def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order, memory, block):
+    from .. import attention
+    dt = np_dtype(case.dtype)
+    lens = np.asarray(case.lengths, np.int32)
+    table, num_blocks = scattered_table(lens, block, shuffle=order == "random")
+    width = table.shape[1]
+    shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
+    contiguous_shape = (case.batch, width) + shape[1:]  # [batch, width, kv, block, dim]
+    with contextlib.ExitStack() as stack:
+        if memory == "pool":
+            bits = pool_planes(stack, shape, chunk)
+            contiguous_bits = pool_planes(stack, contiguous_shape, chunk)
+        else:  # the experiment's control: the same planes in cudaMalloc memory
+            bits = [cp.empty(shape, np.uint16) for _ in range(2)]
+            contiguous_bits = [cp.empty(contiguous_shape, np.uint16) for _ in range(2)]
+        for plane in bits:
+            for lo in range(0, num_blocks, 4096):
+                plane[lo:lo + 4096] = random_bits(cp, plane[lo:lo + 4096].shape, case.dtype)
+        gather = cp.asarray(np.maximum(table, 0))
+        for src, dst in zip(bits, contiguous_bits):
+            dst[...] = src[gather]
+        k, v = (b.view(dt) for b in bits)
+        k_contiguous, v_contiguous = (b.view(dt) for b in contiguous_bits)
+        q = random_bits(cp, (case.batch, Q_HEADS, HEAD_DIM), case.dtype).view(dt)
+        out, contiguous_out = cp.empty_like(q), cp.empty_like(q)
+        d_table, d_lens = cp.asarray(table), cp.asarray(lens)
+        hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))  # host-side, as an engine has
+        split = attention.DecodePlan(q, k, d_table, d_lens, validate=False, **hints).split
+
+        def paged(validate=False, **extra):
+            return lambda: attention.paged_decode(q, k, v, d_table, d_lens, out=out, validate=validate, **extra)
+
+        paged_us = timer.gpu_us(paged(**hints), repeats)
+        # the streaming kernel over the same planes, one launch (the pool's planes are adjacent)
+        size_us = (harness.stream_us(timer, bits[0].data.ptr, 2 * bits[0].nbytes, repeats)
+                   if memory == "pool" else None)
+        contiguous_us = timer.gpu_us(
+            lambda: attention.contiguous_decode(q, k_contiguous, v_contiguous, d_lens, out=contiguous_out,
+                                                validate=False, **hints), repeats)
+        checked_us = timer.wall_us(paged(validate=True, **hints), repeats)
+        unchecked_us = timer.wall_us(paged(**hints), repeats)
+        split_us = {n: timer.gpu_us(paged(num_splits=n), repeats) for n in sweep}
+        a, b = (cp.asnumpy(x.view(np.uint16)).view(dt).astype(np.float64) for x in (out, contiguous_out))
+        agree = float(np.abs(a - b).max()) if np.isfinite(a).all() else float("nan")
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * dt.itemsize * 2
+    moved = kv_bytes + 2 * case.batch * Q_HEADS * HEAD_DIM * dt.itemsize
+    bw = moved / (paged_us * 1e-6)
+    note = "fits in L2: measures the cache" if kv_bytes <= l2_bytes else ""
+    if not agree < 1e-2:
+        note += f" paged and contiguous disagree ({agree})"
+    return {
+        "case": case.name, "dtype": case.dtype, "batch": case.batch, "tokens": int(lens.sum()),
+        "kv_mib": kv_bytes / 2**20, "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / bandwidth["copy"],
+        "pct_stream": 100 * bw / bandwidth["stream"], "size_stream_us": size_us,
+        "pct_size_stream": 100 * size_us / paged_us if size_us else None, "contiguous_us": contiguous_us,
+        "paging_overhead_pct": 100 * (paged_us / contiguous_us - 1), "num_splits": split.num_splits,
+        "segment_tokens": split.segment_tokens, "geometry": split.geometry, "validate_us": checked_us - unchecked_us,
+        "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
+        "paged_vs_contiguous_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "note": note.strip(),
+        "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
+        "split_sweep_us": split_us,
+    }
+
+
+def table(rows):
+    """The results table, and the forced-split sweep under it when one was asked for."""
+    first = rows[0]
+    lines = [f"pool chunks of {first['chunk_mib']} MiB (0: cudaMalloc); block order {first['order']}; "
+             f"block size {first['block_size']}; strm us: the streaming kernel over the case's own planes, "
+             "%size: its time over the decode's",
+             harness.format_table(COLUMNS, rows)]
+    sweeps = [r for r in rows if r["split_sweep_us"]]
+    if sweeps:
+        counts = list(sweeps[0]["split_sweep_us"])
+        lines += ["", "paged kernel time (us) by forced split count; * = the plan's choice",
+                  f"{'case':<9} " + " ".join(f"{n:>8}" for n in counts)]
+        for r in sweeps:
+            cells = [f"{t:7.1f}" + ("*" if n == r["num_splits"] else " ") for n, t in r["split_sweep_us"].items()]
+            lines.append(f"{r['case']:<9} " + " ".join(f"{c:>8}" for c in cells))
+    return "\n".join(lines)
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.decode", description=__doc__.splitlines()[0],
+                                 epilog="Experiments only (the standard figures use none of these): --order, "
+                                        "--block-size, --memory, --splits.")
+    ap.add_argument("--cases", default=",".join(DECODE_CASES), help=f"comma-separated, of {', '.join(DECODE_CASES)}")
+    ap.add_argument("--repeats", type=int, default=100, help="timed calls per measurement (at least 50)")
+    ap.add_argument("--out", help="also write the run as a JSON record here")
+    ap.add_argument("--chunk-mib", type=int, default=64, help="the pool's chunk size in MiB (a multiple of 2)")
+    ap.add_argument("--splits", default="", help="comma-separated split counts to time as well, to check the plan")
+    ap.add_argument("--order", choices=("random", "sequential"), default="random",
+                    help="block ids: a seeded random permutation (standard) or consecutive per sequence, to "
+                         "separate the cost of scattered blocks from that of reading the table")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the standard cases use 16)")
+    ap.add_argument("--memory", choices=("pool", "cudamalloc"), default="pool",
+                    help="where the paged and contiguous K/V live: a pagedrt Pool (standard) or cudaMalloc memory")
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
+    args = ap.parse_args(argv)
+    sweep = [int(n) for n in args.splits.split(",") if n]
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in DECODE_CASES]
+    if unknown or args.repeats < 50:
+        ap.error(f"unknown cases {unknown}" if unknown else "--repeats must be at least 50")
+    import cupy as cp
+    info = harness.device_info(cp)
+    timer = harness.Timer(cp)
+    bandwidth = harness.ceilings(timer, max(10, args.repeats // 10))
+    print(harness.header(info, bandwidth))
+    rows = []
+    for name in names:
+        row = run_case(cp, timer, DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
+                       args.chunk_mib << 20, sweep, args.order, args.memory, args.block_size)
+        rows.append(row)
+        cp.get_default_memory_pool().free_all_blocks()
+        print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s ({row['pct_copy']:.1f}% of copy, "
+              f"{row['pct_stream']:.1f}% of stream), contiguous {row['contiguous_us']:.1f} us "
+              f"(paging {row['paging_overhead_pct']:+.1f}%), {row['num_splits']} splits, "
+              f"validation +{row['validate_us']:.1f} us" + ("  [fits in L2]" if row["fits_l2"] else ""))
+    print()
+    harness.publish("decode", args.out, info, rows, table(rows), repeats=args.repeats, ceilings=bandwidth)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""What every benchmark shares: the GPU timer, the bandwidth ceilings, the run header, tables and records.
+
+Timing. :meth:`Timer.gpu_us` gives the median GPU time of a call between two CUDA
+events, after a warm-up. Before the timed calls it launches a spin kernel that
+keeps the GPU busy while the host queues them all, so each call's events bracket
+its GPU time rather than Python's launch overhead. With ``flush_l2`` it writes a
+buffer twice the L2's size before each timed call (outside its events), so the call
+reads from HBM, not from what the previous call left in L2. :meth:`Timer.wall_us`
+times calls one at a time, for calls that synchronise inside.
+
+Ceilings. The bandwidth a memory-bound kernel is measured against, both over
+:data:`CEILING_BYTES` in the same run: a device-to-device copy (bytes read + written)
+and a read-only streaming kernel (``cuda_src/bench.cu``'s ``stream_read``). Decode
+reads almost only, so it is reported against both.
+
+Every function that touches the GPU takes the ``cupy`` module from its caller, so the
+pure parts (tables, records) and every benchmark's ``--help`` work without CuPy.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import source
+
+CEILING_BYTES = 4 << 30
+STREAM_BLOCKS_PER_SM, STREAM_THREADS = 8, 256
+
+
+def event_seconds(cp, fn, repeats, warmup=0):
+    """Median seconds of ``fn()`` between two CUDA events, one call at a time (after ``warmup`` calls).
+
+    Each call is waited for, so this includes any launch gap: right for calls that
+    synchronise inside, or long enough for the gap not to matter.
+    """
+    for _ in range(warmup):
+        fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+    return statistics.median(times)
+
+
+class Timer:
+    """Median GPU time of calls, measured with events around each, behind a spin kernel."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.spin = source.function("bench.cu", "pagedrt::spin")
+        self.spin((1,), (1,), (np.int64(1000),))
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        self.spin((1,), (1,), (np.int64(10**7),))
+        end.record()
+        end.synchronize()
+        self.cycles_per_s = 1e7 / (cp.cuda.get_elapsed_time(start, end) * 1e-3)
+        self._scrub = None  # written before each timed call when flushing L2
+
+    def scrub_l2(self):
+        """Write a buffer twice the L2's size, evicting whatever the last call left there."""
+        cp = self.cp
+        if self._scrub is None:
+            l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
+            self._scrub = cp.empty(2 * l2, np.uint8)
+        self._scrub.fill(0)
+
+    def gpu_us(self, fn, repeats, warmup=5, flush_l2=False):
+        """Median microseconds of ``fn()``'s GPU time over ``repeats`` calls queued behind a spin."""
+        cp = self.cp
+        before = self.scrub_l2 if flush_l2 else (lambda: None)
+        for _ in range(warmup):
+            before()
+            fn()
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            before()
+            fn()
+        host_s = time.perf_counter() - t  # host time to queue `repeats` calls
+        cp.cuda.Device().synchronize()
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeats)]
+        spin_s = 2 * host_s + 1e-3
+        self.spin((1,), (1,), (np.int64(spin_s * self.cycles_per_s),))
+        t = time.perf_counter()
+        for start, end in events:
+            before()
+            start.record()
+            fn()
+            end.record()
+        queued_s = time.perf_counter() - t
+        events[-1][1].synchronize()
+        times = [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in events]
+        if queued_s > spin_s:
+            print(f"  warning: queueing took {queued_s * 1e3:.1f} ms > spin {spin_s * 1e3:.1f} ms; "
+                  "the first calls may include launch gaps")
+        return statistics.median(times)
+
+    def wall_us(self, fn, repeats, warmup=5):
+        """Median event time of calls run one at a time (for calls that synchronise inside)."""
+        return 1e6 * event_seconds(self.cp, fn, repeats, warmup)
+
+
+def copy_us(timer, dst_ptr, src_ptr, nbytes, repeats):
+    """Median time of one device-to-device copy of ``nbytes`` from ``src_ptr`` to ``dst_ptr``."""
+    rt = timer.cp.cuda.runtime
+    stream = timer.cp.cuda.get_current_stream().ptr
+    return timer.gpu_us(lambda: rt.memcpyAsync(dst_ptr, src_ptr, nbytes, rt.memcpyDeviceToDevice, stream), repeats)
+
+
+def stream_us(timer, ptr, nbytes, repeats):
+    """Median time of the read-only streaming kernel over ``nbytes`` (a multiple of 16) at device pointer ``ptr``."""
+    cp = timer.cp
+    read = source.function("bench.cu", "pagedrt::stream_read")
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    sink = cp.zeros(1, np.uint32)
+    args = (np.uint64(ptr), np.int64(nbytes // 16), np.uint32(0x9E3779B9), sink)
+    return timer.gpu_us(lambda: read((sms * STREAM_BLOCKS_PER_SM,), (STREAM_THREADS,), args), repeats)
+
+
+def ceilings(timer, repeats):
+    """{"copy", "stream"} bandwidth in bytes/s over CEILING_BYTES; the copy counts bytes read + written."""
+    cp = timer.cp
+    src, dst = cp.empty(CEILING_BYTES, np.uint8), cp.empty(CEILING_BYTES, np.uint8)
+    src.fill(1)
+    copy = 2 * CEILING_BYTES / (copy_us(timer, dst.data.ptr, src.data.ptr, CEILING_BYTES, repeats) * 1e-6)
+    stream = CEILING_BYTES / (stream_us(timer, src.data.ptr, CEILING_BYTES, repeats) * 1e-6)
+    del src, dst
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"copy": copy, "stream": stream}
+
+
+# --- what a run reports ------------------------------------------------------------------------------------
+
+
+def device_info(cp):
+    """The device and software a run measured on, and the checkout's commit when run from one."""
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    driver, runtime = cp.cuda.runtime.driverGetVersion(), cp.cuda.runtime.runtimeGetVersion()
+    return {"device": props["name"].decode(), "sms": props["multiProcessorCount"],
+            "l2_bytes": props["l2CacheSize"], "driver": f"{driver // 1000}.{driver % 1000 // 10}",
+            "runtime": f"{runtime // 1000}.{runtime % 1000 // 10}", "cupy": cp.__version__, "commit": commit()}
+
+
+def commit():
+    """The checkout's commit (``+dirty`` with uncommitted changes), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def header(info, bandwidth=None):
+    """One line naming the device, driver and commit, and the ceilings when measured."""
+    line = (f"{info['device']}: {info['sms']} SMs, L2 {info['l2_bytes'] >> 20} MiB; driver {info['driver']}, "
+            f"CUDA runtime {info['runtime']}, CuPy {info['cupy']}; commit {info['commit'] or 'unknown'}")
+    if bandwidth:
+        line += (f"\nceilings: copy {bandwidth['copy'] / 1e12:.2f} TB/s (read + written), "
+                 f"stream {bandwidth['stream'] / 1e12:.2f} TB/s (read only)")
+    return line
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: the row key it shows, its header, a ``str.format`` template and its width."""
+
+    key: str
+    title: str
+    template: str = "{}"
+    width: int = 8
+    left: bool = False
+
+
+def format_table(columns, rows):
+    """The rows (dicts) as a text table: a header, a rule, one line per row; a missing value prints as ``-``."""
+    def cell(text, col):
+        return text.ljust(col.width) if col.left else text.rjust(col.width)
+
+    head = " ".join(cell(c.title, c) for c in columns).rstrip()
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        values = [row.get(c.key) for c in columns]
+        lines.append(" ".join(cell("-" if v is None else c.template.format(v), c)
+                              for c, v in zip(columns, values)).rstrip())
+    return "\n".join(lines)
+
+
+def command(benchmark):
+    """The command line that ran ``benchmark`` (a module name under ``pagedrt.bench``), as typed."""
+    return " ".join([f"python3 -m pagedrt.bench.{benchmark}"] + sys.argv[1:])
+
+
+def record(benchmark, info, rows, table, **extra):
+    """A run as a JSON-ready dict: what ran, where, the measured rows and the printed table."""
+    return {"benchmark": benchmark, "command": command(benchmark), "device": info, **extra,
+            "rows": rows, "table": table}
+
+
+def write_record(path, rec):
+    Path(path).write_text(json.dumps(rec, indent=2) + "\n")
+
+
+def publish(benchmark, out, info, rows, table, **extra):
+    """Print a run's table; with ``out`` (the ``--out`` option) also write its record there."""
+    print(table)
+    if out:
+        write_record(out, record(benchmark, info, rows, table, **extra))

@@ -1,0 +1,152 @@
+"""The benchmarks' pure parts (pagedrt.bench): the event timer on a fake CUDA clock, the standard cases,
+tables, JSON records, and every benchmark's command line (all run without a GPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pagedrt.bench import cases, harness, step
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ("decode", "launch", "layers", "pool", "step")
+
+
+class FakeCuda:
+    """Events stamped with a clock that each timed call advances by the next of ``durations_ms``."""
+
+    def __init__(self, durations_ms):
+        self.now, self.durations, self.calls = 0.0, list(durations_ms), 0
+        clock = self
+
+        class Event:
+            def record(self):
+                self.t = clock.now
+
+            def synchronize(self):
+                pass
+
+        self.cuda = SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: b.t - a.t)
+
+    def call(self):
+        self.calls += 1
+        self.now += self.durations.pop(0)
+
+
+def test_event_seconds_is_the_median_of_the_timed_calls_after_the_warmup():
+    cp = FakeCuda([100.0, 100.0, 4.0, 2.0, 9.0, 3.0, 5.0])  # two warm-up calls, then five timed ones
+    assert harness.event_seconds(cp, cp.call, repeats=5, warmup=2) == 4.0e-3  # median of 4, 2, 9, 3, 5 ms
+    assert cp.calls == 7 and not cp.durations
+
+
+# --- the standard cases, against WORKLOADS.md's tables ---------------------------------------------------------
+
+def test_decode_cases_are_the_standard_ones():
+    expected = {"long-1": (1, 32768), "b8": (8, 8192), "b32": (32, 4096), "b64": (64, 2048), "b128": (128, 1024),
+                "b256": (256, 512), "big": (64, 8192), "big-bf16": (64, 8192)}
+    assert list(cases.DECODE_CASES) == ["long-1", "b8", "b32", "b64", "b128", "b256", "big", "var", "big-bf16"]
+    for name, (batch, length) in expected.items():
+        case = cases.DECODE_CASES[name]
+        assert case.batch == batch and case.lengths == (length,) * batch
+        assert case.dtype == ("bfloat16" if name == "big-bf16" else "float16")
+    var = cases.DECODE_CASES["var"]
+    assert var.dtype == "float16" and var.batch == 64
+    assert var.lengths == tuple(np.random.default_rng(0).integers(1, 8193, 64).tolist())
+    assert var.lengths[:4] == (6969, 5218, 4188, 2211) and sum(var.lengths) == 267327
+    assert (cases.Q_HEADS, cases.KV_HEADS, cases.HEAD_DIM, cases.BLOCK_SIZE) == (32, 8, 128, 16)
+
+
+def test_prefill_cases_are_the_standard_ones():
+    p = cases.PREFILL_CASES
+    assert list(p) == ["p1", "p16", "chunk", "mixed", "var"]
+    assert (p["p1"].prefix, p["p1"].new) == ((0,), (8192,))
+    assert (p["p16"].prefix, p["p16"].new) == ((0,) * 16, (1024,) * 16)
+    assert (p["chunk"].prefix, p["chunk"].new) == ((6144,) * 4, (2048,) * 4)
+    assert p["mixed"].prefix == (0,) + (2048,) * 127 and p["mixed"].new == (1024,) + (1,) * 127
+    lognormal = np.random.default_rng(0).lognormal(np.log(512), 1.0, 32)
+    assert p["var"].prefix == (0,) * 32
+    assert p["var"].new == tuple(int(min(max(int(x), 1), 8192)) for x in lognormal)
+    assert all(c.dtype == "float16" for c in p.values())
+
+
+def test_prefill_flops_count_the_bottom_right_causal_mask():
+    one = cases.PrefillCase("t", (3,), (2,))  # new tokens at positions 3 and 4 see 4 and 5 keys
+    assert one.attended_keys == 9 and one.flops == 4 * 32 * 128 * 9
+    assert cases.PREFILL_CASES["p1"].attended_keys == 8192 * 8193 // 2
+    assert cases.PREFILL_CASES["chunk"].attended_keys == 4 * (2048 * 6144 + 2048 * 2049 // 2)
+    assert cases.PREFILL_CASES["mixed"].attended_keys == 1024 * 1025 // 2 + 127 * 2049
+
+
+def test_scattered_table_is_the_seeded_permutation_of_the_blocks_each_sequence_needs():
+    table, n = cases.scattered_table([33, 16, 1])
+    assert n == 3 + 1 + 1 and table.dtype == np.int32 and table.shape == (3, 3)
+    perm = np.random.default_rng(cases.TABLE_SEED).permutation(5)
+    assert table.tolist() == [perm[:3].tolist(), [perm[3], -1, -1], [perm[4], -1, -1]]
+    ordered, _ = cases.scattered_table([33, 16, 1], shuffle=False)
+    assert ordered.tolist() == [[0, 1, 2], [3, -1, -1], [4, -1, -1]]
+
+
+# --- tables and records ------------------------------------------------------------------------------------
+
+def test_format_table_aligns_formats_and_marks_missing_values():
+    cols = (harness.Column("case", "case", width=6, left=True), harness.Column("us", "us", "{:.1f}", 7),
+            harness.Column("pct", "paging", "{:+.1f}%", 7))
+    text = harness.format_table(cols, [{"case": "b8", "us": 68.64, "pct": 1.55}, {"case": "long-1", "us": None,
+                                                                                  "pct": -0.2}])
+    assert text.splitlines() == ["case        us  paging",
+                                 "----------------------",
+                                 "b8        68.6   +1.6%",
+                                 "long-1       -   -0.2%"]
+
+
+def test_a_record_says_what_ran_where_and_holds_rows_and_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--cases", "b8"])
+    info = {"device": "NVIDIA H200", "driver": "13.0", "commit": "abc1234"}
+    rows, bandwidth = [{"case": "b8", "us": 68.6}], {"copy": 4.3e12, "stream": 4.54e12}
+    harness.publish("decode", tmp_path / "run.json", info, rows, "a table", repeats=100, ceilings=bandwidth)
+    assert capsys.readouterr().out == "a table\n"
+    back = json.loads((tmp_path / "run.json").read_text())
+    assert back == harness.record("decode", info, rows, "a table", repeats=100, ceilings=bandwidth)
+    assert list(back) == ["benchmark", "command", "device", "repeats", "ceilings", "rows", "table"]
+    assert back["command"] == "python3 -m pagedrt.bench.decode --cases b8"
+
+
+def test_header_names_device_driver_commit_and_ceilings():
+    info = {"device": "NVIDIA H200", "sms": 132, "l2_bytes": 60 << 20, "driver": "13.0", "runtime": "13.0",
+            "cupy": "14.2.0", "commit": None}
+    line = harness.header(info, {"copy": 4.30e12, "stream": 4.54e12})
+    assert line.startswith("NVIDIA H200: 132 SMs, L2 60 MiB; driver 13.0")
+    assert "commit unknown" in line and "copy 4.30 TB/s" in line and "stream 4.54 TB/s" in line
+
+
+# --- the commands ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_documents_its_command_without_cupy(name):
+    done = subprocess.run([sys.executable, "-m", f"pagedrt.bench.{name}", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"python3 -m pagedrt.bench.{name}" in done.stdout
+
+
+def test_step_runs_on_the_host_backend_and_maps_ahead():
+    for placement in ("plane", "block"):
+        backend, times, grows = step.run(64, 32, "host", placement, premap=True)
+        assert backend == "host" and times.shape == (32,) and grows == 0
+        _, _, grows = step.run(64, 32, "host", placement, premap=False)
+        assert grows > 0
+
+
+def test_the_benchmarks_sit_on_top():
+    """Nothing in the runtime imports the benchmarks, and they import nothing private from it."""
+    package = ROOT / "pagedrt"
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        if path.parent.name != "bench":
+            assert "pagedrt.bench" not in text and "from .bench" not in text and "from ..bench" not in text, path
+        else:
+            assert "import _" not in text and "sys.path" not in text, path
