@@ -16,9 +16,11 @@ the streaming kernel reading the case's own K and V planes once (``strm us``, on
 launch over the same bytes: the ceiling at this size, with its launch ramp and
 tail) and gives the decode time as a share of it (``%size``).
 
-validate=True reads a result back to the host before launching, so it cannot be
-queued: it is timed call by call, and the validation cost (validated -
-unvalidated) includes that round trip.
+The paged and contiguous times are those of a plan's ``run`` (the plans made once,
+as a step makes them): the kernel alone. validate=True reads a result back to the
+host before launching, so it cannot be queued: ``paged_decode`` (a plan made and
+run) is timed call by call with and without it, and the validation cost (validated
+- unvalidated) includes that round trip.
 """
 
 import argparse
@@ -99,21 +101,26 @@ def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order,
         out, contiguous_out = cp.empty_like(q), cp.empty_like(q)
         d_table, d_lens = cp.asarray(table), cp.asarray(lens)
         hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))  # host-side, as an engine has
-        split = attention.DecodePlan(q, k, d_table, d_lens, validate=False, **hints).split
+        plan = attention.DecodePlan(q, k, d_table, d_lens, validate=False, **hints)
+        split = plan.split
+        contiguous = attention.ContiguousDecodePlan(q, k_contiguous, d_lens, validate=False, **hints)
 
-        def paged(validate=False, **extra):
-            return lambda: attention.paged_decode(q, k, v, d_table, d_lens, out=out, validate=validate, **extra)
+        def call(validate):  # a plan made and run per call, as paged_decode does
+            return lambda: attention.paged_decode(q, k, v, d_table, d_lens, out=out, validate=validate, **hints)
 
-        paged_us = timer.gpu_us(paged(**hints), repeats)
+        def forced(n):
+            forced_plan = attention.DecodePlan(q, k, d_table, d_lens, validate=False, num_splits=n)
+            return lambda: forced_plan.run(q, k, v, out)
+
+        # The kernels alone: plans made once, as a step makes them, and run per timed call.
+        paged_us = timer.gpu_us(lambda: plan.run(q, k, v, out), repeats)
         # the streaming kernel over the same planes, one launch (the pool's planes are adjacent)
         size_us = (harness.stream_us(timer, bits[0].data.ptr, 2 * bits[0].nbytes, repeats)
                    if memory == "pool" else None)
-        contiguous_us = timer.gpu_us(
-            lambda: attention.contiguous_decode(q, k_contiguous, v_contiguous, d_lens, out=contiguous_out,
-                                                validate=False, **hints), repeats)
-        checked_us = timer.wall_us(paged(validate=True, **hints), repeats)
-        unchecked_us = timer.wall_us(paged(**hints), repeats)
-        split_us = {n: timer.gpu_us(paged(num_splits=n), repeats) for n in sweep}
+        contiguous_us = timer.gpu_us(lambda: contiguous.run(q, k_contiguous, v_contiguous, contiguous_out), repeats)
+        checked_us = timer.wall_us(call(validate=True), repeats)
+        unchecked_us = timer.wall_us(call(validate=False), repeats)
+        split_us = {n: timer.gpu_us(forced(n), repeats) for n in sweep}
         a, b = (cp.asnumpy(x.view(np.uint16)).view(dt).astype(np.float64) for x in (out, contiguous_out))
         agree = float(np.abs(a - b).max()) if np.isfinite(a).all() else float("nan")
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * dt.itemsize * 2
