@@ -206,8 +206,9 @@ def test_split_workspace_is_never_read_stale_and_its_counts_reset():
 
 @pytest.mark.parametrize("geometry", planner.GEOMETRIES)
 def test_caller_workspace_gives_the_reference_and_serves_plan_after_plan(geometry):
-    """One caller-owned workspace, larger than needed and dirty, serves two plans of different split counts
-    and lengths (two steps), run in turn over two layers, and a contiguous baseline."""
+    """One caller-owned workspace, larger than needed and dirty, serves plan after plan of different split
+    counts and lengths (steps), each run over two layers, then a contiguous baseline; a plan made earlier
+    on it refuses to run once a later one has laid it out."""
     import cupy
     case = Case(BASE, [5000, 17, 300], seed=29)
     dev = OnDevice(case)
@@ -215,16 +216,21 @@ def test_caller_workspace_gives_the_reference_and_serves_plan_after_plan(geometr
     workspace = cupy.full(workspace_bytes(batch, q_heads, head_dim, 9) + 4096, 0xFF, np.uint8)
     other = Case(BASE, [40, 3000, 900], seed=31)
     dev_other = OnDevice(other)
-    steps = [(DecodePlan(dev.q, dev.k, dev.table, dev.lens, num_splits=4, geometry=geometry,
-                         workspace=workspace), dev, case),
-             (DecodePlan(dev_other.q, dev_other.k, dev_other.table, dev_other.lens, num_splits=9,
-                         geometry=geometry, workspace=workspace), dev_other, other)]
-    for _ in range(2):
-        for plan, d, c in steps:
+    plans = []
+    for d, c, n in ((dev, case, 4), (dev_other, other, 9), (dev, case, 4)):
+        plan = DecodePlan(d.q, d.k, d.table, d.lens, num_splits=n, geometry=geometry, workspace=workspace)
+        for _ in range(2):
             assert rel_error(run_plan(plan, d, c), expected(c)) <= TOLERANCE[BASE.dtype]
+        plans.append(plan)
+    out = poisoned(case.q.shape, case.q.dtype)
+    with pytest.raises(LaunchArgumentError, match="a later plan was made on this plan's workspace"):
+        plans[1].run(dev_other.q, dev_other.k, dev_other.v, out=out)
+    assert np.isnan(to_host(out).astype(np.float32)).all()  # refused before anything ran
     k, v = (cupy.asarray(x) for x in case.contiguous())
     out = contiguous_decode(dev.q, k, v, dev.lens, num_splits=5, geometry=geometry, workspace=workspace)
     assert rel_error(to_host(out), expected(case)) <= TOLERANCE[BASE.dtype]
+    with pytest.raises(LaunchArgumentError, match="a later plan"):
+        plans[2].run(dev.q, dev.k, dev.v)
 
 
 def test_too_small_or_misaligned_workspace_is_refused_before_anything_runs():

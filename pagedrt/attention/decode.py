@@ -14,6 +14,7 @@ and the geometry.
 """
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,12 @@ from .planner import GEOMETRIES, check_geometry, geometry, plan_splits, workspac
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
 LOG2E = 1.4426950408889634
+
+# A caller's workspace holds the partials of one plan at a time: each split plan lays it out anew (its
+# arrival counts fall where another plan's partials were). The plan that laid out each caller workspace
+# last, by the workspace's address, so that an earlier plan refuses to run over it.
+_layout_owner = {}
+_plan_ids = itertools.count()
 
 
 def kernel_name(cfg, paged, kind):
@@ -180,7 +187,7 @@ class _Plan:
         self._layout = (k.shape, k.strides, k.dtype)
         self._what = "K plane" if paged else "k"
         self._reference = reference_run
-        self._launch, self._workspace, self._stream = None, workspace, None
+        self._launch, self._workspace, self._stream, self._claim = None, workspace, None, None
         if xp is np:
             return
         import cupy
@@ -190,6 +197,9 @@ class _Plan:
                                                      width, seq_lens, scale, split, layout, workspace)
             if split.num_splits > 1:
                 self._stream = cupy.cuda.get_current_stream().ptr
+                if workspace is not None:
+                    self._claim = (workspace.data.ptr, next(_plan_ids))
+                    _layout_owner[self._claim[0]] = self._claim[1]
 
     @property
     def split(self):
@@ -218,6 +228,9 @@ class _Plan:
         check(self._stream is None or self._stream == cupy.cuda.get_current_stream().ptr,
               lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
                       "run it on that stream, or make a plan per stream")
+        check(self._claim is None or _layout_owner.get(self._claim[0]) == self._claim[1],
+              "a later plan was made on this plan's workspace and laid it out for itself: a workspace holds one "
+              "plan at a time; run the latest plan, or give each live plan its own workspace")
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
         if self._launch is not None:
@@ -242,8 +255,11 @@ class DecodePlan(_Plan):
 
     ``workspace``: a caller-owned CuPy uint8 array of at least
     :func:`~pagedrt.attention.planner.workspace_bytes` bytes for the plan's split
-    count, reusable across steps and layers (one stream at a time) and fixed for
-    graph capture; without one, a split plan allocates its own and holds it. A split
+    count, reusable from step to step (one stream at a time) and fixed for graph
+    capture. It holds one plan at a time: making a split plan on it lays it out for
+    that plan, and an earlier plan made on it then refuses to run
+    (``LaunchArgumentError``); give plans that live side by side a workspace each.
+    Without one, a split plan allocates its own and holds it. A split
     plan runs on the stream it was made on. ``geometry`` forces the kernel's geometry
     ("standard" or "short"; None: the plan's choice). On NumPy arrays the plan runs
     the float64 reference, cut as :func:`reference.split` says (``num_splits``
