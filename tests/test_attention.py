@@ -251,17 +251,17 @@ def test_short_geometry_trades_registers_and_stages_for_resident_blocks():
 
 def test_tensor_cores_for_half_precision_head_dims_64_and_128():
     for cfg in configs.sweep():
-        for kind in planner.GEOMETRIES:
-            geo = planner.geometry(cfg, kind)
+        for geometry_name in planner.GEOMETRIES:
+            geo = planner.geometry(cfg, geometry_name)
             assert geo.mma == (cfg.dtype != "float32" and cfg.head_dim in planner.MMA_HEAD_DIMS)
             if geo.mma:  # a lane group is a warp, a warp per 16 tokens of a tile
                 assert geo.lanes == 32 and geo.tile == 16 * geo.threads // 32
 
 
-@pytest.mark.parametrize("kind", planner.GEOMETRIES)
-def test_geometry_stages_one_tile_of_k_and_v(kind):
+@pytest.mark.parametrize("geometry_name", planner.GEOMETRIES)
+def test_geometry_stages_one_tile_of_k_and_v(geometry_name):
     for cfg in configs.sweep():
-        geo = planner.geometry(cfg, kind)
+        geo = planner.geometry(cfg, geometry_name)
         row = cfg.head_dim * cfg.itemsize
         if not geo.mma:
             assert geo.tile * row <= planner.TILE_BYTES < 2 * geo.tile * row and geo.threads == planner.THREADS
@@ -269,14 +269,14 @@ def test_geometry_stages_one_tile_of_k_and_v(kind):
         assert geo.smem_bytes == geo.stages * 2 * geo.tile * row + 4 * geo.ids_window <= 227 * 1024
 
 
-@pytest.mark.parametrize("kind", planner.GEOMETRIES)
-def test_every_supported_config_meets_the_kernel_static_asserts(kind):
+@pytest.mark.parametrize("geometry_name", planner.GEOMETRIES)
+def test_every_supported_config_meets_the_kernel_static_asserts(geometry_name):
     """Mirror of DecodeShape's static_asserts for every configuration (the compile check builds a sweep)."""
     for dtype in configs.CUDA_TYPES:
         for h in configs.HEAD_DIMS:
             for g in configs.GROUPS:
                 cfg = Config(dtype, h, 16, g)
-                geo = planner.geometry(cfg, kind)
+                geo = planner.geometry(cfg, geometry_name)
                 row_vecs = h * cfg.itemsize // 16
                 lane_groups = geo.threads // geo.lanes
                 assert geo.lanes & (geo.lanes - 1) == 0 and geo.lanes <= 32
@@ -291,9 +291,9 @@ def test_instances_name_every_swept_kernel_with_its_geometry():
     names = decode.instances()["decode.cu"]
     for cfg in configs.sweep():
         for paged in (True, False):
-            for kind in planner.GEOMETRIES:
-                geo = planner.geometry(cfg, kind)
-                name = decode.kernel_name(cfg, paged, kind)
+            for geometry_name in planner.GEOMETRIES:
+                geo = planner.geometry(cfg, geometry_name)
+                name = decode.kernel_name(cfg, paged, geometry_name)
                 assert name in names
                 args = name[name.index("<") + 1:-1].split(", ")
                 assert args == [cfg.cuda_type, *map(str, (cfg.head_dim, cfg.block_size, cfg.group)),

@@ -73,11 +73,11 @@ def main():
     expect("write_kv (with padding slots)", same())
 
     ref = reference.paged_decode(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
-    for kind in planner.GEOMETRIES:
+    for geometry_name in planner.GEOMETRIES:
         for splits, name in ((1, "paged_decode unsplit"),
                              (12, "paged_decode split, merged by the last segment, empty segments")):
-            out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=splits, geometry=kind)
-            expect(f"{name}, {kind} geometry", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+            out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=splits, geometry=geometry_name)
+            expect(f"{name}, {geometry_name} geometry", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
     dense = [np.stack([p[table[i]] for i in range(len(LENS))]) for p in (host_k, host_v)]
     out = contiguous_decode(d_q, cupy.asarray(dense[0]), cupy.asarray(dense[1]), d_lens)

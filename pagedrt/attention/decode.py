@@ -39,9 +39,9 @@ _layout_owner = {}
 _plan_ids = itertools.count()
 
 
-def kernel_name(cfg, paged, kind):
-    """The decode kernel's name expression for configuration ``cfg`` in geometry ``kind``."""
-    geo = geometry(cfg, kind)
+def kernel_name(cfg, paged, geometry_name):
+    """The decode kernel's name expression for configuration ``cfg`` in geometry ``geometry_name``."""
+    geo = geometry(cfg, geometry_name)
     return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
             f"{'true' if paged else 'false'}, {geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, "
             f"{'true' if geo.mma else 'false'}, {geo.ids_window}>")
@@ -49,7 +49,7 @@ def kernel_name(cfg, paged, kind):
 
 def instances(configs=None, paged=(True, False)):
     """{file: name expressions} for ``configs`` (default: the representative sweep), in every geometry."""
-    names = [kernel_name(c, p, kind) for c in (configs or sweep()) for p in paged for kind in GEOMETRIES]
+    names = [kernel_name(c, p, geometry_name) for c in (configs or sweep()) for p in paged for geometry_name in GEOMETRIES]
     return {FILE: tuple(dict.fromkeys(names))}
 
 
@@ -61,23 +61,23 @@ class _Kernel:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg, paged, kind, device_id):
+def _kernel(cfg, paged, geometry_name, device_id):
     """The compiled kernel of a configuration and geometry, and its occupancy, per device."""
     from cupy_backends.cuda.api import driver
-    fn = source.function(FILE, kernel_name(cfg, paged, kind))
-    geo = geometry(cfg, kind)
+    fn = source.function(FILE, kernel_name(cfg, paged, geometry_name))
+    geo = geometry(cfg, geometry_name)
     fn.max_dynamic_shared_size_bytes = geo.smem_bytes
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, geo.threads, geo.smem_bytes)
     return _Kernel(fn, geo, max(1, per_sm) * multiprocessors(device_id))
 
 
-def _device_split(cfg, batch, kv_heads, max_seq_len, num_splits, mean_seq_len, kind):
+def _device_split(cfg, batch, kv_heads, max_seq_len, num_splits, mean_seq_len, geometry_name):
     """The split plan on the current device, from the standard paged kernel's occupancy (so the contiguous
     baseline runs the same plan as the paged kernel)."""
     import cupy
     standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
     return plan_splits(batch, kv_heads, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
-                       standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len, geometry=kind)
+                       standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len, geometry=geometry_name)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, s
     return launch, workspace
 
 
-def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, kind,
+def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, geometry_name,
             workspace):
     """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len)."""
     batch, q_heads, q_dim = (int(x) for x in q.shape)
@@ -157,7 +157,7 @@ def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, ca
     check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
     positive_int("num_splits", num_splits, MAX_GRID_YZ)
     max_seq_len = positive_int("max_seq_len", max_seq_len, capacity) or capacity
-    check_geometry(kind)
+    check_geometry(geometry_name)
     _check_workspace(workspace)
     return cfg, scale, max_seq_len
 
@@ -169,11 +169,11 @@ def _lens(seq_lens, batch):
                   f"{seq_lens.shape}")
 
 
-def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, kind):
+def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry_name):
     """The split plan: the device's (from the kernel's occupancy), or on the host the reference's cut."""
     if xp is np:
-        return reference.split(max_seq_len, cfg.block_size, num_splits or 1, kind or "standard")
-    return _device_split(cfg, q.shape[0], q.shape[1] // cfg.group, max_seq_len, num_splits, mean_seq_len, kind)
+        return reference.split(max_seq_len, cfg.block_size, num_splits or 1, geometry_name or "standard")
+    return _device_split(cfg, q.shape[0], q.shape[1] // cfg.group, max_seq_len, num_splits, mean_seq_len, geometry_name)
 
 
 class _Plan:

@@ -56,8 +56,8 @@ def _pow2_floor(x):
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def geometry(cfg, kind="standard"):
-    """The :class:`Geometry` of configuration ``cfg`` (a ``kernels.configs.Config``) in geometry ``kind``.
+def geometry(cfg, geometry_name="standard"):
+    """The :class:`Geometry` of configuration ``cfg`` (a ``kernels.configs.Config``) named ``geometry_name``.
 
     CUDA cores: lanes per token: the fewer, the fewer shuffles and the less softmax
     work repeated across lanes, but each lane then holds more dims of q and of the
@@ -75,8 +75,8 @@ def geometry(cfg, kind="standard"):
     share an SM with the same bytes in flight, and each block's start is hidden by
     the others'.
     """
-    check(kind in GEOMETRIES, _unknown(kind))
-    short = kind == "short"
+    check(geometry_name in GEOMETRIES, _unknown(geometry_name))
+    short = geometry_name == "short"
     row = cfg.head_dim * cfg.itemsize
     if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
         threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
