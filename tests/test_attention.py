@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kernel_cases import Case, naive_attention, np_dtype, rel_error
 from pagedrt import Pool
-from pagedrt.attention import (ContiguousDecodePlan, DecodePlan, SplitPlan, contiguous_decode, paged_decode, plan_splits, reference,
-                               workspace_bytes)
+from pagedrt.attention import (ContiguousDecodePlan, DecodePlan, SplitPlan, contiguous_decode, paged_decode,
+                               plan_splits, reference, workspace_bytes)
 from pagedrt.attention import decode, planner
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs

@@ -10,5 +10,5 @@ from . import reference
 from .decode import ContiguousDecodePlan, DecodePlan, contiguous_decode, paged_decode
 from .planner import SplitPlan, plan_splits, workspace_bytes
 
-__all__ = ["ContiguousDecodePlan", "DecodePlan", "SplitPlan", "contiguous_decode", "paged_decode", "plan_splits", "reference",
-           "workspace_bytes"]
+__all__ = ["ContiguousDecodePlan", "DecodePlan", "SplitPlan", "contiguous_decode", "paged_decode", "plan_splits",
+           "reference", "workspace_bytes"]

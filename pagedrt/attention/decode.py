@@ -49,7 +49,7 @@ def kernel_name(cfg, paged, geometry_name):
 
 def instances(configs=None, paged=(True, False)):
     """{file: name expressions} for ``configs`` (default: the representative sweep), in every geometry."""
-    names = [kernel_name(c, p, geometry_name) for c in (configs or sweep()) for p in paged for geometry_name in GEOMETRIES]
+    names = [kernel_name(c, p, name) for c in (configs or sweep()) for p in paged for name in GEOMETRIES]
     return {FILE: tuple(dict.fromkeys(names))}
 
 
@@ -77,7 +77,8 @@ def _device_split(cfg, batch, kv_heads, max_seq_len, num_splits, mean_seq_len, g
     import cupy
     standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
     return plan_splits(batch, kv_heads, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
-                       standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len, geometry=geometry_name)
+                       standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len,
+                       geometry=geometry_name)
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,8 @@ class _Plan:
         array_type = self._array_type
         check(type(q) is array_type and type(k) is array_type and type(v) is array_type
               and (out is None or type(out) is array_type),
-              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as the plan's: "
-                      "NumPy or CuPy arrays, not a mix")
+              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
+                      "the plan's: NumPy or CuPy arrays, not a mix")
         shape, dtype = self._q
         check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
               lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
