@@ -47,8 +47,8 @@ COLUMNS = (
     harness.Column("pct_stream", "%strm", "{:.1f}", 6),
 )
 LEGEND = ("launched: 32 paged_decode calls from Python per step; planned: one DecodePlan per step, run for each "
-          "layer;\ngraph: the planned step's runs captured once and replayed; launch us, planned us: host time to issue "
-          "one step;\nTB/s and %strm: the graph's K/V + q + out bytes per second")
+          "layer;\ngraph: the planned step's runs captured once and replayed; launch us, planned us: host time to "
+          "issue one step;\nTB/s and %strm: the graph's K/V + q + out bytes per second")
 
 
 def fill_random(cp, plane):
