@@ -7,9 +7,10 @@ step (one chunk) and of growing 1 GiB in one call, each split into create / map 
 set-access (the backend's primitives, timed by wrapping the backend the pool is
 given), and the copy bandwidth inside a pool of such chunks; then what a
 contiguous cache pays to grow by 1 GiB (allocate a larger buffer and copy the old
-contents over), and the copy bandwidth of ordinary cudaMalloc memory. Copies are
-device-to-device copies of random data, bytes read + written, timed with the
-benchmarks' GPU timer.
+contents over), and the copy bandwidth of ordinary cudaMalloc memory. Copies move
+random data, bytes read + written, timed with the benchmarks' GPU timer, two ways:
+a kernel that loads and stores every element (CuPy's ``copyto``, which reads
+memory as an attention kernel does) and the driver's device-to-device memcpy.
 """
 
 import argparse
@@ -101,13 +102,18 @@ def contiguous_regrow(cp, old_bytes, grow_bytes, repeats):
 
 
 def copy_bandwidth(timer, src, dst, repeats):
-    """Bytes read + written per second copying ``src`` (filled with random words first) to ``dst``."""
-    src[...] = timer.cp.random.default_rng(0).integers(0, 2**31, src.size, dtype=np.int32)
-    return 2 * src.nbytes / (harness.copy_us(timer, dst.data.ptr, src.data.ptr, src.nbytes, repeats) * 1e-6)
+    """Bytes read + written per second copying ``src`` (filled with random words first) to ``dst``:
+    {"kernel": through a copy kernel (``cupy.copyto``), "memcpy": through the driver's memcpy}."""
+    cp = timer.cp
+    src[...] = cp.random.default_rng(0).integers(0, 2**31, src.size, dtype=np.int32)
+    kernel_us = timer.gpu_us(lambda: cp.copyto(dst, src), repeats)
+    memcpy_us = harness.copy_us(timer, dst.data.ptr, src.data.ptr, src.nbytes, repeats)
+    return {"kernel": 2 * src.nbytes / (kernel_us * 1e-6), "memcpy": 2 * src.nbytes / (memcpy_us * 1e-6)}
 
 
 def pool_copy_bandwidth(timer, chunk, nbytes, repeats):
-    """Copy bandwidth between two ``nbytes`` halves of a pool of ``chunk``-byte chunks."""
+    """Copy bandwidths (as :func:`copy_bandwidth`) between two ``nbytes`` halves of a pool of ``chunk``-byte
+    chunks."""
     with Pool(2 * nbytes, chunk, backend="cuda") as pool:
         pool.grow(2 * nbytes // chunk)
         a, b = pool.view(0, nbytes // 4, np.int32), pool.view(nbytes, nbytes // 4, np.int32)
@@ -145,14 +151,16 @@ def main(argv=None):
         row = {"chunk_mib": chunk_mib, **{f"step_{k}_us": 1e6 * v for k, v in step.items()},
                **{f"gib_{k}_us": 1e6 * v for k, v in bulk.items()}}
         if cuda:
-            row["copy_tb_s"] = pool_copy_bandwidth(timer, chunk_mib * MiB, n, args.repeats) / 1e12
+            copies = pool_copy_bandwidth(timer, chunk_mib * MiB, n, args.repeats)
+            row["copy_tb_s"], row["memcpy_tb_s"] = copies["kernel"] / 1e12, copies["memcpy"] / 1e12
         rows.append(row)
     columns = [harness.Column("chunk_mib", "chunk", "{} MiB", 8)]
     for prefix, label in (("step", "step"), ("gib", "1 GiB")):
         columns += [harness.Column(f"{prefix}_total_us", label, "{:.1f}", 9)]
         columns += [harness.Column(f"{prefix}_{k}_us", k.replace("set_", ""), "{:.1f}", 9) for k in PRIMITIVES]
     if cuda:
-        columns.append(harness.Column("copy_tb_s", "copy TB/s", "{:.2f}", 9))
+        columns += [harness.Column("copy_tb_s", "copy TB/s", "{:.2f}", 9),
+                    harness.Column("memcpy_tb_s", "memcpy TB/s", "{:.2f}", 11)]
     lines = [f"one grow step (one chunk) and growing 1 GiB in one call, in a pool already used; median of "
              f"{args.repeats} (us)" + ("; copy bandwidth inside a pool of such chunks" if cuda else ""),
              harness.format_table(columns, rows)]
@@ -165,8 +173,10 @@ def main(argv=None):
         lines += ["", "contiguous cache growing by 1 GiB: cudaMalloc(old + 1 GiB) + copy old + free old; median (us)"]
         lines += [f"  from {old:>2} GiB: {us:9.1f}" for old, us in regrow.items()]
         lines += ["", f"copy bandwidth of cudaMalloc memory ({args.copy_gib} GiB, read + written): "
-                      f"{plain / 1e12:.2f} TB/s"]
-        extra = {"contiguous_regrow_us": regrow, "cudamalloc_copy_tb_s": plain / 1e12}
+                      f"{plain['kernel'] / 1e12:.2f} TB/s through a copy kernel, "
+                      f"{plain['memcpy'] / 1e12:.2f} TB/s through memcpy"]
+        extra = {"contiguous_regrow_us": regrow, "cudamalloc_copy_tb_s": plain["kernel"] / 1e12,
+                 "cudamalloc_memcpy_tb_s": plain["memcpy"] / 1e12}
     harness.publish("pool", args.out, info, rows, "\n".join(lines), repeats=args.repeats, **extra)
 
 
