@@ -426,11 +426,13 @@ class BlockTables:
     # --- the change log -------------------------------------------------------------------
 
     def drain_changes(self):
-        """What changed since the last drain, and an empty log: a :class:`Changes`.
+        """What changed since the last drain, and an empty log: a :class:`Changes`, or None if nothing did.
 
         The step module drains it to bring the device's copies of the table and the
         lengths up to date; nothing else reads the log.
         """
+        if not (self._changed_entries or self._changed_lens):
+            return None
         entries = (np.concatenate([r * self.max_blocks_per_seq + c for r, c in self._changed_entries])
                    if self._changed_entries else _NO_ROWS)
         rows = np.concatenate(self._changed_lens) if self._changed_lens else _NO_ROWS

@@ -42,9 +42,11 @@ class StepMetadata:
     def upload(self):
         """Bring ``block_table`` and ``seq_lens`` up to date: one copy and one launch, on the current stream."""
         changes = self.tables.drain_changes()
+        if changes is None or self._staging is None:
+            return
         n_entries, n_lens = changes.entries.size, changes.rows.size
         n = n_entries + n_lens
-        if self._staging is None or n == 0:
+        if n == 0:  # changes of nothing (an append of no tokens)
             return
         updates = self._staging.send((changes.entries, changes.blocks), (changes.rows, changes.lens))
         self._apply(((n + 255) // 256,), (256,),
