@@ -10,8 +10,8 @@ chunks of 2 MiB per plane (plane-major) or 64 MiB (block-major); prompts of 1 to
 512 tokens (seeded), so that sequences fill their blocks on different steps, as
 in a real batch.
 
-"steady" steps run on a pool mapped in advance (by holding, then freeing, every
-block the run can need): the bookkeeping alone (median, p90, p99). "growing"
+"steady" steps run on a pool mapped in advance (the allocator maps every chunk
+of the reservation first): the bookkeeping alone (median, p90, p99). "growing"
 starts from an empty pool, so some steps map chunks: the mean per step, and how
 many steps grew the pool.
 """
@@ -37,17 +37,6 @@ COLUMNS = (
 )
 
 
-def map_ahead(cache, batch, max_seq_len):
-    """Map every chunk a run can need: hold as many blocks as ``batch`` sequences can, then free them."""
-    bs = cache.block_size
-    total = min(cache.stats()["max_blocks"], batch * -(-max_seq_len // bs))
-    blocks = np.full(batch, total // batch)
-    blocks[:total % batch] += 1
-    seqs = [cache.add_sequence() for _ in range(batch)]
-    cache.append(seqs, np.minimum(blocks * bs, max_seq_len))
-    cache.free(seqs)
-
-
 def run(batch, steps, backend, placement, premap):
     """(backend name, per-step microseconds, steps that grew the pool) over ``steps`` steps."""
     prompts = np.random.default_rng(0).integers(1, MAX_PROMPT + 1, batch)
@@ -55,8 +44,8 @@ def run(batch, steps, backend, placement, premap):
     with PagedKVCache(32, 8, 128, 16, "float16", max_tokens=batch * (MAX_PROMPT + steps), max_seqs=batch,
                       max_seq_len=MAX_PROMPT + steps, placement=placement, chunk_bytes=chunk,
                       backend=backend) as cache:
-        if premap:
-            map_ahead(cache, batch, MAX_PROMPT + steps)
+        if premap:  # the software layer maps every chunk of the reservation, as growth ahead of need would
+            cache.allocator.grow(cache.allocator.num_chunks)
         seqs = np.array([cache.add_sequence() for _ in range(batch)])
         cache.append(seqs, prompts)
         cache.block_tables(), cache.seq_lens()
