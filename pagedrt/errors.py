@@ -51,7 +51,11 @@ class UnmappedRangeError(PagedRTError, ValueError):
 
 
 class PoolClosedError(PagedRTError, RuntimeError):
-    """The pool was closed; make a new one."""
+    """The pool (or the cache over it) was closed; make a new one."""
+
+
+class MappingLimitError(PagedRTError, MemoryError):
+    """The operating system refused another memory mapping (``vm.max_map_count`` on Linux)."""
 
 
 # --- blocks, sequences and the cache (software layer) -------------------------
@@ -84,7 +88,15 @@ class TooManySequencesError(PagedRTError, ValueError):
 
 
 class InvalidTokenCountError(PagedRTError, ValueError):
-    """A negative or non-integer token count."""
+    """A negative, non-integer or impossibly large token count."""
+
+
+class InvalidPositionError(PagedRTError, IndexError):
+    """A token position outside a live sequence."""
+
+
+class ConcurrentUseError(PagedRTError, RuntimeError):
+    """Two threads changed one cache at the same time; a cache is not thread-safe."""
 
 
 class UnsupportedConfigError(PagedRTError, ValueError):
