@@ -79,8 +79,10 @@ class BlockAllocator:
 
     def allocate(self, n):
         """``n`` block ids with reference count 1, fullest chunks first; grows the pool if needed."""
-        if n == 0:
-            return np.empty(0, np.int32)
+        if n <= 0:
+            if n == 0:
+                return np.empty(0, np.int32)
+            raise InvalidTokenCountError(f"cannot allocate {n} blocks: a block count is >= 0")
         if not self.can_allocate(n):
             raise PoolExhaustedError(
                 f"asked for {n} blocks but only {self.num_free} are free and the reservation holds at most "
@@ -182,6 +184,7 @@ class BlockTables:
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.row_tokens = max_blocks_per_seq * block_size  # the most tokens a sequence can hold
         self.table = np.full((max_seqs, max_blocks_per_seq), -1, np.int32)
         self.lens = np.zeros(max_seqs, np.int32)
         self.live = np.zeros(max_seqs, bool)
@@ -202,14 +205,33 @@ class BlockTables:
 
     def blocks(self, seq):
         """The block ids of one sequence, in logical order."""
-        row = self.rows(seq)[0]
+        row = self.row(seq)
         return self.table[row, :ceil_div(int(self.lens[row]), self.block_size)].copy()
 
+    def row(self, seq):
+        """One live sequence's handle as an int (a list of exactly one handle is accepted too)."""
+        rows = self.rows(seq)
+        if rows.size != 1:
+            raise UnknownSequenceError(f"one sequence handle expected, got {rows.size}")
+        return int(rows[0])
+
     def rows(self, seqs):
-        """``seqs`` (one handle or many) as an int64 array, each checked to be a live sequence."""
-        rows = np.atleast_1d(np.asarray(seqs))
+        """``seqs`` (one handle or many) as an int64 array, each checked to be a live sequence.
+
+        An empty list gives no rows (every call over no sequences does nothing).
+        """
+        try:
+            rows = np.asarray(seqs)
+        except (ValueError, TypeError):  # ragged nesting, or what NumPy cannot hold
+            raise UnknownSequenceError(f"sequence handles must be ints, got {seqs!r:.80}") from None
+        if rows.ndim > 1:
+            raise UnknownSequenceError(f"sequence handles must be one int or a flat list, got shape {rows.shape}")
         if rows.dtype.kind not in "iu":
+            if rows.size == 0:
+                return _NO_ROWS
             raise UnknownSequenceError(f"sequence handles must be ints, got {rows.dtype}")
+        if rows.ndim == 0:
+            rows = rows.reshape(1)
         if rows.size and (rows.astype(np.uint64).max() >= self.max_seqs or not self.live[rows].all()):
             bad = (rows < 0) | (rows >= self.max_seqs)
             bad[~bad] = ~self.live[rows[~bad]]
@@ -262,7 +284,10 @@ class BlockTables:
         of chunks not mapped yet, cover the new blocks and the private copies of shared
         tail blocks. Bad arguments raise as :meth:`append` does.
         """
-        rows, step = self._request(seqs, counts)
+        try:
+            rows, step = self._request(seqs, counts)
+        except SequenceFullError:  # a count larger than any row holds
+            return False
         old, old_nb, new_nb = self._block_counts(rows, step)
         if self._overflow(new_nb) is not None:
             return False
@@ -279,7 +304,7 @@ class BlockTables:
             i = fresh[cols[fresh].argmax()]
             raise SequenceFullError(
                 f"sequence {rows[i]} would hold {old[i] + 1} tokens but a block-table row holds "
-                f"{self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << shift} tokens)")
+                f"{self.max_blocks_per_seq} blocks ({self.row_tokens} tokens)")
         ids = self.allocator.allocate(fresh.size)
         if fresh.size:
             self._set_entries(rows[fresh], cols[fresh], ids)
@@ -292,29 +317,43 @@ class BlockTables:
     def _request(self, seqs, counts):
         """The rows to update (live, each once) and their token counts.
 
-        The counts come back as one int for every row, or an int64 array, one per row.
+        The counts come back as one int for every row, or an int64 array, one per row,
+        each checked against a row's capacity before any arithmetic on them, so sums
+        of lengths and counts stay far inside int64.
         """
         if seqs is None:
             rows = self._live_rows()
         else:
             rows = self._distinct(self.rows(seqs), "append", "sum its counts instead")
-        if isinstance(counts, (int, np.integer)) and not isinstance(counts, (bool, np.bool_)):
+        if isinstance(counts, (int, np.integer)) and not isinstance(counts, bool):
             if counts < 0:
                 raise InvalidTokenCountError(f"token counts must be >= 0, got {counts}")
+            if counts > self.row_tokens:
+                self._too_many(counts)
             return rows, int(counts)
-        counts = np.asarray(counts)
+        try:
+            counts = np.asarray(counts)
+        except (ValueError, TypeError):
+            raise InvalidTokenCountError(f"token counts must be ints, got {counts!r:.80}") from None
         if counts.dtype.kind not in "iu":
             raise InvalidTokenCountError(f"token counts must be ints, got {counts.dtype}")
         if counts.shape != rows.shape:
             raise InvalidTokenCountError(f"{counts.size} token counts given for {rows.size} sequences")
-        if (counts < 0).any():
-            raise InvalidTokenCountError(f"token counts must be >= 0, got {counts[counts < 0][0]}")
+        if counts.size:
+            if counts.min() < 0:
+                raise InvalidTokenCountError(f"token counts must be >= 0, got {counts.min()}")
+            if counts.max() > self.row_tokens:
+                self._too_many(counts.max())
         return rows, counts.astype(np.int64)
 
+    def _too_many(self, count):
+        raise SequenceFullError(f"{count} more tokens do not fit any sequence: a block-table row holds "
+                                f"{self.max_blocks_per_seq} blocks ({self.row_tokens} tokens)")
+
     def _block_counts(self, rows, step):
-        """Each row's length now, and its blocks before and after ``step`` more tokens."""
+        """Each row's length now (int64), and its blocks before and after ``step`` more tokens."""
         shift, mask = self._shift, self.block_size - 1
-        old = self.lens[rows]
+        old = self.lens[rows].astype(np.int64)
         return old, (old + mask) >> shift, (old + step + mask) >> shift
 
     def _overflow(self, new_nb):
@@ -328,7 +367,7 @@ class BlockTables:
         if i is not None:
             raise SequenceFullError(
                 f"sequence {rows[i]} would hold {new[i]} tokens ({new_nb[i]} blocks) but a block-table row "
-                f"holds {self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq << self._shift} tokens)")
+                f"holds {self.max_blocks_per_seq} blocks ({self.row_tokens} tokens)")
 
     def _shared_tails(self, rows, old, old_nb, step):
         """(rows, cols, block ids) of partly filled last blocks held by others, about to be written."""
@@ -403,7 +442,7 @@ class BlockTables:
 
     def fork(self, seq):
         """A new sequence sharing every block of ``seq`` (parallel sampling, beam search)."""
-        parent = self.rows(seq)[0]
+        parent = self.row(seq)
         blocks = self.blocks(parent)
         child = self.add()
         self.allocator.share(blocks)
