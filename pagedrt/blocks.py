@@ -335,10 +335,10 @@ class BlockTables:
             counts = np.asarray(counts)
         except (ValueError, TypeError):
             raise InvalidTokenCountError(f"token counts must be ints, got {counts!r:.80}") from None
-        if counts.dtype.kind not in "iu":
+        if counts.dtype.kind not in "iu" and counts.size:  # [] is no counts, of NumPy's default float64
             raise InvalidTokenCountError(f"token counts must be ints, got {counts.dtype}")
         if counts.shape != rows.shape:
-            raise InvalidTokenCountError(f"{counts.size} token counts given for {rows.size} sequences")
+            raise InvalidTokenCountError(f"token counts of shape {counts.shape} given for {rows.size} sequences")
         if counts.size:
             if counts.min() < 0:
                 raise InvalidTokenCountError(f"token counts must be >= 0, got {counts.min()}")

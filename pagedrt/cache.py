@@ -6,20 +6,52 @@ allocator and tables (:mod:`pagedrt.blocks`), the step's device metadata
 (:mod:`pagedrt.snapshot`).
 """
 
+import os
+
 import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
 from .errors import UnsupportedConfigError
-from .layout import KV, PLACEMENTS, Layout, translate
+from .layout import KV, PLACEMENTS, Layout, is_int, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
 from .step import StepMetadata
-from .supported import BLOCK_SIZES, HEAD_DIMS, check, numpy_dtype
+from .supported import (BLOCK_SIZES, HEAD_DIMS, MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS,
+                        MAX_TABLE_ENTRIES, check, numpy_dtype)
 
 
-def _check_positive(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise UnsupportedConfigError(f"{name} must be a positive int, got {value!r}")
+def _check_positive(name, value, limit=None):
+    """``value`` as an int, if it is a positive int (at most ``limit``), else UnsupportedConfigError."""
+    if not is_int(value) or value <= 0:
+        raise UnsupportedConfigError(f"{name} must be a positive int, got {value!r:.80}")
+    if limit is not None and value > limit:
+        raise UnsupportedConfigError(f"{name}={value} is more than pagedrt supports: at most {limit}")
+    return int(value)
+
+
+def _check_sizes(layout, max_seqs, max_blocks_per_seq):
+    """Refuse, before anything is allocated, a cache the bookkeeping cannot describe or the host not hold."""
+    if layout.max_blocks > MAX_BLOCKS:
+        raise UnsupportedConfigError(
+            f"the cache would hold {layout.max_blocks} blocks but block ids are int32: at most {MAX_BLOCKS}")
+    if layout.pool_bytes > MAX_POOL_BYTES:
+        raise UnsupportedConfigError(
+            f"the cache would reserve {layout.pool_bytes} bytes of address space; one reservation takes at most "
+            f"{MAX_POOL_BYTES}")
+    entries = max_seqs * max_blocks_per_seq
+    if entries > MAX_TABLE_ENTRIES:
+        raise UnsupportedConfigError(
+            f"a block table of {max_seqs} sequences x {max_blocks_per_seq} blocks has {entries} entries; at most "
+            f"{MAX_TABLE_ENTRIES}: lower max_seqs or max_seq_len")
+    host = 4 * entries + 24 * max_seqs + 6 * layout.max_blocks  # tables, per-row and per-block arrays
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    if host > memory // 2:
+        raise UnsupportedConfigError(
+            f"the cache's host bookkeeping would take {host} bytes, more than half of this host's {memory}: "
+            f"lower max_seqs, max_seq_len or the capacity")
 
 
 class PagedKVCache:
@@ -34,24 +66,33 @@ class PagedKVCache:
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
                  max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None,
                  placement="plane", chunk_bytes=None, backend="auto"):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("max_seqs", max_seqs)):
-            _check_positive(name, value)
-        check("head_dim", head_dim, HEAD_DIMS)
-        check("block_size", block_size, BLOCK_SIZES)
-        check("placement", placement, PLACEMENTS)
+        num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
+                                                                                                num_kv_heads)
+        max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
+        head_dim = check("head_dim", head_dim, HEAD_DIMS)
+        block_size = check("block_size", block_size, BLOCK_SIZES)
+        placement = check("placement", placement, PLACEMENTS)
         self.dtype = numpy_dtype(dtype)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
-        _check_positive("max_tokens" if max_bytes is None else "max_bytes", max_tokens or max_bytes)
-        token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize
-        max_blocks = (ceil_div(max_tokens, block_size) if max_bytes is None
-                      else max(max_bytes // (token_bytes * block_size), 1))
-        backend = select_backend(backend) if isinstance(backend, str) else backend
+        if max_bytes is None:
+            max_blocks = ceil_div(_check_positive("max_tokens", max_tokens), block_size)
+        else:
+            token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize
+            max_blocks = max(_check_positive("max_bytes", max_bytes) // (token_bytes * block_size), 1)
+        if max_blocks > MAX_BLOCKS:
+            raise UnsupportedConfigError(
+                f"a capacity of {max_blocks} blocks is more than block ids (int32) can name: at most {MAX_BLOCKS}")
+        if isinstance(backend, str):
+            backend = select_backend(backend)
+        elif not is_int(getattr(backend, "page_bytes", None)):
+            raise UnsupportedConfigError(f"backend={backend!r:.80} must be a name or a backend from select_backend()")
         self.layout = Layout.plan(num_layers, num_kv_heads, head_dim, block_size, dtype, placement,
                                   backend.page_bytes, max_blocks, chunk_bytes)
         if max_seq_len is None:
             max_seq_len = min(self.layout.max_blocks * block_size, 32768)
-        _check_positive("max_seq_len", max_seq_len)
+        max_seq_len = _check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
+        _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes)
         self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
@@ -111,7 +152,7 @@ class PagedKVCache:
         return self.allocator.trim()
 
     def length(self, seq):
-        return int(self.tables.lens[self.tables.rows(seq)[0]])
+        return int(self.tables.lens[self.tables.row(seq)])
 
     @property
     def sequences(self):
@@ -171,9 +212,9 @@ class PagedKVCache:
 
     def translate(self, seq, pos, layer=0, kv="k", head=0):
         """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page."""
-        row = self.tables.rows(seq)[0]
+        row = self.tables.row(seq)
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
-                         int(seq), pos, layer, kv, head)
+                         row, pos, layer, kv, head)
 
     def stats(self):
         """Token and byte counts: what holds tokens against what is mapped.

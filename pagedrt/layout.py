@@ -18,8 +18,10 @@ a block-table row alone, so it works on a snapshot as on a live cache.
 import math
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
+
 from .blocks import ceil_div
-from .errors import UnknownSequenceError, UnsupportedConfigError
+from .errors import InvalidPositionError, UnsupportedConfigError
 from .supported import numpy_dtype
 
 PLACEMENTS = ("plane", "block")
@@ -50,13 +52,14 @@ class Layout:
         shape = cls(num_layers, num_kv_heads, head_dim, block_size, dtype.name, dtype.itemsize, placement,
                     page_bytes, 0, 0)
         step, unit = shape.chunk_step, shape.block_stride_bytes
-        if chunk_bytes is not None and (chunk_bytes <= 0 or chunk_bytes % step):
+        if chunk_bytes is not None and (not is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % step):
             raise UnsupportedConfigError(
                 f"chunk_bytes={chunk_bytes} must be a positive multiple of {step} bytes (a whole number of "
                 f"{page_bytes}-byte pages and of {unit}-byte blocks)")
         # By default 64 MiB a grow step, and never chunks under 16 MiB: memory mapped in
         # small chunks streams slower (docs/ARCHITECTURE.md). Less for a small cache.
-        wanted = chunk_bytes or min(max(64 * MiB // shape.num_planes, 16 * MiB), max_blocks * unit)
+        wanted = (int(chunk_bytes) if chunk_bytes is not None
+                  else min(max(64 * MiB // shape.num_planes, 16 * MiB), max_blocks * unit))
         chunk = ceil_div(wanted, step) * step
         return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit))
 
@@ -122,12 +125,17 @@ class Layout:
         return chunk, within, within // self.page_bytes
 
     def check(self, layer, kv, head):
-        if not 0 <= layer < self.num_layers:
-            raise UnsupportedConfigError(f"layer {layer} does not exist: layers are 0..{self.num_layers - 1}")
-        if kv not in KV:
-            raise UnsupportedConfigError(f"kv {kv!r} must be 'k' or 'v'")
-        if not 0 <= head < self.num_kv_heads:
-            raise UnsupportedConfigError(f"kv head {head} does not exist: heads are 0..{self.num_kv_heads - 1}")
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
+            raise UnsupportedConfigError(f"layer {layer!r:.80} does not exist: layers are 0..{self.num_layers - 1}")
+        if not isinstance(kv, str) or kv not in KV:
+            raise UnsupportedConfigError(f"kv {kv!r:.80} must be 'k' or 'v'")
+        if not is_int(head) or not 0 <= head < self.num_kv_heads:
+            raise UnsupportedConfigError(f"kv head {head!r:.80} does not exist: heads are 0..{self.num_kv_heads - 1}")
+
+
+def is_int(value):
+    """An int or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -155,9 +163,10 @@ class Translation:
 
 def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0):
     """The chain for token ``pos`` of a sequence whose block-table row and length are given."""
-    if not 0 <= pos < length:
-        raise UnknownSequenceError(f"sequence {seq} has no token {pos}: its positions are 0..{length - 1}")
+    if not is_int(pos) or not 0 <= pos < length:
+        raise InvalidPositionError(f"sequence {seq} has no token {pos!r:.80}: its positions are 0..{length - 1}")
     layout.check(layer, kv, head)
+    pos, layer, head = int(pos), int(layer), int(head)
     logical, slot = divmod(pos, layout.block_size)
     block_id = int(block_row[logical])
     offset = layout.offset(block_id, slot, layer, kv, head)

@@ -16,19 +16,37 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GROUPS = tuple(range(1, 9))  # query heads per KV head
 
+# The largest cache the bookkeeping can describe. Block ids, lengths and positions are
+# int32 in the tables kernels read; a sequence's length plus any count checked against
+# it stays below 2**31; the table lives on the host and the device at once.
+MAX_BLOCKS = 2**31 - 1          # block ids
+MAX_SEQ_LEN = 2**30             # tokens in one sequence
+MAX_SEQS = 2**20                # block-table rows
+MAX_TABLE_ENTRIES = 2**30       # max_seqs x blocks per row (4 GiB of int32)
+MAX_POOL_BYTES = 2**46          # one reservation: within a 47-bit user address space, and a GPU's
+
 
 def check(what, value, supported):
-    """Raise UnsupportedConfigError unless ``value`` is one of ``supported``."""
-    if value not in supported:
+    """``value`` if it is one of ``supported`` (and of their type: 64.0 is not a head_dim), else raise
+    UnsupportedConfigError. NumPy integers come back as ints."""
+    kind = str if isinstance(supported[0], str) else (int, np.integer)
+    if not isinstance(value, kind) or isinstance(value, bool) or value not in supported:
         raise UnsupportedConfigError(
             f"{what}={value!r} is not supported: use one of {', '.join(map(str, supported))}")
+    return value if isinstance(value, str) else int(value)
+
+
+def dtype_name(dtype):
+    """The supported name ("float16", "bfloat16", "float32") of a dtype or dtype name, else raise."""
+    try:
+        return _dtype_name(dtype)
+    except TypeError:  # unhashable: no dtype
+        raise UnsupportedConfigError(f"dtype {dtype!r:.80} is not supported: use one of {', '.join(DTYPES)}") from None
 
 
 @functools.lru_cache(maxsize=None)
-def dtype_name(dtype):
-    """The supported name ("float16", "bfloat16", "float32") of a dtype or dtype name, else raise.
-
-    Cached: NumPy takes microseconds to name a dtype, and launchers ask on every call."""
+def _dtype_name(dtype):
+    """Cached: NumPy takes microseconds to name a dtype, and launchers ask on every call."""
     if isinstance(dtype, str):
         name = dtype
     else:

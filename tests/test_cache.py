@@ -13,8 +13,8 @@ from pagedrt.blocks import BlockAllocator
 from pagedrt.cache import PagedKVCache
 from pagedrt.snapshot import load_snapshot
 from pagedrt.memory import select_backend
-from pagedrt.errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
-                            PoolSizeError, SequenceFullError, SnapshotError, TooManySequencesError,
+from pagedrt.errors import (DoubleFreeError, DuplicateSequenceError, InvalidPositionError, InvalidTokenCountError,
+                            PoolExhaustedError, PoolSizeError, SequenceFullError, SnapshotError, TooManySequencesError,
                             UnknownSequenceError, UnsupportedConfigError)
 from helpers import to_host
 
@@ -248,7 +248,14 @@ def test_bad_input_changes_nothing():
             (UnknownSequenceError, "sequence 5 does not exist", lambda: cache.append([a, 5], 1)),
             (UnknownSequenceError, "sequence 99 does not exist", lambda: cache.fork(99)),
             (UnknownSequenceError, "-1 does not exist", lambda: cache.free(-1)),
-            (UnknownSequenceError, "has no token 9: its positions are 0..8", lambda: cache.translate(b, 9)),
+            (InvalidPositionError, "has no token 9: its positions are 0..8", lambda: cache.translate(b, 9)),
+            (InvalidPositionError, "has no token 1.5", lambda: cache.translate(b, 1.5)),
+            (UnsupportedConfigError, "layer 0.0 does not exist", lambda: cache.translate(a, 0, layer=0.0)),
+            (UnknownSequenceError, "one sequence handle expected, got 0", lambda: cache.translate([], 0)),
+            (UnknownSequenceError, "one sequence handle expected, got 2", lambda: cache.fork([a, b])),
+            (UnknownSequenceError, "must be ints, got float64", lambda: cache.free([1.0])),
+            (UnknownSequenceError, "flat list", lambda: cache.append([[a, b]], 1)),
+            (InvalidTokenCountError, r"shape \(1, 2\) given for 2", lambda: cache.append([a, b], [[1, 2]])),
             (UnsupportedConfigError, "layer 2 does not exist", lambda: cache.translate(a, 0, layer=2)),
             (UnsupportedConfigError, "kv 'q' must be", lambda: cache.translate(a, 0, kv="q")),
             (DoubleFreeError, "holds 0 references", lambda: cache.allocator.free([60])),
@@ -286,6 +293,22 @@ def test_too_many_sequences():
     (dict(placement="diagonal"), "placement='diagonal'"),
     (dict(max_bytes=1 << 20), "exactly one of max_tokens or max_bytes"),
     (dict(max_tokens=-5), "max_tokens must be a positive int"),
+    (dict(max_tokens=0), "max_tokens must be a positive int, got 0"),
+    (dict(max_bytes=0, max_tokens=None), "max_bytes must be a positive int, got 0"),
+    (dict(head_dim=64.0), "head_dim=64.0 is not supported"),
+    (dict(block_size=16.0), "block_size=16.0 is not supported"),
+    (dict(block_size=True), "block_size=True is not supported"),
+    (dict(dtype=object()), "dtype .* is not supported"),
+    (dict(dtype=[]), r"dtype \[\] is not supported"),
+    (dict(max_seqs=2**40), "max_seqs=1099511627776 is more than pagedrt supports: at most 1048576"),
+    (dict(max_seqs=2.0), "max_seqs must be a positive int, got 2.0"),
+    (dict(max_tokens=2**62), "more than block ids .* can name: at most 2147483647"),
+    (dict(max_bytes=2**62, max_tokens=None), "more than block ids .* can name"),
+    (dict(max_seq_len=10**9), "has 16000000000 entries; at most 1073741824"),
+    (dict(max_seq_len=2**31), "max_seq_len=2147483648 is more than pagedrt supports"),
+    (dict(max_tokens=2**30 * 16, num_layers=64), "reserve .* bytes of address space; one reservation takes at most"),
+    (dict(chunk_bytes=4096.0), "chunk_bytes=4096.0 must be a positive multiple"),
+    (dict(backend=3), "backend=3 must be a name or a backend"),
     (dict(chunk_bytes=12345), "chunk_bytes=12345 must be a positive multiple"),
 ])
 def test_unsupported_configs(kwargs, message):

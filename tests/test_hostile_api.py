@@ -48,3 +48,19 @@ def test_huge_token_counts_change_nothing(seqs, counts):
         fresh = c.add_sequence()
         c.append(fresh, 1)
         assert c.tables.blocks(fresh)[0] != 0  # the shared block is not handed out again
+
+
+# --- 4: empty handle lists are no calls ---------------------------------------------------------
+
+def test_empty_handle_lists_do_nothing():
+    with tiny_cache() as c:
+        a = c.add_sequence()
+        c.append(a, 3)
+        before = frozen(c)
+        slots, copies = c.append([], 1)
+        assert slots.size == 0 and copies.shape == (0, 2)
+        assert c.append(np.array([], np.int64), [])[0].size == 0
+        c.free([])
+        assert c.can_append([], 5) is True
+        assert c.block_tables([]).shape == (0, c.max_blocks_per_seq) and c.seq_lens([]).shape == (0,)
+        assert frozen(c) == before
