@@ -6,12 +6,14 @@ allocator and tables (:mod:`pagedrt.blocks`), the step's device metadata
 (:mod:`pagedrt.snapshot`).
 """
 
+import functools
 import os
+import threading
 
 import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
-from .errors import UnsupportedConfigError
+from .errors import ConcurrentUseError, PoolClosedError, UnsupportedConfigError
 from .layout import KV, PLACEMENTS, Layout, is_int, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
@@ -54,6 +56,29 @@ def _check_sizes(layout, max_seqs, max_blocks_per_seq):
             f"lower max_seqs, max_seq_len or the capacity")
 
 
+def _exclusive(method):
+    """``method`` run inside the cache's lock, taken without waiting, on an open cache.
+
+    A second thread that calls in meanwhile gets ConcurrentUseError at once, before it
+    reads or changes anything: misuse is a named error, never two tables sharing a block.
+    """
+    name = method.__name__
+
+    @functools.wraps(method)
+    def exclusive(self, *args, **kwargs):
+        if not self._lock.acquire(False):
+            raise ConcurrentUseError(
+                f"cache.{name}() was called while another thread was inside this cache: a PagedKVCache is not "
+                f"thread-safe; call it from one thread, or hold a lock of your own around every call")
+        try:
+            if self.pool.closed:  # the cache's close() closes the pool
+                raise PoolClosedError(f"cache.{name}(): this cache was closed; make a new one")
+            return method(self, *args, **kwargs)
+        finally:
+            self._lock.release()
+    return exclusive
+
+
 class PagedKVCache:
     """K and V of ``num_layers`` layers in blocks of ``block_size`` tokens, over one growable pool.
 
@@ -61,6 +86,11 @@ class PagedKVCache:
     that much address space and maps chunks only as sequences need blocks.
     ``max_seqs`` and ``max_seq_len`` size the dense block table. ``backend`` is a name
     or a backend made by :func:`pagedrt.memory.select_backend`.
+
+    The cache is not thread-safe: call it from one thread at a time. Concurrent use is
+    detected: a call made while another thread is inside the cache raises
+    :class:`~pagedrt.errors.ConcurrentUseError` and changes nothing. After :meth:`close`
+    every call raises :class:`~pagedrt.errors.PoolClosedError`.
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
@@ -92,6 +122,7 @@ class PagedKVCache:
         if max_seq_len is None:
             max_seq_len = min(self.layout.max_blocks * block_size, 32768)
         max_seq_len = _check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
+        self._lock = threading.Lock()
         _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes)
@@ -113,10 +144,12 @@ class PagedKVCache:
 
     # --- sequences (delegated to the block tables) --------------------------------------
 
+    @_exclusive
     def add_sequence(self):
         """A new empty sequence; returns its handle (its row in the block table)."""
         return self.tables.add()
 
+    @_exclusive
     def append(self, seqs, counts=1):
         """Room for ``counts`` more tokens per sequence: ``(slot_mapping, copies)``.
 
@@ -125,14 +158,17 @@ class PagedKVCache:
         """
         return self.tables.append(seqs, counts)
 
+    @_exclusive
     def fork(self, seq):
         """A new sequence sharing every block of ``seq``; its first append copies a shared tail block."""
         return self.tables.fork(seq)
 
+    @_exclusive
     def free(self, seqs):
         """Free sequences, each given once; their blocks go back when no fork holds them."""
         self.tables.free(seqs)
 
+    @_exclusive
     def can_append(self, seqs, counts=1):
         """Whether ``append(seqs, counts)`` would succeed now.
 
@@ -143,18 +179,22 @@ class PagedKVCache:
         return self.tables.can_append(seqs, counts)
 
     @property
+    @_exclusive
     def num_available_blocks(self):
         """Blocks that appends can still get: the free ones and every block of chunks not mapped yet."""
         return self.allocator.num_available
 
+    @_exclusive
     def trim(self):
         """Hand back every chunk whose blocks are all free; returns the allocator chunks released."""
         return self.allocator.trim()
 
+    @_exclusive
     def length(self, seq):
         return int(self.tables.lens[self.tables.row(seq)])
 
     @property
+    @_exclusive
     def sequences(self):
         return [int(s) for s in self.tables.sequences]
 
@@ -162,16 +202,24 @@ class PagedKVCache:
 
     def k(self, layer):
         """Layer ``layer``'s K plane: ``[max_blocks, num_kv_heads, block_size, head_dim]``, a strided view."""
-        return self._planes[2 * layer]
+        return self._plane(layer, 0)
 
     def v(self, layer):
-        return self._planes[2 * layer + 1]
+        return self._plane(layer, 1)
 
     @property
     def planes(self):
         """Every plane, K and V of each layer in order (what ``copy_blocks`` takes)."""
+        self._check_open("planes")
         return list(self._planes)
 
+    def _plane(self, layer, kv):
+        self._check_open("k" if kv == 0 else "v")
+        if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
+            self.layout.check(layer, "k", 0)
+        return self._planes[2 * layer + kv]
+
+    @_exclusive
     def block_tables(self, seqs=None):
         """The device block table (int32), all rows or those of ``seqs`` in order.
 
@@ -180,6 +228,7 @@ class PagedKVCache:
         self.step.upload()
         return self._select(self.step.block_table, seqs)
 
+    @_exclusive
     def seq_lens(self, seqs=None):
         """The device lengths (int32), all rows or those of ``seqs`` in order."""
         self.step.upload()
@@ -194,6 +243,7 @@ class PagedKVCache:
             return array[first:first + rows.size]
         return array[self.xp.asarray(rows)]
 
+    @_exclusive
     def block_mask(self):
         """Per block, on the device: 1 where its chunk is mapped. Kernels validate tables against it."""
         if self._mask_version != self.allocator.version:
@@ -210,12 +260,14 @@ class PagedKVCache:
 
     # --- both layers at once ----------------------------------------------------------------
 
+    @_exclusive
     def translate(self, seq, pos, layer=0, kv="k", head=0):
         """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page."""
         row = self.tables.row(seq)
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
                          row, pos, layer, kv, head)
 
+    @_exclusive
     def stats(self):
         """Token and byte counts: what holds tokens against what is mapped.
 
@@ -240,20 +292,36 @@ class PagedKVCache:
             "reserved_bytes": self.pool.max_bytes,
         }
 
+    @_exclusive
     def snapshot(self):
         """Both layers as a JSON-ready dict (schema in docs/SNAPSHOT.md)."""
         return build_snapshot(self.layout, self.pool, self.allocator, self.tables)
 
+    @_exclusive
     def write_snapshot(self, path):
         """Write :meth:`snapshot` to ``path`` atomically (a temp file renamed over it)."""
-        write_snapshot(self.snapshot(), path)
+        write_snapshot(build_snapshot(self.layout, self.pool, self.allocator, self.tables), path)
 
     # --- lifetime -----------------------------------------------------------------------------
 
+    def _check_open(self, name):
+        if self.pool.closed:
+            raise PoolClosedError(f"cache.{name}: this cache was closed; make a new one")
+
+    @property
+    def closed(self):
+        return self.pool.closed
+
     def close(self):
-        self._planes.clear()
-        self._mask = None
-        self.pool.close()
+        """Unmap and release the pool; idempotent. Every later call raises PoolClosedError."""
+        if not self._lock.acquire(False):
+            raise ConcurrentUseError("cache.close() was called while another thread was inside this cache")
+        try:
+            self._planes.clear()
+            self._mask = None
+            self.pool.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self):
         return self

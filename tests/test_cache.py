@@ -55,6 +55,24 @@ def copy_blocks(cache, copies):
         plane[dst] = plane[src]
 
 
+def check_allocator(cache):
+    """The allocator's invariants: reference counts are the tables' holders, free xor held, counts per chunk."""
+    a, t = cache.allocator, cache.tables
+    holders = np.zeros(a.max_blocks, np.int64)
+    for seq in t.sequences:
+        np.add.at(holders, t.blocks(seq), 1)
+    assert np.array_equal(a.ref_count, holders)
+    mapped = a.usable_mask()
+    assert not (a.is_free & (a.ref_count > 0)).any()
+    assert np.array_equal(a.is_free | (a.ref_count > 0), mapped)  # released chunks hold nothing
+    assert a.num_free + a.num_held == a.num_mapped_blocks == int(mapped.sum())
+    assert cache.num_available_blocks == a.max_blocks - a.num_held
+    assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
+    assert a.num_shared == int((a.ref_count > 1).sum())
+    pool_mapped = {r.chunk for r in cache.pool.mappings() if r.state == "mapped"}
+    assert pool_mapped == {c for k in np.flatnonzero(a.chunk_mapped) for c in a.pool_chunks(int(k))}
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Random add / append / fork / free / trim / grow, checking both layers after every step."""
 
@@ -156,20 +174,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_are_free_xor_held_and_counted(self):
-        a, t = self.cache.allocator, self.cache.tables
-        holders = np.zeros(a.max_blocks, np.int64)
-        for seq in self.data:
-            np.add.at(holders, t.blocks(seq), 1)
-        assert np.array_equal(a.ref_count, holders)
-        mapped = a.usable_mask()
-        assert not (a.is_free & (a.ref_count > 0)).any()
-        assert np.array_equal(a.is_free | (a.ref_count > 0), mapped)  # released chunks hold nothing
-        assert a.num_free + a.num_held == a.num_mapped_blocks == int(mapped.sum())
-        assert self.cache.num_available_blocks == a.max_blocks - a.num_held
-        assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
-        assert a.num_shared == int((a.ref_count > 1).sum())
-        pool_mapped = {r.chunk for r in self.cache.pool.mappings() if r.state == "mapped"}
-        assert pool_mapped == {c for k in np.flatnonzero(a.chunk_mapped) for c in a.pool_chunks(int(k))}
+        assert sorted(self.data) == self.cache.sequences
+        check_allocator(self.cache)
 
     @invariant()
     def device_tables_match_and_data_reads_back(self):

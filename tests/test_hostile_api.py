@@ -5,12 +5,19 @@ the cache half-changed; the property test at the end drives the whole API with
 hostile arguments mixed into valid operations.
 """
 
+import os
+import sys
+import tempfile
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from pagedrt.cache import PagedKVCache
-from pagedrt.errors import InvalidTokenCountError, PagedRTError, SequenceFullError
-from test_cache import frozen
+from pagedrt.errors import (ConcurrentUseError, InvalidTokenCountError, PagedRTError, PoolClosedError,
+                            SequenceFullError)
+from test_cache import BS, check_allocator, frozen, small_cache
 
 INT_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 
@@ -64,3 +71,93 @@ def test_empty_handle_lists_do_nothing():
         assert c.can_append([], 5) is True
         assert c.block_tables([]).shape == (0, c.max_blocks_per_seq) and c.seq_lens([]).shape == (0,)
         assert frozen(c) == before
+
+
+# --- 3: every call after close ---------------------------------------------------------------
+
+CALLS = {
+    "add_sequence": lambda c, a: c.add_sequence(), "append": lambda c, a: c.append(a, 1),
+    "decode step": lambda c, a: c.append(None, 1), "fork": lambda c, a: c.fork(a), "free": lambda c, a: c.free(a),
+    "can_append": lambda c, a: c.can_append(a, 1), "num_available_blocks": lambda c, a: c.num_available_blocks,
+    "trim": lambda c, a: c.trim(), "length": lambda c, a: c.length(a), "sequences": lambda c, a: c.sequences,
+    "k": lambda c, a: c.k(0), "v": lambda c, a: c.v(0), "planes": lambda c, a: c.planes,
+    "block_tables": lambda c, a: c.block_tables(), "seq_lens": lambda c, a: c.seq_lens([a]),
+    "block_mask": lambda c, a: c.block_mask(), "translate": lambda c, a: c.translate(a, 0),
+    "stats": lambda c, a: c.stats(), "snapshot": lambda c, a: c.snapshot(),
+    "write_snapshot": lambda c, a: c.write_snapshot(os.path.join(tempfile.mkdtemp(), "s.json")),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_every_call_after_close_is_pool_closed(name):
+    c = tiny_cache()
+    a = c.add_sequence()
+    c.append(a, 3)
+    CALLS[name](c, a)  # works while open
+    c.close()
+    c.close()  # idempotent
+    assert c.closed
+    with pytest.raises(PoolClosedError, match="closed"):
+        CALLS[name](c, a)
+    assert "closed" in repr(c)
+
+
+def test_closing_the_pool_closes_the_cache():
+    c = tiny_cache()
+    a = c.add_sequence()
+    c.pool.close()
+    with pytest.raises(PoolClosedError):
+        c.append(a, 1)
+
+
+# --- 2: two threads in one cache -------------------------------------------------------------
+
+def test_threads_hammering_one_cache_get_concurrent_use_errors_never_shared_blocks():
+    """Threads add, append to and free their own sequences of one cache: each call succeeds, or raises
+    ConcurrentUseError having changed nothing, so no block lands in two tables."""
+    threads, rounds = 4, 200
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, inside the cache's calls
+    try:
+        with small_cache(max_tokens=1024 * BS, max_seqs=16, max_seq_len=64 * BS) as c:
+            lengths = [{} for _ in range(threads)]  # per thread: its sequences and their lengths
+            conflicts, failures = [0] * threads, []
+
+            def work(i):
+                rng, own = np.random.default_rng(i), lengths[i]
+                for _ in range(rounds):
+                    try:
+                        if len(own) < 3:
+                            own[c.add_sequence()] = 0
+                            continue
+                        seq = list(own)[rng.integers(len(own))]
+                        count = int(rng.integers(1, 3 * BS))
+                        if own[seq] + count > 64 * BS:
+                            c.free(seq)
+                            del own[seq]
+                        else:
+                            c.append(seq, count)
+                            own[seq] += count
+                        c.block_tables(), c.can_append(None, 1)
+                    except ConcurrentUseError:
+                        conflicts[i] += 1
+                    except Exception as exc:  # noqa: BLE001 - anything else is the failure under test
+                        failures.append(exc)
+
+            start = time.monotonic()
+            while sum(conflicts) == 0 and time.monotonic() - start < 5:
+                pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+                for t in pool:
+                    t.start()
+                for t in pool:
+                    t.join()
+            assert not failures
+            assert sum(conflicts) > 0
+            check_allocator(c)
+            expected = {seq: n for own in lengths for seq, n in own.items()}
+            assert c.sequences == sorted(expected)
+            assert all(c.length(seq) == n for seq, n in expected.items())
+            held = np.concatenate([c.tables.blocks(s) for s in c.sequences])
+            assert np.unique(held).size == held.size  # no block in two tables
+    finally:
+        sys.setswitchinterval(switch)
