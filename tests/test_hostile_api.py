@@ -13,11 +13,14 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedrt.cache import PagedKVCache
 from pagedrt.errors import (ConcurrentUseError, InvalidTokenCountError, PagedRTError, PoolClosedError,
                             SequenceFullError)
-from test_cache import BS, check_allocator, frozen, small_cache
+from test_cache import BS, check_allocator, frozen, machine_test, small_cache
 
 INT_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
 
@@ -161,3 +164,95 @@ def test_threads_hammering_one_cache_get_concurrent_use_errors_never_shared_bloc
             assert np.unique(held).size == held.size  # no block in two tables
     finally:
         sys.setswitchinterval(switch)
+
+
+# --- 5: the whole API, hostile arguments mixed with valid operations ------------------------------
+
+def _numpy_ints():
+    return st.sampled_from(INT_DTYPES).flatmap(
+        lambda dt: st.integers(int(np.iinfo(dt).min), int(np.iinfo(dt).max)).map(dt))
+
+
+SCALARS = st.one_of(
+    st.integers(-2**70, 2**70), st.integers(-3, 40), st.floats(allow_nan=True), st.none(), st.booleans(),
+    _numpy_ints(), st.just(np.bool_(True)), st.text(max_size=2), st.just(b"k"), st.just(object()),
+    st.complex_numbers(max_magnitude=4))
+HOSTILE = st.one_of(
+    SCALARS, st.lists(SCALARS, max_size=3), st.just([]), st.just(()), st.just({}),
+    st.lists(st.integers(0, 7), max_size=4),  # live or not, duplicates likely
+    hnp.arrays(st.sampled_from(INT_DTYPES + (np.float64, np.bool_)), hnp.array_shapes(min_dims=0, max_dims=3,
+                                                                                      max_side=3)))
+READS = ("can_append", "translate", "length", "block_tables", "seq_lens", "stats", "snapshot")
+
+
+class HostileMachine(RuleBasedStateMachine):
+    """Valid operations and hostile ones on one cache; after a failing call, a named error and no change."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = small_cache(max_tokens=32 * BS, max_seqs=6, max_seq_len=8 * BS)
+
+    def teardown(self):
+        self.cache.close()
+
+    def live(self, pick):
+        seqs = self.cache.sequences
+        return seqs[pick % len(seqs)] if seqs else pick % 6
+
+    @rule()
+    def add(self):
+        self.call("add_sequence")
+
+    @rule(pick=st.integers(0, 50), count=st.integers(0, 2 * BS))
+    def append(self, pick, count):
+        self.call("append", self.live(pick), count)
+
+    @rule()
+    def decode_step(self):
+        self.call("append", None, 1)
+
+    @rule(pick=st.integers(0, 50))
+    def fork(self, pick):
+        self.call("fork", self.live(pick))
+
+    @rule(pick=st.integers(0, 50))
+    def free(self, pick):
+        self.call("free", self.live(pick))
+
+    @rule()
+    def trim(self):
+        self.call("trim")
+
+    @rule(data=st.data(), name=st.sampled_from(
+        ("add_sequence", "append", "can_append", "fork", "free", "trim") + READS),
+        pick=st.integers(0, 50), hostile=st.lists(st.booleans(), min_size=5, max_size=5))
+    def hostile_call(self, data, name, pick, hostile):
+        """A call whose arguments are each a live handle / small valid value, or something hostile."""
+        def arg(i, valid):
+            return data.draw(HOSTILE) if hostile[i] else valid
+        seq = self.live(pick)
+        args = {
+            "add_sequence": (), "trim": (), "stats": (), "snapshot": (),
+            "append": (arg(0, [seq]), arg(1, 1)), "can_append": (arg(0, seq), arg(1, 3)),
+            "fork": (arg(0, seq),), "free": (arg(0, [seq, seq]),), "length": (arg(0, seq),),
+            "translate": (arg(0, seq), arg(1, 0), arg(2, 0), arg(3, "k"), arg(4, 0)),
+            "block_tables": (arg(0, [seq]),), "seq_lens": (arg(0, None),),
+        }[name]
+        self.call(name, *args)
+
+    def call(self, name, *args):
+        before = frozen(self.cache)
+        try:
+            getattr(self.cache, name)(*args)
+        except PagedRTError:
+            assert frozen(self.cache) == before
+        else:
+            if name in READS:
+                assert frozen(self.cache) == before
+
+    @invariant()
+    def allocator_is_consistent(self):
+        check_allocator(self.cache)
+
+
+TestHostileAPI = machine_test(HostileMachine, 40, 30)
