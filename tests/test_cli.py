@@ -96,7 +96,7 @@ def test_bad_input(snapshot, tmp_path):
     assert "version 99" in run("map", tmp_path / "newer.json", code=1)
     assert "sequence 999 does not exist" in run("translate", 999, 0, snapshot, code=1)
     seq = json.loads(snapshot.read_text())["sequences"][0]["seq"]
-    assert "has no token 100000" in run("translate", seq, 100000, snapshot, code=1)
+    assert "position 100000 is out of range" in run("translate", seq, 100000, snapshot, code=1)
     assert "layer 99 does not exist" in run("translate", seq, 0, snapshot, "--layer", 99, code=1)
     assert "SNAPSHOT file" in run("map", code=2)
     assert "not both" in run("map", snapshot, "--from-demo", code=2)
