@@ -77,7 +77,7 @@ def write_snapshot(snap, path):
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".snapshot-", suffix=".json")
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot write a snapshot in {directory}: {exc.strerror}", path) from None
+        raise OSError(exc.errno, exc.strerror, path) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
