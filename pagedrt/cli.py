@@ -1,7 +1,8 @@
 """The ``pagedrt`` command line: see both mapping layers, from a demo or from a live program.
 
 Every command takes ``--backend``; every command that shows state takes ``--json``
-(the snapshot schema of docs/SNAPSHOT.md, or one record) and ``--no-color``.
+(the snapshot schema of docs/SNAPSHOT.md, or one record with its own ``schema`` and
+``version``, documented there) and ``--no-color`` (as does a non-empty ``NO_COLOR``).
 Bad input is a usage error (exit 2) or a named error (exit 1) with a message,
 never a traceback.
 """
@@ -18,7 +19,9 @@ from .errors import PagedRTError
 from .memory import BACKENDS
 from .supported import BLOCK_SIZES, DTYPES, GROUPS, HEAD_DIMS
 
-DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1
+DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1  # the JSON records, documented in docs/SNAPSHOT.md
+INFO_SCHEMA, INFO_VERSION = "pagedrt-info", 1
+TRANSLATION_SCHEMA, TRANSLATION_VERSION = "pagedrt-translation", 1
 # The demo's bounds: beyond them its cache could not be reserved or its K/V not be held.
 MAX_LAYERS, MAX_KV_HEADS, MAX_TOKENS, MAX_STEPS, MAX_SEQS = 256, 128, 1 << 24, 100_000, 1024
 MAX_DEMO_BYTES = 1 << 40      # the demo cache's reservation (virtual address space)
@@ -54,8 +57,9 @@ def named_errors(fn):
 
 
 def styler(no_color):
+    """click.style, or plain text with --no-color or a non-empty NO_COLOR (https://no-color.org)."""
     from .render import plain
-    return plain if no_color else click.style
+    return plain if no_color or os.environ.get("NO_COLOR") else click.style
 
 
 def demo_options(fn):
@@ -132,7 +136,7 @@ def info(backend, as_json, no_color):
     from .memory import select_backend
     cuda = probe()
     chosen = select_backend(backend)
-    report = {"backend": chosen.name, "reason": chosen.reason, "page_bytes": chosen.page_bytes, "cuda": cuda}
+    report = {"schema": INFO_SCHEMA, "version": INFO_VERSION, "backend": chosen.name, "reason": chosen.reason, "page_bytes": chosen.page_bytes, "cuda": cuda}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -185,7 +189,8 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
         figures = result.figures()
         tr = _sample_translation(cache)
     if as_json:
-        click.echo(json.dumps({"schema": DEMO_SCHEMA, "version": DEMO_VERSION, "config": vars(config),
+        used = vars(config) | {"backend": snap["pool"]["backend"]}  # the one "auto" chose
+        click.echo(json.dumps({"schema": DEMO_SCHEMA, "version": DEMO_VERSION, "config": used,
                                "figures": figures, "translation": tr.as_dict() if tr else None,
                                "snapshot": snap}, indent=1))
         return
@@ -304,7 +309,8 @@ def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, 
     snap = load_state(snapshot, from_demo, backend, options)
     tr = chain(snap, seq, pos, layer, kv, head)
     if as_json:
-        click.echo(json.dumps(tr.as_dict(), indent=1))
+        click.echo(json.dumps({"schema": TRANSLATION_SCHEMA, "version": TRANSLATION_VERSION, **tr.as_dict()},
+                              indent=1))
         return
     click.echo("\n".join(chain_lines(snap, tr, styler(no_color))))
 
@@ -312,7 +318,8 @@ def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, 
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
-              help="Re-read the file every SECONDS until interrupted.")
+              help="Re-read the file every SECONDS until interrupted; while it is missing or unreadable, "
+                   "wait and say why.")
 @backend_option
 @output_options
 @named_errors
@@ -320,22 +327,40 @@ def inspect(path, watch, backend, as_json, no_color):
     """Show the map of a snapshot file that a running program writes (cache.write_snapshot).
 
     A snapshot is read, not a pool made: --backend is accepted, as by every command, and unused.
+    With --watch, a file that does not exist yet, was deleted or is caught mid-write (by a
+    writer that does not rename) is waited for: a status line on stderr says why, and the
+    next read retries.
     """
+    from .errors import SnapshotError
     from .snapshot import load_snapshot
     style = styler(no_color)
-    while True:
-        snap = load_snapshot(path)
-        if as_json:
-            click.echo(json.dumps(snap))
-        else:
-            if watch:
-                click.clear()
-            age = time.time() - snap["time"]
-            click.echo(style(f"{path}: written {age:.1f} s ago", bold=True) + "\n")
-            show_map(snap, style)
-        if not watch:
-            return
-        try:
+    waiting = None  # the status line shown last, to say it once
+    try:
+        while True:
+            try:
+                snap = load_snapshot(path)
+            except SnapshotError as exc:
+                if not watch:
+                    raise
+                if str(exc) != waiting:
+                    waiting = str(exc)
+                    click.echo(f"waiting: {exc} (retrying every {watch:g} s; Ctrl-C to stop)", err=True)
+            else:
+                waiting = None
+                show_snapshot(path, snap, style, as_json, clear=bool(watch))
+            if not watch:
+                return
             time.sleep(watch)
-        except KeyboardInterrupt:
-            return
+    except KeyboardInterrupt:
+        return
+
+
+def show_snapshot(path, snap, style, as_json, clear):
+    if as_json:
+        click.echo(json.dumps(snap))
+        return
+    if clear:
+        click.clear()
+    age = time.time() - snap["time"]
+    click.echo(style(f"{path}: written {age:.1f} s ago", bold=True) + "\n")
+    show_map(snap, style)

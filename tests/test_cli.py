@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -160,3 +161,68 @@ def test_snapshot_write_failure_names_the_path(tmp_path, monkeypatch):
     monkeypatch.setattr("pagedrt.snapshot.tempfile.mkstemp", refuse)
     out = run("demo", *TINY, "--snapshot", tmp_path / "s.json", code=1)
     assert out.splitlines()[-1] == f"Error: cannot write the snapshot {tmp_path / 's.json'}: Permission denied"
+
+
+def test_host_translation_names_the_os_and_host_memory(snapshot):
+    seq = json.loads(snapshot.read_text())["sequences"][0]["seq"]
+    out = run("translate", seq, 0, snapshot, "--no-color")
+    assert "the OS page tables map it" in out and "physical host memory" in out
+    assert "GPU" not in out and "HBM" not in out
+
+
+def test_json_records_carry_schema_and_version(snapshot):
+    seq = json.loads(snapshot.read_text())["sequences"][0]["seq"]
+    tr = json.loads(run("translate", seq, 0, snapshot, "--json"))
+    assert (tr["schema"], tr["version"]) == ("pagedrt-translation", 1)
+    info = json.loads(run("info", "--backend", "host", "--json"))
+    assert (info["schema"], info["version"]) == ("pagedrt-info", 1)
+    docs = (Path(__file__).parent.parent / "docs" / "SNAPSHOT.md").read_text()
+    for schema in ("pagedrt-translation", "pagedrt-info", "pagedrt-demo"):
+        assert f'`"{schema}"`' in docs
+
+
+def test_demo_json_names_the_backend_used():
+    report = json.loads(run("demo", *TINY[:-2], "--backend", "auto", "--json"))
+    assert report["config"]["backend"] == report["snapshot"]["pool"]["backend"] in ("cuda", "host")
+
+
+def test_no_color_env(snapshot):
+    seq = json.loads(snapshot.read_text())["sequences"][0]["seq"]
+    coloured = CliRunner().invoke(main, ["translate", str(seq), "0", str(snapshot)], color=True)
+    assert "\x1b[" in coloured.output
+    plain = CliRunner(env={"NO_COLOR": "1"}).invoke(main, ["translate", str(seq), "0", str(snapshot)], color=True)
+    assert plain.exit_code == 0 and "\x1b[" not in plain.output and "block id" in plain.output
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_snapshot_file_mode_follows_the_umask(tmp_path, umask, mode):
+    from pagedrt.snapshot import write_snapshot
+    old = os.umask(umask)
+    try:
+        write_snapshot({"schema": "pagedrt-snapshot"}, tmp_path / "s.json")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "s.json").stat().st_mode & 0o777 == mode
+
+
+def test_inspect_watch_waits_for_the_file(snapshot, tmp_path, monkeypatch):
+    path = tmp_path / "live.json"
+    steps = iter([
+        lambda: path.write_text('{"schema": "pagedrt-snapshot", "ver'),  # a writer caught mid-write
+        lambda: path.write_text(snapshot.read_text()),
+        path.unlink,
+        lambda: path.write_text(snapshot.read_text()),
+    ])
+
+    def sleep(_):
+        step = next(steps, None)
+        if step is None:
+            raise KeyboardInterrupt
+        step()
+    monkeypatch.setattr("pagedrt.cli.time.sleep", sleep)
+    result = CliRunner().invoke(main, ["inspect", str(path), "--watch", "0.1", "--no-color"])
+    assert result.exit_code == 0, result.output
+    waits = [line for line in result.stderr.splitlines() if line.startswith("waiting: ")]
+    assert len(waits) == 3 and "no snapshot" in waits[0] and "cannot read" in waits[1] and "no snapshot" in waits[2]
+    assert result.stdout.count("pool map") == 2
+    assert "no snapshot" in run("inspect", path.with_name("never.json"), code=1)  # without --watch: exit 1
