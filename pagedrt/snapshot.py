@@ -167,6 +167,12 @@ def _get(obj, key, where):
     return obj[key]
 
 
+def _show(value, limit=60):
+    """A value as it may appear in a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _kind(value):
     return "null" if value is None else type(value).__name__
 
@@ -175,13 +181,13 @@ def _int(value, where, lo=0, hi=ADDRESS_LIMIT):
     if not isinstance(value, int) or isinstance(value, bool):
         _fail(where, f"must be an int, got {_kind(value)}")
     if not lo <= value <= hi:
-        _fail(where, f"must be in {lo}..{hi}, got {value}")
+        _fail(where, f"must be in {lo}..{hi}, got {_show(value)}")
     return value
 
 
 def _equal(value, expected, where, why):
     if value != expected:
-        _fail(where, f"is {value} but {why} make it {expected}")
+        _fail(where, f"is {_show(value)} but {why} make it {expected}")
 
 
 def _list(value, where, length=None, hi=None):
@@ -196,7 +202,7 @@ def _list(value, where, length=None, hi=None):
 
 def _choice(value, where, choices):
     if value not in choices or isinstance(value, bool):
-        _fail(where, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        _fail(where, f"must be one of {', '.join(map(repr, choices))}, got {_show(value)}")
     return value
 
 
@@ -212,7 +218,7 @@ def _int_list(value, where, length, lo, hi):
     except OverflowError:
         bad = [next(i for i, v in enumerate(value) if not lo <= v <= hi)]
     if len(bad):
-        _fail(f"{where}[{bad[0]}]", f"must be in {lo}..{hi}, got {value[bad[0]]}")
+        _fail(f"{where}[{bad[0]}]", f"must be in {lo}..{hi}, got {_show(value[bad[0]])}")
     return array
 
 
@@ -270,7 +276,7 @@ def _check_pool(snap, lay):
             _int(handle, f"{at}.handle")
             mapped.add(chunk)
         elif handle is not None:
-            _fail(f"{at}.handle", f"must be null for a released chunk, got {handle!r}")
+            _fail(f"{at}.handle", f"must be null for a released chunk, got {_show(handle)}")
     return mapped
 
 
@@ -343,11 +349,11 @@ def validate_snapshot(snap):
             raise _Invalid(f"not a pagedrt snapshot (no schema {SNAPSHOT_SCHEMA!r})")
         version = snap.get("version")
         if type(version) is not int or version != SNAPSHOT_VERSION:
-            raise _Invalid(f"snapshot version {version!r}; this pagedrt reads version {SNAPSHOT_VERSION}, the "
+            raise _Invalid(f"snapshot version {_show(version)}; this pagedrt reads version {SNAPSHOT_VERSION}, the "
                            f"only one" + (": upgrade pagedrt" if type(version) is int and version > 1 else ""))
         taken = _get(snap, "time", "$")
         if not isinstance(taken, (int, float)) or isinstance(taken, bool) or not math.isfinite(taken) or taken < 0:
-            _fail("time", f"must be a Unix time (a finite number >= 0), got {taken!r}")
+            _fail("time", f"must be a Unix time (a finite number >= 0), got {_show(taken)}")
         lay = _check_layout(snap)
         mapped, refs = _check_blocks(snap, lay, _check_pool(snap, lay))
         _check_sequences(snap, lay, mapped, refs)
