@@ -136,7 +136,8 @@ def info(backend, as_json, no_color):
     from .memory import select_backend
     cuda = probe()
     chosen = select_backend(backend)
-    report = {"schema": INFO_SCHEMA, "version": INFO_VERSION, "backend": chosen.name, "reason": chosen.reason, "page_bytes": chosen.page_bytes, "cuda": cuda}
+    report = {"schema": INFO_SCHEMA, "version": INFO_VERSION, "backend": chosen.name, "reason": chosen.reason,
+              "page_bytes": chosen.page_bytes, "cuda": cuda}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
