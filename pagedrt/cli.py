@@ -1,13 +1,15 @@
 """The ``pagedrt`` command line: see both mapping layers, from a demo or from a live program.
 
 Every command takes ``--backend``; every command that shows state takes ``--json``
-(the snapshot schema of docs/SNAPSHOT.md, or one record) and ``--no-color``.
+(the snapshot schema of docs/SNAPSHOT.md, or one record with its own ``schema`` and
+``version``, documented there) and ``--no-color`` (as does a non-empty ``NO_COLOR``).
 Bad input is a usage error (exit 2) or a named error (exit 1) with a message,
 never a traceback.
 """
 
 import functools
 import json
+import os
 import sys
 import time
 
@@ -15,9 +17,16 @@ import click
 
 from .errors import PagedRTError
 from .memory import BACKENDS
-from .supported import DTYPES, GROUPS
+from .supported import BLOCK_SIZES, DTYPES, GROUPS, HEAD_DIMS
 
-DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1
+DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1  # the JSON records, documented in docs/SNAPSHOT.md
+INFO_SCHEMA, INFO_VERSION = "pagedrt-info", 1
+TRANSLATION_SCHEMA, TRANSLATION_VERSION = "pagedrt-translation", 1
+# The demo's bounds: beyond them its cache could not be reserved or its K/V not be held.
+MAX_LAYERS, MAX_KV_HEADS, MAX_TOKENS, MAX_STEPS, MAX_SEQS = 256, 128, 1 << 24, 100_000, 1024
+MAX_DEMO_BYTES = 1 << 40      # the demo cache's reservation (virtual address space)
+MAX_DEMO_STEP_BYTES = 4 << 30  # the float32 K/V of one prompt, every layer, that a demo step makes at once
+DEMO_MAX_PROMPT = 256
 
 
 def backend_option(fn):
@@ -31,19 +40,26 @@ def output_options(fn):
 
 
 def named_errors(fn):
-    """Turn pagedrt's named errors into a one-line message and exit status 1."""
+    """Turn pagedrt's named errors, and what the OS refuses (OSError, MemoryError), into one line and exit 1."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except PagedRTError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        except OSError as exc:
+            where = f": {exc.filename}" if exc.filename else ""
+            raise click.ClickException(f"{type(exc).__name__}: {exc.strerror or exc}{where}") from None
+        except MemoryError as exc:
+            raise click.ClickException(f"MemoryError: not enough memory ({exc or 'no detail'}): make the cache "
+                                       f"or the model smaller") from None
     return wrapper
 
 
 def styler(no_color):
+    """click.style, or plain text with --no-color or a non-empty NO_COLOR (https://no-color.org)."""
     from .render import plain
-    return plain if no_color else click.style
+    return plain if no_color or os.environ.get("NO_COLOR") else click.style
 
 
 def demo_options(fn):
@@ -51,20 +67,22 @@ def demo_options(fn):
     options = [
         click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama3-8b", show_default=True,
                      help="Model shape: layers, query heads, KV heads, head_dim."),
-        click.option("--layers", type=int, help="Override the preset's number of layers."),
-        click.option("--q-heads", type=int, help="Override the preset's query heads."),
-        click.option("--kv-heads", type=int, help="Override the preset's KV heads."),
-        click.option("--head-dim", type=int, help="Override the preset's head_dim."),
+        click.option("--layers", type=click.IntRange(1, MAX_LAYERS), help="Override the preset's number of layers."),
+        click.option("--q-heads", type=click.IntRange(1, MAX_KV_HEADS * GROUPS[-1]),
+                     help="Override the preset's query heads."),
+        click.option("--kv-heads", type=click.IntRange(1, MAX_KV_HEADS), help="Override the preset's KV heads."),
+        click.option("--head-dim", type=click.Choice(HEAD_DIMS), help="Override the preset's head_dim."),
         click.option("--dtype", type=click.Choice(DTYPES), default="float16",
                      show_default=True),
-        click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per block."),
+        click.option("--block-size", type=click.Choice(BLOCK_SIZES), default=16, show_default=True,
+                     help="Tokens per block."),
         click.option("--placement", type=click.Choice(["plane", "block"]), default="plane", show_default=True,
                      help="plane: a region per layer and K/V; block: every layer's K/V of a block together."),
-        click.option("--steps", type=click.IntRange(1), default=48, show_default=True),
-        click.option("--max-seqs", type=click.IntRange(1), default=8, show_default=True),
-        click.option("--max-tokens", type=click.IntRange(1), default=8192, show_default=True,
+        click.option("--steps", type=click.IntRange(1, MAX_STEPS), default=48, show_default=True),
+        click.option("--max-seqs", type=click.IntRange(1, MAX_SEQS), default=8, show_default=True),
+        click.option("--max-tokens", type=click.IntRange(1, MAX_TOKENS), default=8192, show_default=True,
                      help="The cache's capacity in tokens (the reservation)."),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=click.IntRange(0), default=0, show_default=True),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -75,14 +93,26 @@ def demo_config(backend, preset, layers, q_heads, kv_heads, head_dim, dtype, blo
                 max_seqs, max_tokens, seed):
     from .demo import PRESETS, DemoConfig
     p_layers, p_q, p_kv, p_dim = PRESETS[preset]
-    layers, q_heads, kv_heads, head_dim = (layers or p_layers, q_heads or p_q, kv_heads or p_kv, head_dim or p_dim)
+    given = lambda value, preset_value: preset_value if value is None else value
+    layers, q_heads, kv_heads, head_dim = (given(layers, p_layers), given(q_heads, p_q), given(kv_heads, p_kv),
+                                           given(head_dim, p_dim))
     if q_heads % kv_heads:
         raise click.UsageError(f"--kv-heads {kv_heads} must divide --q-heads {q_heads} (query heads share KV heads)")
     if q_heads // kv_heads not in GROUPS:
         raise click.UsageError(f"{q_heads // kv_heads} query heads per KV head: the kernels support "
                                f"{GROUPS[0]} to {GROUPS[-1]}")
+    token_values = 2 * layers * kv_heads * head_dim
+    model = f"{layers} layers, {kv_heads} KV heads x {head_dim}"
+    if DEMO_MAX_PROMPT * token_values * 4 > MAX_DEMO_STEP_BYTES:
+        raise click.UsageError(f"a demo step makes the K/V of a {DEMO_MAX_PROMPT}-token prompt at once, "
+                               f"{DEMO_MAX_PROMPT * token_values * 4} bytes in float32 for {model}; at most "
+                               f"{MAX_DEMO_STEP_BYTES >> 30} GiB: use fewer layers, KV heads or a smaller head_dim")
+    reserved = -(-max_tokens // block_size) * block_size * token_values * (4 if dtype == "float32" else 2)
+    if reserved > MAX_DEMO_BYTES:
+        raise click.UsageError(f"--max-tokens {max_tokens} for {model}, {dtype} would reserve {reserved} bytes; "
+                               f"the demo reserves at most {MAX_DEMO_BYTES >> 30} GiB: ask for fewer tokens")
     return DemoConfig(layers, q_heads, kv_heads, head_dim, dtype, block_size, placement, steps, max_seqs,
-                      256, max_tokens, seed, backend)
+                      DEMO_MAX_PROMPT, max_tokens, seed, backend)
 
 
 def run_demo_quietly(**options):
@@ -106,7 +136,8 @@ def info(backend, as_json, no_color):
     from .memory import select_backend
     cuda = probe()
     chosen = select_backend(backend)
-    report = {"backend": chosen.name, "reason": chosen.reason, "page_bytes": chosen.page_bytes, "cuda": cuda}
+    report = {"schema": INFO_SCHEMA, "version": INFO_VERSION, "backend": chosen.name, "reason": chosen.reason,
+              "page_bytes": chosen.page_bytes, "cuda": cuda}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -142,17 +173,25 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     from .demo import run_demo
     from .render import block_tables, chain_lines, chunk_table, pool_map, size
     config = demo_config(**options)
+    if snapshot_path:
+        directory = os.path.dirname(os.path.abspath(snapshot_path))
+        if not os.path.isdir(directory):
+            raise click.BadParameter(f"directory {directory} does not exist", param_hint="'--snapshot'")
     with click.progressbar(length=config.steps, label="demo steps", file=sys.stderr,
                            show_pos=True) as bar:
         result = run_demo(config, progress=bar.update)
     with result.cache as cache:
         snap = cache.snapshot()
         if snapshot_path:
-            cache.write_snapshot(snapshot_path)
+            try:
+                cache.write_snapshot(snapshot_path)
+            except OSError as exc:
+                raise click.ClickException(f"cannot write the snapshot {snapshot_path}: {exc.strerror}") from None
         figures = result.figures()
         tr = _sample_translation(cache)
     if as_json:
-        click.echo(json.dumps({"schema": DEMO_SCHEMA, "version": DEMO_VERSION, "config": vars(config),
+        used = vars(config) | {"backend": snap["pool"]["backend"]}  # the one "auto" chose
+        click.echo(json.dumps({"schema": DEMO_SCHEMA, "version": DEMO_VERSION, "config": used,
                                "figures": figures, "translation": tr.as_dict() if tr else None,
                                "snapshot": snap}, indent=1))
         return
@@ -234,13 +273,34 @@ def show_map(snap, style, show_seqs=8):
         click.echo("\n".join(lines) + "\n")
 
 
-@main.command()
-@click.argument("seq", type=int)
-@click.argument("pos", type=int)
+class NumbersAsArguments(click.Command):
+    """A command that reads a negative number as an argument ("translate 0 -1"), to say it is out of range.
+
+    Every other word that starts with a dash and is not an option stays an unknown option.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, context_settings={"ignore_unknown_options": True}, **kwargs)
+
+    def parse_args(self, ctx, args):
+        known = {name for param in self.get_params(ctx) if isinstance(param, click.Option)
+                 for name in param.opts + param.secondary_opts}
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if arg.startswith("-") and name not in known and not arg.lstrip("-").isdigit():
+                raise click.NoSuchOption(name, possibilities=sorted(known), ctx=ctx)
+        return super().parse_args(ctx, args)
+
+
+@main.command(cls=NumbersAsArguments)
+@click.argument("seq", type=click.IntRange(0))
+@click.argument("pos", type=click.IntRange(0))
 @snapshot_source
-@click.option("--layer", type=int, default=0, show_default=True)
+@click.option("--layer", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--kv", type=click.Choice(["k", "v"]), default="k", show_default=True)
-@click.option("--head", type=int, default=0, show_default=True, help="KV head.")
+@click.option("--head", type=click.IntRange(0), default=0, show_default=True, help="KV head.")
 @backend_option
 @output_options
 @named_errors
@@ -250,7 +310,8 @@ def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, 
     snap = load_state(snapshot, from_demo, backend, options)
     tr = chain(snap, seq, pos, layer, kv, head)
     if as_json:
-        click.echo(json.dumps(tr.as_dict(), indent=1))
+        click.echo(json.dumps({"schema": TRANSLATION_SCHEMA, "version": TRANSLATION_VERSION, **tr.as_dict()},
+                              indent=1))
         return
     click.echo("\n".join(chain_lines(snap, tr, styler(no_color))))
 
@@ -258,7 +319,8 @@ def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, 
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
-              help="Re-read the file every SECONDS until interrupted.")
+              help="Re-read the file every SECONDS until interrupted; while it is missing or unreadable, "
+                   "wait and say why.")
 @backend_option
 @output_options
 @named_errors
@@ -266,22 +328,40 @@ def inspect(path, watch, backend, as_json, no_color):
     """Show the map of a snapshot file that a running program writes (cache.write_snapshot).
 
     A snapshot is read, not a pool made: --backend is accepted, as by every command, and unused.
+    With --watch, a file that does not exist yet, was deleted or is caught mid-write (by a
+    writer that does not rename) is waited for: a status line on stderr says why, and the
+    next read retries.
     """
+    from .errors import SnapshotError
     from .snapshot import load_snapshot
     style = styler(no_color)
-    while True:
-        snap = load_snapshot(path)
-        if as_json:
-            click.echo(json.dumps(snap))
-        else:
-            if watch:
-                click.clear()
-            age = time.time() - snap["time"]
-            click.echo(style(f"{path}: written {age:.1f} s ago", bold=True) + "\n")
-            show_map(snap, style)
-        if not watch:
-            return
-        try:
+    waiting = None  # the status line shown last, to say it once
+    try:
+        while True:
+            try:
+                snap = load_snapshot(path)
+            except SnapshotError as exc:
+                if not watch:
+                    raise
+                if str(exc) != waiting:
+                    waiting = str(exc)
+                    click.echo(f"waiting: {exc} (retrying every {watch:g} s; Ctrl-C to stop)", err=True)
+            else:
+                waiting = None
+                show_snapshot(path, snap, style, as_json, clear=bool(watch))
+            if not watch:
+                return
             time.sleep(watch)
-        except KeyboardInterrupt:
-            return
+    except KeyboardInterrupt:
+        return
+
+
+def show_snapshot(path, snap, style, as_json, clear):
+    if as_json:
+        click.echo(json.dumps(snap))
+        return
+    if clear:
+        click.clear()
+    age = time.time() - snap["time"]
+    click.echo(style(f"{path}: written {age:.1f} s ago", bold=True) + "\n")
+    show_map(snap, style)

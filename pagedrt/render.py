@@ -8,7 +8,7 @@ written by another process as on a live cache.
 import math
 
 from .layout import Layout, translate
-from .errors import UnknownSequenceError
+from .errors import InvalidPositionError, UnknownSequenceError
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 COLOURS = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
@@ -36,8 +36,10 @@ def chunk_table(snap, style=plain):
     lay, pool, blocks = Layout(**snap["layout"]), snap["pool"], snap["blocks"]
     planes, per_plane = lay.num_planes, blocks["num_chunks"]
     records = {c["chunk"]: c for c in pool["chunks"]}
-    held = _block_owners(snap)
     bpc = blocks["blocks_per_chunk"]
+    held_in_chunk = {}
+    for b in _block_owners(snap):
+        held_in_chunk[b // bpc] = held_in_chunk.get(b // bpc, 0) + 1
     lines = [f"pool   {pool['backend']} range at {pool['base']:#x}, {size(pool['max_bytes'])} reserved, "
              f"{size(sum(c['size'] for c in pool['chunks'] if c['state'] == 'mapped'))} mapped; "
              f"page {size(pool['page_bytes'])}, chunk {size(pool['chunk_bytes'])}"]
@@ -50,7 +52,7 @@ def chunk_table(snap, style=plain):
         if record is None:
             continue
         mapped = record["state"] == "mapped"
-        n_held = sum(1 for b in range(k * bpc, (k + 1) * bpc) if b in held) if mapped else 0
+        n_held = held_in_chunk.get(k, 0) if mapped else 0
         span = f"{record['va_start']:#x}-{record['va_end']:#x}"
         total = size(record["size"]) + (f" x{planes}" if planes > 1 else "")
         state = style(record["state"], fg="green" if mapped else "bright_black")
@@ -125,13 +127,18 @@ def chain(snap, seq, pos, layer=0, kv="k", head=0):
     if entry is None:
         raise UnknownSequenceError(f"sequence {seq} does not exist in this snapshot: it holds "
                                    f"{[e['seq'] for e in snap['sequences']]}")
+    if not 0 <= pos < entry["length"]:
+        raise InvalidPositionError(f"position {pos} is out of range: sequence {seq} holds {entry['length']} "
+                                   f"tokens" + (f", positions 0..{entry['length'] - 1}" if entry["length"] else ""))
     return translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
                      seq, pos, layer, kv, head)
 
 
 def chain_lines(snap, tr, style=plain):
-    """One line per step, token -> HBM chunk."""
+    """One line per step, token -> physical memory (HBM on the GPU, host memory on the host backend)."""
     lay = Layout(**snap["layout"])
+    gpu = snap["pool"]["backend"] == "cuda"
+    mapper, memory = ("the GPU MMU", "HBM") if gpu else ("the OS page tables", "host memory")
     bold = lambda text: style(str(text), bold=True)
     plane = lay.plane_offset(tr.layer, tr.kv)
     inner = tr.pool_offset - plane - tr.block_id * lay.block_stride_bytes
@@ -147,6 +154,7 @@ def chain_lines(snap, tr, style=plain):
         f"(block stride) + {inner} (head, slot)",
         f"address  virtual address {bold(hex(tr.virtual_address))} = base {snap['pool']['base']:#x} + offset",
         f"MMU      pool chunk {bold(tr.chunk)}{where}, offset {tr.chunk_offset} in it, page {bold(tr.page)} of "
-        f"{size(lay.page_bytes)}   (hardware layer: the GPU MMU maps it)",
-        f"HBM      {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in chunk {tr.chunk}'s physical memory",
+        f"{size(lay.page_bytes)}   (hardware layer: {mapper} map{'s' if gpu else ''} it)",
+        f"{'HBM' if gpu else 'memory':<8} {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in chunk "
+        f"{tr.chunk}'s physical {memory}",
     ]
