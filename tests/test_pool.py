@@ -1,11 +1,21 @@
 """The pool contract (hardware layer), on the host backend and, with a GPU, on CUDA."""
 
+import ctypes
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
 from pagedrt import Pool
-from pagedrt.errors import (BackendUnavailableError, ChunkStateError, PoolClosedError, PoolSizeError,
-                            ReservationExceededError, UnknownChunkError, UnmappedRangeError)
+from pagedrt.errors import (BackendUnavailableError, ChunkStateError, MappingLimitError, PoolClosedError,
+                            PoolSizeError, ReservationExceededError, UnknownChunkError,
+                            UnmappedRangeError)
+from pagedrt.memory import find_pool, host
 from helpers import to_host
 
 MiB = 1 << 20
@@ -179,3 +189,290 @@ def test_auto_backend_says_why():
     with Pool(4 * MiB, 2 * MiB, backend="auto") as pool:
         assert pool.backend in ("cuda", "host")
         assert pool.backend_reason.startswith(pool.backend + ":")
+
+
+def test_absurd_size_is_a_named_error_and_leaks_nothing(backend):
+    before = host_mappings() if backend == "host" else None
+    with pytest.raises(MappingLimitError, match=f"cannot reserve {1 << 62} bytes.*reserve a smaller pool"):
+        Pool(1 << 62, 4 * MiB, backend=backend)
+    if backend == "host":
+        assert host_mappings() == before
+    with make_pool(backend, chunks=4) as pool:  # and the backend is still usable
+        pool.grow(1)
+
+
+# --- the registry: which pool holds an address, and which of its chunks are mapped -------------
+
+def test_find_pool(backend):
+    a, b = make_pool(backend, chunks=4), make_pool(backend, chunks=8)
+    for pool in (a, b):
+        assert find_pool(pool.base) is pool
+        assert find_pool(pool.base + pool.max_bytes - 1) is pool
+        assert find_pool(np.uint64(pool.base + pool.chunk_bytes)) is pool
+    outside = [x for x in (a.base - 1, a.base + a.max_bytes, b.base - 1, b.base + b.max_bytes)
+               if not (a.base <= x < a.base + a.max_bytes or b.base <= x < b.base + b.max_bytes)]
+    assert outside and all(find_pool(x) is None for x in outside)
+    assert find_pool(0) is None
+    a.close()
+    assert find_pool(a.base) is a  # closed pools are still found while they live
+    base = b.base
+    b.close()
+    del b, pool
+    gc.collect()
+    assert find_pool(base) is None  # dead pools drop out
+
+
+def test_version_and_mapped_mask(backend):
+    with make_pool(backend, chunks=8) as pool:
+        mask = pool.mapped_mask()
+        assert mask.dtype == bool and mask.shape == (8,) and not mask.any()
+        assert not mask.flags.writeable
+        v0 = pool.version
+        assert pool.mapped_mask() is mask  # cached while the version holds
+        pool.grow(3)
+        assert pool.version > v0
+        assert pool.mapped_mask().tolist() == [True] * 3 + [False] * 5
+        v1 = pool.version
+        pool.release([0, 2])
+        assert pool.version > v1
+        assert pool.mapped_mask().tolist() == [False, True] + [False] * 6
+        v2 = pool.version
+        with pytest.raises(ChunkStateError):
+            pool.release(0)  # refused: nothing changed
+        pool.view(pool.chunk_bytes, 4, np.uint8)
+        pool.mappings()
+        assert pool.version == v2
+        pool.map([0, 5])
+        assert pool.version > v2
+        assert np.flatnonzero(pool.mapped_mask()).tolist() == [0, 1, 5]
+        assert mask.tolist() == [False] * 8  # a mask handed out earlier never changes
+    v3 = pool.version
+    assert not pool.mapped_mask().any() and pool.version >= v3
+
+
+# --- the host backend: what views see, and the operating system's limits ----------------------
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def host_mappings(lo=0, hi=1 << 64):
+    """(start, end, perms, name) of every mapping of this process that overlaps [lo, hi)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start < hi and end > lo:
+                out.append((start, end, fields[1], fields[5] if len(fields) > 5 else ""))
+    return out
+
+
+def real_chunks(pool):
+    """What is really mapped in the pool's range: chunk index -> "rw" for memfd chunks; and
+    whether all the rest is the reservation's read-only anonymous zero pages."""
+    chunks, rest_ok = {}, True
+    for start, end, perms, name in host_mappings(pool.base, pool.base + pool.max_bytes):
+        if "pagedrt-chunk" in name:
+            assert (start - pool.base) % pool.chunk_bytes == 0 and end - start == pool.chunk_bytes
+            chunks[(start - pool.base) // pool.chunk_bytes] = perms[:2]
+        else:
+            rest_ok &= perms.startswith("r--p") and name == ""
+    return chunks, rest_ok
+
+
+def assert_consistent(pool):
+    chunks, rest_ok = real_chunks(pool)
+    mapped = [r.chunk for r in pool.mappings() if r.state == "mapped"]
+    assert sorted(chunks) == mapped and rest_ok
+    assert set(chunks.values()) <= {"rw"}
+    assert np.flatnonzero(pool.mapped_mask()).tolist() == mapped
+
+
+class MapLimit:
+    """Stands in for libc in pagedrt.memory.host, as Linux behaves past vm.max_map_count: from
+    the ``fail_at``-th call of ``call`` on, every mmap and mprotect fails with ENOMEM, until a
+    munmap lowers the count of mappings (then the limit is not reached any more)."""
+
+    def __init__(self, call, fail_at, munmap_frees=True):
+        self.real, self.call, self.fail_at, self.calls, self.full = host._libc, call, fail_at, 0, False
+        self.munmap_frees = munmap_frees
+
+    def _maybe_fail(self, name, fn, *args):
+        if name == self.call:
+            self.calls += 1
+            self.full |= self.calls == self.fail_at
+        if self.full:
+            ctypes.set_errno(errno.ENOMEM)
+            return host.MAP_FAILED if name == "mmap" else -1
+        return fn(*args)
+
+    def mmap(self, *args):
+        return self._maybe_fail("mmap", self.real.mmap, *args)
+
+    def mprotect(self, *args):
+        return self._maybe_fail("mprotect", self.real.mprotect, *args)
+
+    def munmap(self, *args):
+        self.full &= not self.munmap_frees
+        return self.real.munmap(*args)
+
+    def msync(self, *args):
+        return self.real.msync(*args)
+
+
+@pytest.mark.parametrize("call,fail_at", [("mmap", 1), ("mmap", 3), ("mmap", 5), ("mprotect", 1),
+                                          ("mprotect", 3)])
+def test_mapping_limit_mid_grow_rolls_back_without_new_mappings(call, fail_at, monkeypatch):
+    with make_pool("host", chunks=16, chunk_bytes=16 * PAGE) as pool:
+        pool.grow(2)
+        keep = fill(pool, 1, seed=5)
+        pool.release(0)
+        pool.grow(1)
+        before, version = state(pool), pool.version
+        limit = MapLimit(call, fail_at)
+        monkeypatch.setattr(host, "_libc", limit)
+        with pytest.raises(MappingLimitError, match=r"vm\.max_map_count = .*use larger chunks") as info:
+            pool.map([0, 3, 4, 6, 7])  # the rollback's own mmap fails too, until a munmap
+        assert info.value.errno == errno.ENOMEM
+        assert state(pool) == before and pool.version == version
+        assert_consistent(pool)
+        assert not pool._backend.gaps
+        monkeypatch.undo()
+        assert np.array_equal(read(pool, 1), keep)
+        assert pool.grow(2) == [3, 4]
+        assert_consistent(pool)
+
+
+def test_mapping_limit_during_release_and_close(monkeypatch):
+    pool = make_pool("host", chunks=16, chunk_bytes=16 * PAGE)
+    pool.grow(6)
+    keep = fill(pool, 1, seed=9)
+    view = pool.view(0, (6, pool.chunk_bytes // 4), np.uint32)
+    monkeypatch.setattr(host, "_libc", MapLimit("mmap", 1))
+    host._libc.full = True  # at the limit before the call
+    pool.release([2, 4])  # each: the zero pages are refused, the chunk unmapped, then they fit
+    host._libc.full = True
+    monkeypatch.undo()
+    assert_consistent(pool)
+    assert np.array_equal(view[1], keep)
+    assert not view[2].any()  # a released chunk reads as zeros
+    monkeypatch.setattr(host, "_libc", MapLimit("mmap", 1))
+    host._libc.full = True
+    pool.close()  # the scratch mapping is refused until the chunks are unmapped
+    monkeypatch.undo()
+    assert not view.any()
+    assert all(p == "rw-p" and n == "" for _, _, p, n in host_mappings(pool.base, pool.base + pool.max_bytes))
+
+
+def test_a_place_that_cannot_be_reserved_again_is_a_gap(monkeypatch):
+    with make_pool("host", chunks=8, chunk_bytes=16 * PAGE) as pool:
+        pool.grow(3)
+        monkeypatch.setattr(host, "_libc", MapLimit("mmap", 1, munmap_frees=False))
+        host._libc.full = True
+        pool.release(1)  # unmapped, but the zero pages cannot go back: the place stays empty
+        monkeypatch.undo()
+        va = pool.base + pool.chunk_bytes
+        assert pool._backend.gaps == {va: pool.chunk_bytes}
+        assert_consistent(pool)
+        assert host_mappings(va, va + pool.chunk_bytes) == []
+        pool.map(1)  # into the gap without replacing anything; the gap is gone
+        assert not pool._backend.gaps and not read(pool, 1).any()
+        pool.release(1)
+        assert_consistent(pool)
+
+
+def test_unmap_refused_mid_rollback_adopts_the_chunk(backend, monkeypatch):
+    with make_pool(backend, chunks=16) as pool:
+        pool.grow(1)
+        b = pool._backend
+        released = []
+        monkeypatch.setattr(b, "release", lambda h, real=b.release: (released.append(h), real(h)))
+        monkeypatch.setattr(b, "map", FailingCall(b.map, 3, MappingLimitError("injected map")))
+        unmap = FailingCall(b.unmap, 2, OSError(errno.ENOMEM, "injected unmap"))
+        monkeypatch.setattr(b, "unmap", unmap)
+        with pytest.raises(MappingLimitError, match="injected map"):
+            pool.grow(3)  # chunks 1 and 2 map, 3 fails; undoing 2 is refused
+        monkeypatch.undo()
+        # chunk 2 is still mapped, so the pool keeps it: its bookkeeping is what is mapped
+        assert [r.chunk for r in pool.mappings()] == [0, 2]
+        assert len(released) == 2  # chunk 1's handle and chunk 3's, never chunk 2's
+        if backend == "host":
+            assert_consistent(pool)
+        fill(pool, 2, seed=3)
+        assert pool.grow(1) == [3]
+        pool.map(1)
+        pool.release([1, 2])
+
+
+def test_real_mapping_limit_in_a_subprocess():
+    """Grow a pool of one-page chunks until Linux's real vm.max_map_count refuses: the error is
+    named, the pool's bookkeeping equals the process's mappings, and it still grows and closes."""
+    script = textwrap.dedent("""
+        import numpy as np, sys
+        sys.path.insert(0, "tests")
+        from pagedrt import Pool
+        from pagedrt.errors import MappingLimitError
+        from pagedrt.memory import host
+        from test_pool import assert_consistent
+        limit = host.max_map_count()
+        page = host.mmap.PAGESIZE
+        pool = Pool((limit + 20000) * page, page, backend="host")
+        view = pool.view(0, 8, np.uint8, allow_holes=True)
+        try:
+            while True:
+                pool.grow(1000)
+        except MappingLimitError as exc:
+            assert "vm.max_map_count" in str(exc)
+        mapped = pool.mapped_bytes // page
+        assert limit - 2000 < mapped < limit, (mapped, limit)
+        pool.release(list(range(0, 4000)))  # room for Python itself, which needs mappings too
+        assert_consistent(pool)
+        assert pool.grow(10)[0] == mapped
+        pool.map([5])
+        pool.view(5 * page, 4, np.uint8)[...] = 7
+        assert_consistent(pool)
+        pool.close()
+        assert not view.any()
+        print("ok", limit, mapped)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+
+
+def test_holes_read_as_zeros_on_the_host():
+    with make_pool("host", chunks=8, chunk_bytes=16 * PAGE) as pool:
+        pool.grow(3)
+        fill(pool, 0, seed=1)
+        fill(pool, 1, seed=2)
+        pool.release(1)
+        whole = pool.view(0, pool.max_bytes // 4, np.uint32, allow_holes=True)
+        str(whole)  # reading across holes and the never-mapped tail does not crash
+        words = pool.chunk_bytes // 4
+        assert whole[:words].any() and not whole[words:].any()
+        pool.map(1)
+        assert not read(pool, 1).any()  # a re-mapped chunk starts from zeros
+        assert_consistent(pool)
+
+
+def test_views_after_close_read_zeros_on_the_host():
+    pool = make_pool("host", chunks=8, chunk_bytes=16 * PAGE)
+    pool.grow(4)
+    pool.release(2)
+    fill(pool, 0, seed=4)
+    view = pool.view(0, pool.max_bytes // 4, np.uint32, allow_holes=True)
+    base, size = pool.base, pool.max_bytes
+    pool.close()
+    assert not view.any()  # reads of a stale view give zeros
+    view[:1000] = 5  # writes go to scratch memory, nowhere that matters
+    assert view[:1000].sum() == 5000
+    assert find_pool(base) is pool
+    assert [p for _, _, p, _ in host_mappings(base, base + size)] == ["rw-p"]
+    del pool
+    gc.collect()
+    assert host_mappings(base, base + size)  # the view still holds the range
+    del view
+    gc.collect()
+    assert host_mappings(base, base + size) == [] and find_pool(base) is None

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pagedrt import Pool
-from pagedrt.errors import DeviceOutOfMemoryError
+from pagedrt.errors import DeviceOutOfMemoryError, MappingLimitError
 
 pytestmark = pytest.mark.gpu
 MiB, GiB = 1 << 20, 1 << 30
@@ -80,3 +80,13 @@ def test_cupy_views_read_and_write():
         assert cupy.array_equal(doubled, data * 2)
         cupy.copyto(pool.view(32 * MiB, 8, np.float16), cupy.full(8, 3.5, cupy.float16))
         assert (halves[16 * MiB:16 * MiB + 8].get() == 3.5).all()
+
+
+def test_absurd_reservation_is_named_and_leaks_nothing():
+    start = free_bytes_after_close()
+    for _ in range(3):
+        with pytest.raises(MappingLimitError, match="cuMemAddressReserve failed with CUDA_ERROR_"):
+            Pool(1 << 62, 2 * MiB, backend="cuda")
+    assert abs(free_bytes_after_close() - start) <= 2 * MiB
+    with Pool(64 * MiB, 2 * MiB, backend="cuda") as pool:
+        pool.grow(1)

@@ -1,23 +1,41 @@
 """Host backend: the operating system's virtual memory stands in for the GPU MMU.
 
-The reservation is an ``mmap(PROT_NONE, MAP_NORESERVE)`` range; a chunk is a memfd
+The reservation is a private anonymous ``mmap(PROT_READ, MAP_NORESERVE)`` range:
+read-only zero pages, which cost nothing and read as zeros. A chunk is a memfd
 (anonymous shared memory) mapped into it with ``MAP_FIXED``; access is granted
-with ``mprotect``; releasing a chunk maps the reservation back over it. The same
-two layers, with Linux page tables in place of the GPU's. Each mapped chunk is
-one kernel mapping (VMA), and Linux allows about 65,000 per process
-(``vm.max_map_count``): use chunks of megabytes, not pages, for large pools.
+with ``mprotect``; releasing a chunk maps the reservation's zero pages back over
+it. The same two layers, with Linux page tables in place of the GPU's.
+
+What a view over the range sees: a hole (a released chunk, or the part of the
+range never mapped) reads as zeros, and writing into one faults, so pagedrt's
+own writes are refused before they reach a hole. At close the whole range
+becomes private scratch memory (read-write, ``MAP_NORESERVE``: nothing is
+allocated until written), so a view taken before close reads zeros and its
+writes go nowhere; the range is unmapped when the pool and its last view are gone.
+
+Each mapped chunk is one kernel mapping (VMA), and Linux allows about 65,000 per
+process (``vm.max_map_count``): use chunks of megabytes, not pages, for large
+pools. Past that limit Linux refuses every ``mmap`` and splitting ``mprotect``
+(ENOMEM, raised as :class:`MappingLimitError`), so undoing a chunk never needs a
+new mapping: putting the zero pages back merges with the neighbouring
+reservation, and if even that is refused the chunk is unmapped (removing a whole
+mapping always succeeds and lowers the count) before the zero pages go back.
 """
 
 import ctypes
+import errno
 import mmap
 import os
 
 import numpy as np
 
-PROT_NONE, PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+from ..errors import ChunkStateError, MappingLimitError
+
+PROT_NONE, PROT_READ, PROT_RW = 0, mmap.PROT_READ, mmap.PROT_READ | mmap.PROT_WRITE
 MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
-MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
+MAP_FIXED, MAP_NORESERVE, MAP_FIXED_NOREPLACE = 0x10, 0x4000, 0x100000
 MAP_FAILED = ctypes.c_void_p(-1).value
+ANON = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE  # the reservation's holes and the closed range
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -25,10 +43,28 @@ _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def max_map_count():
+    """Linux's limit on mappings per process, or None where it cannot be read."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _os_error(call):
     err = ctypes.get_errno()
+    if err == errno.ENOMEM and call in ("mmap", "mprotect"):
+        exc = MappingLimitError(
+            f"{call} failed with ENOMEM: the process has reached the operating system's limit on "
+            f"memory mappings (vm.max_map_count = {max_map_count()}; each mapped chunk is one "
+            f"mapping, so fewer, larger chunks need fewer) or on its address space: use larger chunks, "
+            f"or raise the limit (sysctl vm.max_map_count)")
+        exc.errno = err
+        return exc
     return OSError(err, f"{call}: {os.strerror(err)}")
 
 
@@ -36,7 +72,20 @@ def _mmap(addr, size, prot, flags, fd=-1):
     out = _libc.mmap(addr, size, prot, flags, fd, 0)
     if out in (None, MAP_FAILED):
         raise _os_error("mmap")
+    if flags & MAP_FIXED_NOREPLACE and out != addr:  # a kernel before 4.17 took it as a hint
+        _libc.munmap(out, size)
+        raise OSError(errno.EEXIST, "mmap: MAP_FIXED_NOREPLACE is not supported")
     return out
+
+
+def _munmap(addr, size):
+    if _libc.munmap(addr, size):
+        raise _os_error("munmap")
+
+
+def _fully_mapped(addr, size):
+    """Whether every page of ``[addr, addr + size)`` is mapped (msync fails ENOMEM where not)."""
+    return _libc.msync(addr, size, 0) == 0
 
 
 class Memfd:
@@ -47,11 +96,11 @@ class Memfd:
         self.size = size
         self.inode = None
 
-    def map_at(self, va):
+    def map_at(self, va, fixed=MAP_FIXED):
         fd = os.memfd_create("pagedrt-chunk", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, self.size)
-            _mmap(va, self.size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd)
+            _mmap(va, self.size, PROT_NONE, MAP_SHARED | fixed, fd)
             self.inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
@@ -60,35 +109,112 @@ class Memfd:
 class HostBackend:
     name = "host"
     xp = np
+    frees_at_close = False  # the range stays (as scratch) while views may live: see the docstring
 
     def __init__(self, reason):
         self.reason = reason
         self.page_bytes = mmap.PAGESIZE
+        self.gaps = {}  # va -> size: released places the reservation could not be put back over
 
     def reserve(self, size):
-        return _mmap(None, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+        try:
+            return _mmap(None, size, PROT_READ, ANON)
+        except MappingLimitError:
+            raise MappingLimitError(
+                f"cannot reserve {size} bytes ({size / 2**30:.6g} GiB) of virtual address space: mmap "
+                f"failed with ENOMEM; the limit is the process's address space (128 TiB of user space "
+                f"on x86-64 Linux, less under `ulimit -v`) or its count of mappings (vm.max_map_count = "
+                f"{max_map_count()}): reserve a smaller pool") from None
 
     def free(self, base, size):
-        if _libc.munmap(base, size):
-            raise _os_error("munmap")
+        for start, n in self._segments(base, size):
+            _munmap(start, n)
+        for va in [va for va in self.gaps if base <= va < base + size]:
+            del self.gaps[va]
 
     def create(self, size):
         return Memfd(size)
 
     def map(self, va, size, handle):
-        handle.map_at(va)
+        if va in self.gaps:  # never replace what may have landed in a gap
+            try:
+                handle.map_at(va, MAP_FIXED_NOREPLACE)
+            except OSError as exc:
+                if exc.errno != errno.EEXIST:
+                    raise
+                raise ChunkStateError(
+                    f"the chunk place at {va:#x} was taken by another mapping of this process while "
+                    f"the pool could not reserve it; map another chunk") from None
+            del self.gaps[va]
+            return
+        try:
+            handle.map_at(va)
+        except BaseException:
+            # A kernel may have removed the reservation there before failing: put it back.
+            if not _fully_mapped(va, size):
+                self._reserve_hole(va, size)
+            raise
 
     def set_access(self, va, size):
         if _libc.mprotect(va, size, PROT_RW):
             raise _os_error("mprotect")
 
     def unmap(self, va, size):
-        # Put the reservation back over the hole rather than munmap, so that no
-        # other mapping of this process can land inside the pool's range.
-        _mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE)
+        """Put the reservation's zero pages back over a chunk (never a bare munmap, so that no
+        other mapping of this process can land inside the pool's range). With the reservation's
+        protection and flags the kernel merges it with its neighbours: no mapping is added."""
+        try:
+            _mmap(va, size, PROT_READ, ANON | MAP_FIXED)
+            return
+        except (MappingLimitError, OSError):
+            pass
+        # Past the limit Linux refuses every mmap; unmapping a whole chunk always succeeds and
+        # lowers the count, so the zero pages then fit.
+        _munmap(va, size)
+        self._reserve_hole(va, size)
+
+    def _reserve_hole(self, va, size):
+        """Map the zero pages into the empty ``[va, va + size)``, replacing nothing. If that
+        fails (another thread's mapping took the place), it is remembered as a gap: never
+        mapped over, never unmapped by the pool."""
+        try:
+            _mmap(va, size, PROT_READ, ANON | MAP_FIXED_NOREPLACE)
+        except (MappingLimitError, OSError):
+            self.gaps[va] = size
 
     def release(self, handle):
         pass  # unmapping freed the memory: nothing else holds it
+
+    def retire(self, base, size, chunks):
+        """A closing pool: scratch memory over the whole range (see the module docstring);
+        the chunks' memory goes with their last mapping. Falls back to unmapping the chunks
+        first (past the mapping limit), then to read-only zero pages (no memory to commit)."""
+        try:
+            self._over_range(base, size, PROT_RW)
+            return
+        except (MappingLimitError, OSError):
+            pass
+        for va, n, _ in chunks:
+            _munmap(va, n)
+        try:
+            self._over_range(base, size, PROT_RW)
+        except (MappingLimitError, OSError):
+            self._over_range(base, size, PROT_READ)
+
+    def _over_range(self, base, size, prot):
+        for start, n in self._segments(base, size):
+            _mmap(start, n, prot, ANON | MAP_FIXED)
+
+    def _segments(self, base, size):
+        """``[base, base + size)`` less the gaps, as (start, size) pieces."""
+        pieces, start = [], base
+        for va in sorted(va for va in self.gaps if base <= va < base + size):
+            if va > start:
+                pieces.append((start, va - start))
+            start = va + self.gaps[va]
+        if start < base + size:
+            pieces.append((start, base + size - start))
+        return pieces
 
     @staticmethod
     def handle_id(handle):

@@ -7,7 +7,21 @@ leaving a hole. The range never moves, so every pointer into it stays valid.
 
 The bookkeeping, argument checks and rollback live here; a backend (``vmm`` for
 CUDA, ``host`` for the operating system's virtual memory) supplies the primitive
-calls. Every operation either completes or leaves the pool exactly as it was.
+calls. Every operation either completes or leaves the pool exactly as it was,
+with one exception that keeps the bookkeeping true: a chunk that the backend
+cannot unmap while undoing a failed map stays mapped and is adopted (it then
+appears in :meth:`Pool.mappings` as mapped, which it is).
+
+Every pool of the process is registered (weakly): :func:`find_pool` answers which
+pool's reserved range holds an address, and :attr:`Pool.version` with
+:meth:`Pool.mapped_mask` say which chunks are mapped, so that kernels can refuse
+memory that is not.
+
+What views see after :meth:`Pool.close` and in holes depends on the backend
+(docs/ARCHITECTURE.md, "The pool"): on the host, a closed range is scratch memory
+(reads give zeros, writes go nowhere) until the pool and its last view are gone,
+and holes read as zeros; on CUDA, close frees the range at once and holes stay
+unmapped, so a view must not be used after close or over a hole.
 """
 
 import weakref
@@ -20,6 +34,22 @@ from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, Reservati
                       UnknownChunkError, UnmappedRangeError)
 
 MAPPED, RELEASED = "mapped", "released"
+
+_POOLS = []  # weak references to every pool made in this process, dead ones dropped as found
+
+
+def find_pool(address):
+    """The pool of this process whose reserved range ``[base, base + max_bytes)`` holds
+    ``address`` (an int), open or closed; None if no live pool's range holds it."""
+    address = int(address)
+    found = None
+    for ref in list(_POOLS):
+        pool = ref()
+        if pool is None:
+            _POOLS.remove(ref)
+        elif found is None and pool.base <= address < pool.base + pool.max_bytes:
+            found = pool
+    return found
 
 
 @dataclass(frozen=True)
@@ -67,9 +97,17 @@ class Pool:
         self._handles = {}       # chunk -> backend handle, for mapped chunks
         self._released = set()   # chunks mapped once and released since
         self._closed = False
-        self.base = self._backend.reserve(max_bytes)
-        self._finalizer = weakref.finalize(self, _close_backend, self._backend, self.base,
-                                           max_bytes, chunk_bytes, self._handles)
+        self._version = 0
+        self._mask = None        # (version, read-only mask) of the last mapped_mask()
+        try:
+            self.base = self._backend.reserve(max_bytes)
+        except BaseException:
+            if isinstance(backend, str):  # the backend is ours: let it go (CUDA: its context)
+                self._backend.close()
+            raise
+        self._range = _Range(self._backend, self.base, max_bytes, chunk_bytes, self._handles)
+        self._finalizer = weakref.finalize(self, self._range.free)
+        _POOLS.append(weakref.ref(self))
 
     # --- what the pool is ----------------------------------------------------------
 
@@ -99,6 +137,22 @@ class Pool:
     @property
     def closed(self):
         return self._closed
+
+    @property
+    def version(self):
+        """A number bumped whenever chunks are mapped or released (and at close): a mask
+        computed at one version holds until the version changes."""
+        return self._version
+
+    def mapped_mask(self):
+        """A read-only bool array ``[num_chunks]``, True where the chunk is mapped now
+        (all False once closed). Cached: the same array until :attr:`version` changes."""
+        if self._mask is None or self._mask[0] != self._version:
+            mask = np.zeros(self.num_chunks, bool)
+            mask[list(self._handles)] = True
+            mask.flags.writeable = False
+            self._mask = (self._version, mask)
+        return self._mask[1]
 
     def is_mapped(self, chunk):
         self._check_open()
@@ -155,10 +209,13 @@ class Pool:
                 state = "already released" if c in self._released else "never mapped"
                 raise ChunkStateError(f"cannot release chunk {c}: it is {state}")
         self._backend.synchronize()  # a running kernel may still read these chunks
-        for c in chunks:
-            self._backend.unmap(self.base + c * self.chunk_bytes, self.chunk_bytes)
-            self._backend.release(self._handles.pop(c))
-            self._released.add(c)
+        try:
+            for c in chunks:  # if the backend refuses one, those before it stay released
+                self._backend.unmap(self.base + c * self.chunk_bytes, self.chunk_bytes)
+                self._backend.release(self._handles.pop(c))
+                self._released.add(c)
+        finally:
+            self._version += 1
 
     def _map(self, chunks):
         """Create, map and enable access to ``chunks``; undo exactly what was done on failure."""
@@ -173,13 +230,35 @@ class Pool:
             for first, count in _runs(chunks):  # one access call per contiguous run
                 b.set_access(self.base + first * size, count * size)
         except BaseException:
-            for c in mapped:
-                b.unmap(self.base + c * size, size)
-            for handle in created.values():
-                b.release(handle)
+            self._undo_map(created, mapped)
             raise
         self._handles.update(created)
         self._released.difference_update(chunks)
+        self._version += 1
+
+    def _undo_map(self, created, mapped):
+        """Unmap ``mapped`` and release every handle in ``created``. A chunk that the backend
+        cannot unmap stays mapped: it is adopted into the pool, so the bookkeeping stays
+        what is really mapped, and its handle is kept."""
+        b, size = self._backend, self.chunk_bytes
+        adopted = []
+        for c in mapped:
+            try:
+                b.unmap(self.base + c * size, size)
+            except Exception:
+                adopted.append(c)
+        for c, handle in created.items():
+            if c not in adopted:
+                b.release(handle)
+        for c in adopted:  # usable as a mapped chunk should be, if the backend lets it
+            try:
+                b.set_access(self.base + c * size, size)
+            except Exception:
+                pass
+        if adopted:
+            self._handles.update((c, created[c]) for c in adopted)
+            self._released.difference_update(adopted)
+            self._version += 1
 
     def _chunk_list(self, chunks):
         chunks = [chunks] if isinstance(chunks, int) else list(chunks)
@@ -200,7 +279,11 @@ class Pool:
 
         The bytes it spans must all be mapped, unless ``allow_holes``: the cache
         uses that for per-layer views whose released blocks it never touches.
-        Arrays must not be used after the pool is closed.
+        On the host backend, holes (and the unmapped rest of the range) read as
+        zeros, but writing into one through a view faults: pagedrt's own writes
+        are refused before they reach a hole. After :meth:`close`, a host view
+        reads zeros and its writes go nowhere. On CUDA, a kernel reading a hole
+        or a closed pool's range faults (illegal address): never use a view there.
         """
         self._check_open()
         dtype = np.dtype(dtype)
@@ -225,10 +308,20 @@ class Pool:
         self._backend.synchronize()
 
     def close(self):
-        """Unmap and release every chunk and free the range. Idempotent; also runs at exit."""
+        """Unmap and release every chunk. Idempotent; also runs when the pool is collected
+        and at exit.
+
+        CUDA frees the range at once. The host backend maps scratch memory over the
+        range instead (views taken before close then read zeros rather than crash) and
+        frees it when the pool and its last view are gone.
+        """
         if not self._closed:
             self._closed = True
-            self._finalizer()
+            self._version += 1
+            if self._backend.frees_at_close:
+                self._finalizer()
+            else:
+                self._range.retire()
             self._released.clear()
 
     def __enter__(self):
@@ -247,14 +340,29 @@ class Pool:
                 f"chunk_bytes={self.chunk_bytes}, {state})")
 
 
-def _close_backend(backend, base, max_bytes, chunk_bytes, handles):
-    backend.synchronize()
-    for c, handle in sorted(handles.items()):
-        backend.unmap(base + c * chunk_bytes, chunk_bytes)
-        backend.release(handle)
-    handles.clear()
-    backend.free(base, max_bytes)
-    backend.close()
+class _Range:
+    """A pool's range and chunks, apart from the pool, so that a finalizer can end them."""
+
+    def __init__(self, backend, base, size, chunk_bytes, handles):
+        self.backend, self.base, self.size, self.chunk_bytes = backend, base, size, chunk_bytes
+        self.handles = handles  # the pool's own dict
+        self.retired = False
+
+    def retire(self):
+        """Unmap and release every chunk (the host leaves scratch memory over the range)."""
+        if not self.retired:
+            self.retired = True
+            self.backend.synchronize()
+            self.backend.retire(self.base, self.size,
+                                [(self.base + c * self.chunk_bytes, self.chunk_bytes, h)
+                                 for c, h in sorted(self.handles.items())])
+            self.handles.clear()
+
+    def free(self):
+        """Retire, then free the range and let the backend go; run once, by the finalizer."""
+        self.retire()
+        self.backend.free(self.base, self.size)
+        self.backend.close()
 
 
 def _runs(sorted_chunks):

@@ -3,16 +3,20 @@
 cuMemAddressReserve reserves the range; a chunk is a cuMemCreate allocation
 mapped with cuMemMap; cuMemSetAccess enables reads and writes (one call per
 contiguous run, since its cost is per call); release is cuMemUnmap + cuMemRelease;
-close frees the range with cuMemAddressFree. Arrays are CuPy arrays over
-``cupy.cuda.UnownedMemory``, so no copy is ever made.
+close unmaps and releases every chunk and frees the range with cuMemAddressFree
+at once. Arrays are CuPy arrays over ``cupy.cuda.UnownedMemory``, so no copy is
+ever made. Holes stay unmapped (unlike the host backend's read-only zero pages)
+and a closed pool's range is freed: a kernel that reads either faults with an
+illegal address, so pagedrt's launches refuse both before they start.
 """
 
 from .. import driver as drv
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, CudaError, MappingLimitError
 
 
 class CudaBackend:
     name = "cuda"
+    frees_at_close = True  # see the module docstring: views must not outlive the pool's close
 
     def __init__(self):
         self.device = drv.current_device()
@@ -36,7 +40,14 @@ class CudaBackend:
         return drv.call(self._d, fn, *args)
 
     def reserve(self, size):
-        return int(self._call("cuMemAddressReserve", size, self.page_bytes, 0, 0))
+        try:
+            return int(self._call("cuMemAddressReserve", size, self.page_bytes, 0, 0))
+        except CudaError as exc:
+            raise MappingLimitError(
+                f"cannot reserve {size} bytes ({size / 2**30:.6g} GiB) of GPU virtual address space: "
+                f"cuMemAddressReserve failed with {exc.name} ({exc.text}); the limit is the device's "
+                f"virtual address space less what this process has reserved already: reserve a "
+                f"smaller pool") from exc
 
     def free(self, base, size):
         self._call("cuMemAddressFree", base, size)
@@ -55,6 +66,12 @@ class CudaBackend:
 
     def release(self, handle):
         self._call("cuMemRelease", handle)
+
+    def retire(self, base, size, chunks):
+        """Unmap and release every ``(va, size, handle)`` of a closing pool."""
+        for va, chunk_size, handle in chunks:
+            self.unmap(va, chunk_size)
+            self.release(handle)
 
     @staticmethod
     def handle_id(handle):
