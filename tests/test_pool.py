@@ -191,12 +191,17 @@ def test_auto_backend_says_why():
         assert pool.backend_reason.startswith(pool.backend + ":")
 
 
+def reservations():
+    """The address-space reservations of this process (inaccessible private mappings), as (start, end)."""
+    return sorted((start, end) for start, end, perms, _ in host_mappings() if perms == "---p")
+
+
 def test_absurd_size_is_a_named_error_and_leaks_nothing(backend):
-    before = host_mappings() if backend == "host" else None
+    before = reservations() if backend == "host" else None
     with pytest.raises(MappingLimitError, match=f"cannot reserve {1 << 62} bytes.*reserve a smaller pool"):
         Pool(1 << 62, 4 * MiB, backend=backend)
-    if backend == "host":
-        assert host_mappings() == before
+    if backend == "host":  # Python's own allocator may map memory meanwhile; no reservation may be left
+        assert set(reservations()) <= set(before)  # (a closed pool's range may be freed meanwhile)
     with make_pool(backend, chunks=4) as pool:  # and the backend is still usable
         pool.grow(1)
 
@@ -211,7 +216,7 @@ def test_find_pool(backend):
         assert find_pool(np.uint64(pool.base + pool.chunk_bytes)) is pool
     outside = [x for x in (a.base - 1, a.base + a.max_bytes, b.base - 1, b.base + b.max_bytes)
                if not (a.base <= x < a.base + a.max_bytes or b.base <= x < b.base + b.max_bytes)]
-    assert outside and all(find_pool(x) is None for x in outside)
+    assert outside and all(find_pool(x) not in (a, b) for x in outside)  # other tests' pools may live there
     assert find_pool(0) is None
     a.close()
     assert find_pool(a.base) is a  # closed pools are still found while they live
