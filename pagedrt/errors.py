@@ -55,7 +55,8 @@ class PoolClosedError(PagedRTError, RuntimeError):
 
 
 class MappingLimitError(PagedRTError, MemoryError):
-    """The operating system refused another memory mapping (``vm.max_map_count`` on Linux)."""
+    """The address space refused a mapping: another one past the OS limit (``vm.max_map_count`` on Linux),
+    or a reservation larger than the process or the device can address."""
 
 
 # --- blocks, sequences and the cache (software layer) -------------------------
