@@ -156,10 +156,11 @@ class Reproducer:
         return rel_error(to_host(out)[0], self.expected()) <= 2e-3
 
 
-def stale_table(backend):
+def stale_table(backend, before=None):
     """A table copied from ``block_tables([b, a])``, then ``free(b)`` and ``trim()``: row 0 names b's blocks,
     whose chunk is released. Chunks of one page, so a (one chunk's worth of blocks) and b hold different ones.
-    Returns (cache, table, lens, b's slots)."""
+    ``before(cache, table, lens)`` runs before the free (the table is good then). Returns (cache, table, lens,
+    b's slots)."""
     from pagedrt.cache import PagedKVCache
     from pagedrt.memory import select_backend
     page = select_backend(backend).page_bytes
@@ -168,6 +169,8 @@ def stale_table(backend):
     cache.append([a], cache.layout.blocks_per_chunk * 16)
     slots_b, _ = cache.append([b], 20)
     table, lens = cache.block_tables([b, a]).copy(), cache.seq_lens([b, a]).copy()
+    if before is not None:
+        before(cache, table, lens)
     cache.free([b])
     assert cache.trim()
     return cache, table, lens, cache.xp.asarray(slots_b)

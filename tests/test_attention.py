@@ -488,8 +488,8 @@ def test_decode_refuses_a_block_in_a_chunk_never_mapped():
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_a_table_copied_before_free_and_trim():
-    cache, table, lens, _ = stale_table("host")
     q = np.ones((2, 4, 128), np.float16)
+    cache, table, lens, _ = stale_table("host", lambda c, t, n: paged_decode(q, c.k(0), c.v(0), t, n))
     with pytest.raises(BlockTableError, match=r"block_tables\[0, 0\] = .*not mapped"):
         paged_decode(q, cache.k(0), cache.v(0), table, lens)
     paged_decode(q[1:], cache.k(0), cache.v(0), table[1:], lens[1:])  # a's row is still good
