@@ -369,7 +369,6 @@ def test_decode_refuses_a_table_copied_before_free_and_trim():
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_planes_of_a_closed_cache():
-    import cupy
     r = Reproducer("cuda")
     plan = DecodePlan(r.q, r.k, r.table, r.lens)
     r.cache.close()

@@ -13,8 +13,8 @@ from helpers import to_host
 from kernel_cases import Case, Reproducer, np_dtype, pool_lookup, stale_table  # noqa: F401
 from pagedrt import source
 from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError
-from pagedrt.kernels import WritePlan, copy, copy_blocks, copy_blocks_reference, validate, write, write_kv, \
-    write_kv_reference
+from pagedrt.kernels import WritePlan, copy, copy_blocks, copy_blocks_reference, release_buffers, validate, write, \
+    write_kv, write_kv_reference
 from pagedrt.kernels import configs
 from pagedrt.kernels.configs import BASE, Config
 
@@ -186,3 +186,12 @@ def test_write_refuses_a_slot_given_twice_on_the_device():
         write_kv(k, k, dev.k, dev.v, cupy.asarray(slots))
         write_kv_reference(to_host(k), to_host(k), case.k, case.v, slots)
         assert same_bits(dev.buffer, case.buffer)
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_release_buffers_drops_every_cached_device_buffer():
+    r = Reproducer("cuda")  # its write cached a scratch buffer and the pool's chunk mask
+    assert validate._scratch and r.cache.pool in validate._masks
+    release_buffers()
+    assert not validate._scratch and not len(validate._masks)
+    assert r.decode_is_right()  # the next check makes new ones

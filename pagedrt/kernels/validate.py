@@ -40,7 +40,9 @@ _masks = weakref.WeakKeyDictionary()
 
 
 def release_buffers():
-    """Drop every device buffer the checks cache (scratch and chunk masks); the next check makes new ones."""
+    """Drop every device buffer the launchers cache (the checks' scratch and chunk masks); the next check
+    makes new ones. Plans hold their own workspaces; CuPy's memory pools keep what is dropped until
+    ``free_all_blocks()``."""
     _scratch.clear()
     _masks.clear()
 
