@@ -174,3 +174,42 @@ def stale_table(backend, before=None):
     cache.free([b])
     assert cache.trim()
     return cache, table, lens, cache.xp.asarray(slots_b)
+
+
+def check_closed_cache_refuses_decode(backend):
+    """Decode over the planes of a closed cache: paged_decode (validated or not) and an earlier plan's run."""
+    from pagedrt.attention import DecodePlan, paged_decode
+    from pagedrt.errors import PoolClosedError
+    r = Reproducer(backend)
+    plan = DecodePlan(r.q, r.k, r.table, r.lens)
+    r.cache.close()
+    for call in (lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens), lambda: plan.run(r.q, r.k, r.v),
+                 lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens, validate=False)):
+        with pytest.raises(PoolClosedError, match="closed"):
+            call()
+
+
+def check_closed_cache_refuses_writes(backend):
+    """Writes and copies into the planes of a closed cache: write_kv (validated or not), an earlier plan's run,
+    copy_blocks."""
+    from pagedrt.errors import PoolClosedError
+    from pagedrt.kernels import WritePlan, copy_blocks, write_kv
+    r = Reproducer(backend)
+    plan = WritePlan(r.kv, r.k, r.slots)
+    planes = r.cache.planes
+    r.cache.close()
+    for call in (lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots),
+                 lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots, validate=False),
+                 lambda: plan.run(r.kv, r.kv, r.k, r.v), lambda: copy_blocks(planes, r.xp.asarray([[0, 1]]))):
+        with pytest.raises(PoolClosedError, match="closed"):
+            call()
+
+
+def check_stale_slots_refused(backend):
+    """write_kv through b's slots after free(b) and trim() (see :func:`stale_table`)."""
+    from pagedrt.errors import BlockTableError
+    from pagedrt.kernels import write_kv
+    cache, _, _, slots_b = stale_table(backend)
+    kv = cache.xp.ones((len(slots_b), 1, 128), np.float16)
+    with pytest.raises(BlockTableError, match=r"slot_mapping\[0\] = .*not mapped"):
+        write_kv(kv, kv, cache.k(0), cache.v(0), slots_b)

@@ -8,12 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_cases import Case, Reproducer, naive_attention, np_dtype, pool_lookup, rel_error, stale_table  # noqa: F401
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, naive_attention, np_dtype,  # noqa: F401
+                          pool_lookup, rel_error, stale_table)
 from pagedrt import Pool
 from pagedrt.attention import (ContiguousDecodePlan, DecodePlan, SplitPlan, contiguous_decode, paged_decode,
                                plan_splits, reference, workspace_bytes)
 from pagedrt.attention import decode, planner
-from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError, UnsupportedConfigError
+from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs
 from pagedrt.kernels.configs import BASE, Config
 
@@ -497,10 +498,4 @@ def test_decode_refuses_a_table_copied_before_free_and_trim():
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_planes_of_a_closed_cache():
-    r = Reproducer("host")
-    plan = DecodePlan(r.q, r.k, r.table, r.lens)
-    r.cache.close()
-    for call in (lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens), lambda: plan.run(r.q, r.k, r.v),
-                 lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens, validate=False)):
-        with pytest.raises(PoolClosedError, match="closed"):
-            call()
+    check_closed_cache_refuses_decode("host")

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from helpers import to_host
-from kernel_cases import Case, Reproducer, pool_lookup, rel_error, stale_table  # noqa: F401
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, pool_lookup, rel_error,  # noqa: F401
+                          stale_table)
 from pagedrt import Pool, source
 from pagedrt.attention import DecodePlan, contiguous_decode, paged_decode, reference, workspace_bytes
 from pagedrt.attention import decode, planner
-from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError
+from pagedrt.errors import BlockTableError, LaunchArgumentError
 from pagedrt.kernels import configs, validate
 from pagedrt.kernels.configs import BASE, Config
 
@@ -369,13 +370,7 @@ def test_decode_refuses_a_table_copied_before_free_and_trim():
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_planes_of_a_closed_cache():
-    r = Reproducer("cuda")
-    plan = DecodePlan(r.q, r.k, r.table, r.lens)
-    r.cache.close()
-    for call in (lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens), lambda: plan.run(r.q, r.k, r.v),
-                 lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens, validate=False)):
-        with pytest.raises(PoolClosedError, match="closed"):
-            call()
+    check_closed_cache_refuses_decode("cuda")
     case = Case(BASE, [3, 40], seed=3)  # the context is fine: a decode elsewhere runs
     dev = OnDevice(case)
     assert rel_error(to_host(paged_decode(dev.q, dev.k, dev.v, dev.table, dev.lens)), expected(case)) \

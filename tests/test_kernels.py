@@ -4,10 +4,11 @@ runs in CI). Attention: test_attention.py."""
 import numpy as np
 import pytest
 
-from kernel_cases import Case, Reproducer, naive_attention, pool_lookup, rel_error, stale_table  # noqa: F401
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
+                          naive_attention, pool_lookup, rel_error)
 from pagedrt import source
 from pagedrt.attention import paged_decode
-from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError, UnsupportedConfigError
+from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import WritePlan, copy_blocks, instances, write_kv
 from pagedrt.kernels import configs
 from pagedrt.kernels.configs import BASE, Config
@@ -191,22 +192,12 @@ def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped():
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_write_refuses_slots_of_a_sequence_freed_and_trimmed():
-    cache, _, _, slots_b = stale_table("host")
-    kv = np.ones((len(slots_b), 1, 128), np.float16)
-    with pytest.raises(BlockTableError, match=r"slot_mapping\[0\] = .*not mapped"):
-        write_kv(kv, kv, cache.k(0), cache.v(0), slots_b)
+    check_stale_slots_refused("host")
 
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_planes_of_a_closed_cache_are_refused():
-    r = Reproducer("host")
-    plan = WritePlan(r.kv, r.k, r.slots)
-    planes = r.cache.planes
-    r.cache.close()
-    for call in (lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots), lambda: plan.run(r.kv, r.kv, r.k, r.v),
-                 lambda: copy_blocks(planes, np.array([[0, 1]]))):
-        with pytest.raises(PoolClosedError, match="closed"):
-            call()
+    check_closed_cache_refuses_writes("host")
 
 
 def test_write_refuses_a_slot_given_twice():

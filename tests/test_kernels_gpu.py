@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from helpers import to_host
-from kernel_cases import Case, Reproducer, np_dtype, pool_lookup, stale_table  # noqa: F401
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
+                          np_dtype, pool_lookup)
 from pagedrt import source
-from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError
+from pagedrt.errors import BlockTableError, LaunchArgumentError
 from pagedrt.kernels import WritePlan, copy, copy_blocks, copy_blocks_reference, release_buffers, validate, write, \
     write_kv, write_kv_reference
 from pagedrt.kernels import configs
@@ -143,25 +144,14 @@ def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped_and_the_context_s
 @pytest.mark.usefixtures("pool_lookup")
 def test_write_refuses_slots_of_a_sequence_freed_and_trimmed():
     import cupy
-    cache, _, _, slots_b = stale_table("cuda")
-    kv = cupy.ones((len(slots_b), 1, 128), np.float16)
-    with pytest.raises(BlockTableError, match=r"slot_mapping\[0\] = .*not mapped"):
-        write_kv(kv, kv, cache.k(0), cache.v(0), slots_b)
+    check_stale_slots_refused("cuda")
     cupy.cuda.Device().synchronize()
 
 
 @pytest.mark.usefixtures("pool_lookup")
 def test_planes_of_a_closed_cache_are_refused():
     import cupy
-    r = Reproducer("cuda")
-    plan = WritePlan(r.kv, r.k, r.slots)
-    planes = r.cache.planes
-    r.cache.close()
-    for call in (lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots),
-                 lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots, validate=False),
-                 lambda: plan.run(r.kv, r.kv, r.k, r.v), lambda: copy_blocks(planes, cupy.asarray([[0, 1]]))):
-        with pytest.raises(PoolClosedError, match="closed"):
-            call()
+    check_closed_cache_refuses_writes("cuda")
     cupy.cuda.Device().synchronize()
 
 
