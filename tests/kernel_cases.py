@@ -163,8 +163,8 @@ def stale_table(backend, before=None):
     b's slots)."""
     from pagedrt.cache import PagedKVCache
     from pagedrt.memory import select_backend
-    page = select_backend(backend).page_bytes
-    cache = PagedKVCache(1, 1, 128, 16, "float16", max_tokens=1 << 16, backend=backend, chunk_bytes=page)
+    chosen = select_backend(backend)  # the cache takes it over (and closes it with its pool)
+    cache = PagedKVCache(1, 1, 128, 16, "float16", max_tokens=1 << 16, backend=chosen, chunk_bytes=chosen.page_bytes)
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.append([a], cache.layout.blocks_per_chunk * 16)
     slots_b, _ = cache.append([b], 20)
