@@ -1,6 +1,12 @@
-"""Shared builders for the kernel tests: paged caches with scattered, NaN-poisoned blocks, and naive attention."""
+"""Shared builders for the kernel tests: paged caches with scattered, NaN-poisoned blocks, and naive attention;
+caches whose tables or slots name blocks that are not mapped (the refusals of issue 21)."""
+
+import weakref
 
 import numpy as np
+import pytest
+
+from helpers import to_host
 
 
 def np_dtype(name):
@@ -76,3 +82,134 @@ def rel_error(out, ref):
     """||out - ref|| / ||ref|| in float64."""
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# --- blocks whose memory is not mapped (issue 21) ----------------------------------------------------------
+
+@pytest.fixture
+def pool_lookup(monkeypatch):
+    """The memory layer's pool lookup the checks use (``find_pool``, ``Pool.version``, ``Pool.mapped_mask``).
+
+    A memory layer that lacks it gets a minimal stand-in for the test's duration (pools made during the test
+    are found; the version counts maps and releases), so these tests run on both sides of that change.
+    """
+    from pagedrt.kernels import validate
+    from pagedrt.memory import Pool
+    if validate.find_pool is not None:
+        return
+    pools = weakref.WeakSet()
+    init, map_chunks, release = Pool.__init__, Pool._map, Pool.release
+
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        pools.add(self)
+
+    def bumping(method):
+        def changed(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            self._stand_in_version = getattr(self, "_stand_in_version", 0) + 1
+            return out
+        return changed
+
+    monkeypatch.setattr(Pool, "__init__", tracked_init)
+    monkeypatch.setattr(Pool, "_map", bumping(map_chunks))
+    monkeypatch.setattr(Pool, "release", bumping(release))
+    monkeypatch.setattr(Pool, "version", property(lambda self: getattr(self, "_stand_in_version", 0)),
+                        raising=False)
+    monkeypatch.setattr(Pool, "mapped_mask", lambda self: np.isin(np.arange(self.num_chunks), list(self._handles)),
+                        raising=False)
+    monkeypatch.setattr(validate, "find_pool", lambda address: next(
+        (p for p in pools if p.base <= address < p.base + p.max_bytes), None))
+
+
+class Reproducer:
+    """The issue's cache: one layer, one KV head of 128, blocks of 16, 2^20 tokens reserved, 8 tokens appended
+    to one sequence and written. ``last`` is the planes' last block id: in range, in a chunk never mapped."""
+
+    def __init__(self, backend):
+        from pagedrt.cache import PagedKVCache
+        from pagedrt.kernels import write_kv
+        self.cache = PagedKVCache(1, 1, 128, 16, "float16", max_tokens=1 << 20, backend=backend)
+        xp = self.xp = self.cache.xp
+        self.seq = self.cache.add_sequence()
+        slots, _ = self.cache.append([self.seq], 8)
+        self.slots = xp.asarray(slots)
+        rng = np.random.default_rng(21)
+        self.kv = xp.asarray(rng.standard_normal((8, 1, 128)).astype(np.float16))
+        self.q = xp.asarray(rng.standard_normal((1, 4, 128)).astype(np.float16))
+        self.k, self.v = self.cache.k(0), self.cache.v(0)
+        write_kv(self.kv, self.kv, self.k, self.v, self.slots)
+        self.table, self.lens = self.cache.block_tables([self.seq]).copy(), self.cache.seq_lens([self.seq]).copy()
+        self.last = int(self.k.shape[0]) - 1
+
+    def expected(self):
+        """The sequence's attention, float64 (all 4 query heads use the one KV head)."""
+        q, kv = np.asarray(to_host(self.q)[0], np.float64), np.asarray(to_host(self.kv)[:, 0], np.float64)
+        s = q @ kv.T / np.sqrt(128)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        return (p / p.sum(axis=1, keepdims=True)) @ kv
+
+    def decode_is_right(self):
+        """A good decode through the cache's own table: runs, and matches :meth:`expected`."""
+        from pagedrt.attention import paged_decode
+        out = paged_decode(self.q, self.k, self.v, self.table, self.lens)
+        return rel_error(to_host(out)[0], self.expected()) <= 2e-3
+
+
+def stale_table(backend, before=None):
+    """A table copied from ``block_tables([b, a])``, then ``free(b)`` and ``trim()``: row 0 names b's blocks,
+    whose chunk is released. Chunks of one page, so a (one chunk's worth of blocks) and b hold different ones.
+    ``before(cache, table, lens)`` runs before the free (the table is good then). Returns (cache, table, lens,
+    b's slots)."""
+    from pagedrt.cache import PagedKVCache
+    from pagedrt.memory import select_backend
+    chosen = select_backend(backend)  # the cache takes it over (and closes it with its pool)
+    cache = PagedKVCache(1, 1, 128, 16, "float16", max_tokens=1 << 16, backend=chosen, chunk_bytes=chosen.page_bytes)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append([a], cache.layout.blocks_per_chunk * 16)
+    slots_b, _ = cache.append([b], 20)
+    table, lens = cache.block_tables([b, a]).copy(), cache.seq_lens([b, a]).copy()
+    if before is not None:
+        before(cache, table, lens)
+    cache.free([b])
+    assert cache.trim()
+    return cache, table, lens, cache.xp.asarray(slots_b)
+
+
+def check_closed_cache_refuses_decode(backend):
+    """Decode over the planes of a closed cache: paged_decode (validated or not) and an earlier plan's run."""
+    from pagedrt.attention import DecodePlan, paged_decode
+    from pagedrt.errors import PoolClosedError
+    r = Reproducer(backend)
+    plan = DecodePlan(r.q, r.k, r.table, r.lens)
+    r.cache.close()
+    for call in (lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens), lambda: plan.run(r.q, r.k, r.v),
+                 lambda: paged_decode(r.q, r.k, r.v, r.table, r.lens, validate=False)):
+        with pytest.raises(PoolClosedError, match="closed"):
+            call()
+
+
+def check_closed_cache_refuses_writes(backend):
+    """Writes and copies into the planes of a closed cache: write_kv (validated or not), an earlier plan's run,
+    copy_blocks."""
+    from pagedrt.errors import PoolClosedError
+    from pagedrt.kernels import WritePlan, copy_blocks, write_kv
+    r = Reproducer(backend)
+    plan = WritePlan(r.kv, r.k, r.slots)
+    planes = r.cache.planes
+    r.cache.close()
+    for call in (lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots),
+                 lambda: write_kv(r.kv, r.kv, r.k, r.v, r.slots, validate=False),
+                 lambda: plan.run(r.kv, r.kv, r.k, r.v), lambda: copy_blocks(planes, r.xp.asarray([[0, 1]]))):
+        with pytest.raises(PoolClosedError, match="closed"):
+            call()
+
+
+def check_stale_slots_refused(backend):
+    """write_kv through b's slots after free(b) and trim() (see :func:`stale_table`)."""
+    from pagedrt.errors import BlockTableError
+    from pagedrt.kernels import write_kv
+    cache, _, _, slots_b = stale_table(backend)
+    kv = cache.xp.ones((len(slots_b), 1, 128), np.float16)
+    with pytest.raises(BlockTableError, match=r"slot_mapping\[0\] = .*not mapped"):
+        write_kv(kv, kv, cache.k(0), cache.v(0), slots_b)

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_cases import Case, naive_attention, np_dtype, rel_error
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, naive_attention, np_dtype,  # noqa: F401
+                          pool_lookup, rel_error, stale_table)
 from pagedrt import Pool
 from pagedrt.attention import (ContiguousDecodePlan, DecodePlan, SplitPlan, contiguous_decode, paged_decode,
                                plan_splits, reference, workspace_bytes)
@@ -467,3 +468,34 @@ def test_contiguous_checks():
         contiguous_decode(case.q, k, v, case.lens, num_splits=2, workspace=np.zeros(16, np.uint8))
     with pytest.raises(BlockTableError, match=r"seq_lens\[1\] = 40"):
         contiguous_decode(case.q, k, v, np.array([3, 40], np.int32))
+
+
+# --- blocks whose memory is not mapped, closed pools (issue 21) ---------------------------------------------
+# Before these checks each decode below read unmapped memory: a segfault that killed the test process.
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_decode_refuses_a_block_in_a_chunk_never_mapped():
+    r = Reproducer("host")
+    table = np.array([[int(r.table[0, 0]), r.last]], np.int32)
+    with pytest.raises(BlockTableError, match=rf"block_tables\[0, 1\] = {r.last} is a block whose memory is not "
+                                              "mapped") as info:
+        paged_decode(r.q, r.k, r.v, table, np.array([20], np.int32))
+    assert (info.value.row, info.value.column, info.value.block_id) == (0, 1, r.last)
+    with pytest.raises(BlockTableError, match="not mapped"):
+        DecodePlan(r.q, r.k, table, np.array([20], np.int32), validate=False)  # NumPy inputs: always checked
+    paged_decode(r.q, r.k, r.v, table, np.array([16], np.int32))  # the unmapped column unused: fine
+    assert r.decode_is_right()
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_decode_refuses_a_table_copied_before_free_and_trim():
+    q = np.ones((2, 4, 128), np.float16)
+    cache, table, lens, _ = stale_table("host", lambda c, t, n: paged_decode(q, c.k(0), c.v(0), t, n))
+    with pytest.raises(BlockTableError, match=r"block_tables\[0, 0\] = .*not mapped"):
+        paged_decode(q, cache.k(0), cache.v(0), table, lens)
+    paged_decode(q[1:], cache.k(0), cache.v(0), table[1:], lens[1:])  # a's row is still good
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_decode_refuses_planes_of_a_closed_cache():
+    check_closed_cache_refuses_decode("host")

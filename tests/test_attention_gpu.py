@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import to_host
-from kernel_cases import Case, rel_error
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, pool_lookup, rel_error,  # noqa: F401
+                          stale_table)
 from pagedrt import Pool, source
 from pagedrt.attention import DecodePlan, contiguous_decode, paged_decode, reference, workspace_bytes
 from pagedrt.attention import decode, planner
@@ -334,3 +335,43 @@ def test_device_only_argument_checks():
         paged_decode(dev.q, dev.k, dev.v, dev.table, dev.lens, workspace=np.zeros(1 << 20, np.uint8))
     with pytest.raises(LaunchArgumentError, match="uint8"):
         paged_decode(dev.q, dev.k, dev.v, dev.table, dev.lens, workspace=cupy.zeros(1 << 18, np.float32))
+
+
+# --- blocks whose memory is not mapped, closed pools (issue 21) ---------------------------------------------
+# Before these checks each refused decode below ended in CUDA_ERROR_ILLEGAL_ADDRESS (validate=True too: the
+# ids were in range), which leaves the process's CUDA context unusable: each test launches a decode afterwards.
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_decode_refuses_a_block_in_a_chunk_never_mapped_and_the_context_survives():
+    import cupy
+    r = Reproducer("cuda")
+    table = cupy.asarray([[int(r.table[0, 0]), r.last]], dtype=np.int32)
+    for geometry_name in planner.GEOMETRIES:
+        with pytest.raises(BlockTableError, match=rf"block_tables\[0, 1\] = {r.last} is a block whose memory is "
+                                                  "not mapped") as info:
+            paged_decode(r.q, r.k, r.v, table, cupy.asarray([20], np.int32), num_splits=2, geometry=geometry_name)
+        assert (info.value.row, info.value.column, info.value.block_id) == (0, 1, r.last)
+    paged_decode(r.q, r.k, r.v, table, cupy.asarray([16], np.int32))  # the unmapped column unused: fine
+    assert r.decode_is_right()
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_decode_refuses_a_table_copied_before_free_and_trim():
+    import cupy
+    q = cupy.ones((2, 4, 128), np.float16)
+    cache, table, lens, _ = stale_table("cuda", lambda c, t, n: paged_decode(q, c.k(0), c.v(0), t, n))
+    with pytest.raises(BlockTableError, match=r"block_tables\[0, 0\] = .*not mapped"):
+        paged_decode(q, cache.k(0), cache.v(0), table, lens)  # the chunk mask cached before the trim is stale
+    out = paged_decode(q[1:], cache.k(0), cache.v(0), table[1:], lens[1:])  # a's row is still good
+    cupy.cuda.Device().synchronize()
+    assert out.shape == (1, 4, 128)
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_decode_refuses_planes_of_a_closed_cache():
+    check_closed_cache_refuses_decode("cuda")
+    case = Case(BASE, [3, 40], seed=3)  # the context is fine: a decode elsewhere runs
+    dev = OnDevice(case)
+    assert rel_error(to_host(paged_decode(dev.q, dev.k, dev.v, dev.table, dev.lens)), expected(case)) \
+        <= TOLERANCE[BASE.dtype]

@@ -4,7 +4,8 @@ runs in CI). Attention: test_attention.py."""
 import numpy as np
 import pytest
 
-from kernel_cases import Case, naive_attention, rel_error
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
+                          naive_attention, pool_lookup, rel_error)
 from pagedrt import source
 from pagedrt.attention import paged_decode
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
@@ -80,7 +81,7 @@ def test_write_checks():
     with pytest.raises(LaunchArgumentError, match="to match the cache"):
         write_kv(k[:, :1].copy(), k[:, :1].copy(), case.k, case.v, np.zeros(3, np.int64))
     with pytest.raises(LaunchArgumentError, match="same shape"):
-        write_kv(k, k[:2], case.k, case.v, np.zeros(3, np.int64))
+        write_kv(k, k[:2], case.k, case.v, np.arange(3, dtype=np.int64))
     assert np.array_equal(case.buffer, before, equal_nan=True)
 
 
@@ -167,3 +168,46 @@ def test_unsupported_configs_name_the_value():
         args.update(kw)
         with pytest.raises(UnsupportedConfigError, match=words):
             configs.config(**args)
+
+
+# --- blocks whose memory is not mapped, closed pools, duplicate slots (issue 21) ---------------------------
+# Before these checks each call below wrote or read unmapped memory: a segfault that killed the test process.
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped():
+    r = Reproducer("host")
+    slot = r.last * 16
+    with pytest.raises(BlockTableError, match=rf"slot_mapping\[1\] = {slot} is in block {r.last}, .*not mapped") \
+            as info:
+        write_kv(r.kv[:2], r.kv[:2], r.k, r.v, np.array([3, slot], np.int64))
+    assert (info.value.token, info.value.slot) == (1, slot)
+    held = int(r.table[0, 0])
+    with pytest.raises(BlockTableError, match=rf"pairs\[1\] = \({held}, {r.last}\) names block {r.last}, .*not mapped"):
+        copy_blocks(r.cache.planes, np.array([[held, 5], [held, r.last]]))
+    assert not r.k[5].any()  # refused before anything was copied
+    copy_blocks(r.cache.planes, np.array([[held, 5]]))
+    assert np.array_equal(r.k[5], r.k[held])
+    assert r.decode_is_right()
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_write_refuses_slots_of_a_sequence_freed_and_trimmed():
+    check_stale_slots_refused("host")
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_planes_of_a_closed_cache_are_refused():
+    check_closed_cache_refuses_writes("host")
+
+
+def test_write_refuses_a_slot_given_twice():
+    case = Case(BASE, [1], spare_blocks=2)
+    k = np.ones((4, 2, 128), np.float16)
+    before = case.buffer.copy()
+    with pytest.raises(BlockTableError, match=r"slot_mapping\[3\] = 7 repeats slot_mapping\[1\]") as info:
+        write_kv(k, k, case.k, case.v, np.array([9, 7, -1, 7], np.int64))
+    assert (info.value.token, info.value.slot, info.value.first_token) == (3, 7, 1)
+    assert np.array_equal(case.buffer, before, equal_nan=True)
+    write_kv(k, k, case.k, case.v, np.array([9, -1, -1, 7], np.int64))  # padding may repeat
+    with pytest.raises(BlockTableError, match="repeats"):  # NumPy inputs are always checked
+        write_kv(k, k, case.k, case.v, np.array([7, 7, -1, -1], np.int64), validate=False)

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from helpers import to_host
-from kernel_cases import Case, np_dtype
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
+                          np_dtype, pool_lookup)
 from pagedrt import source
 from pagedrt.errors import BlockTableError, LaunchArgumentError
-from pagedrt.kernels import WritePlan, copy, copy_blocks, copy_blocks_reference, validate, write, write_kv, \
-    write_kv_reference
+from pagedrt.kernels import WritePlan, copy, copy_blocks, copy_blocks_reference, release_buffers, validate, write, \
+    write_kv, write_kv_reference
 from pagedrt.kernels import configs
 from pagedrt.kernels.configs import BASE, Config
 
@@ -117,3 +118,70 @@ def test_copy_blocks_every_plane_in_one_launch():
     with pytest.raises(BlockTableError, match=r"pairs\[1\]"):
         copy_blocks(planes(dev), [[3, 4], [5, 64]])
     assert same_bits(dev, host)
+
+
+# --- blocks whose memory is not mapped, closed pools, duplicate slots (issue 21) ---------------------------
+# Before these checks each refused call below ended in CUDA_ERROR_ILLEGAL_ADDRESS, which leaves the process's
+# CUDA context unusable: every test checks that a kernel launched afterwards still runs and is right.
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped_and_the_context_survives():
+    import cupy
+    r = Reproducer("cuda")
+    slot = r.last * 16
+    with pytest.raises(BlockTableError, match=rf"slot_mapping\[1\] = {slot} is in block {r.last}, .*not mapped"):
+        write_kv(r.kv[:2], r.kv[:2], r.k, r.v, cupy.asarray([3, slot], dtype=np.int64))
+    held = int(r.table[0, 0])
+    with pytest.raises(BlockTableError, match=rf"pairs\[1\] = \({held}, {r.last}\) names block {r.last}, .*not mapped"):
+        copy_blocks(r.cache.planes, cupy.asarray([[held, 5], [held, r.last]]))
+    copy_blocks(r.cache.planes, cupy.asarray([[held, 5]]))
+    assert same_bits(r.k[5], r.k[held])
+    write_kv(r.kv, r.kv, r.k, r.v, r.slots)
+    assert r.decode_is_right()
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_write_refuses_slots_of_a_sequence_freed_and_trimmed():
+    import cupy
+    check_stale_slots_refused("cuda")
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_planes_of_a_closed_cache_are_refused():
+    import cupy
+    check_closed_cache_refuses_writes("cuda")
+    cupy.cuda.Device().synchronize()
+
+
+def test_write_refuses_a_slot_given_twice_on_the_device():
+    import cupy
+    rng = np.random.default_rng(12)
+    case = Case(BASE, [1], kv_heads=2, spare_blocks=600)
+    dev = OnDevice(case)
+    for n in (4, 5000):  # a few tokens; enough that the hash set sees collisions
+        slots = rng.permutation(len(case.k) * BASE.block_size)[:n].astype(np.int64)
+        slots[n // 2] = -1
+        slots[n - 2], slots[1] = slots[1], -1  # token n-2 takes token 1's slot, then token 1 is padding
+        slots[n - 1] = slots[n - 2]  # token n-1 repeats token n-2
+        k = cupy.asarray(rng.standard_normal((n, 2, BASE.head_dim)).astype(np.float16))
+        with pytest.raises(BlockTableError, match=rf"slot_mapping\[{n - 1}\] = {slots[n - 1]} repeats "
+                                                  rf"slot_mapping\[{n - 2}\]") as info:
+            write_kv(k, k, dev.k, dev.v, cupy.asarray(slots))
+        assert (info.value.token, info.value.first_token) == (n - 1, n - 2)
+        assert same_bits(dev.buffer, case.buffer)
+        write_kv(k, k, dev.k, dev.v, cupy.asarray(slots), validate=False)  # the caller vouches: not checked
+        slots[n - 1] = -1
+        write_kv(k, k, dev.k, dev.v, cupy.asarray(slots))
+        write_kv_reference(to_host(k), to_host(k), case.k, case.v, slots)
+        assert same_bits(dev.buffer, case.buffer)
+
+
+@pytest.mark.usefixtures("pool_lookup")
+def test_release_buffers_drops_every_cached_device_buffer():
+    r = Reproducer("cuda")  # its write cached a scratch buffer and the pool's chunk mask
+    assert validate._scratch and r.cache.pool in validate._masks
+    release_buffers()
+    assert not validate._scratch and not len(validate._masks)
+    assert r.decode_is_right()  # the next check makes new ones

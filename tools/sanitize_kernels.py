@@ -5,12 +5,18 @@
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
 (with empty segments), each in both geometries, the contiguous baseline, block copy, and
-validation (a good table, then a bad one refused), on the base configuration. CuPy's
-memory pool is switched off, so every array is its own exact-size allocation and a
-read one element past it is an error memcheck reports. Each result is also checked
-against its reference; exits non-zero on a mismatch.
+validation (a good table, then a bad one refused), on the base configuration. Then the
+refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
+decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
+given twice and the planes of a closed cache, each refused, with good launches after
+them (the CUDA context survived). CuPy's memory pool is switched off, so every array
+is its own exact-size allocation and a read one element past it is an error memcheck
+reports. Each result is also checked against its reference; exits non-zero on a
+mismatch. Everything the script and the launchers hold on the device is released
+before it exits, so ``--leak-check full`` has nothing to report.
 """
 
+import gc
 import math
 import sys
 from pathlib import Path
@@ -22,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedrt import source  # noqa: E402
 from pagedrt.attention import contiguous_decode, paged_decode, reference  # noqa: E402
 from pagedrt.attention import decode, planner  # noqa: E402
-from pagedrt.errors import BlockTableError  # noqa: E402
-from pagedrt.kernels import copy_blocks, copy_blocks_reference, write_kv, write_kv_reference  # noqa: E402
+from pagedrt.cache import PagedKVCache  # noqa: E402
+from pagedrt.errors import BlockTableError, PoolClosedError  # noqa: E402
+from pagedrt.kernels import copy_blocks, copy_blocks_reference, release_buffers  # noqa: E402
+from pagedrt.kernels import write_kv, write_kv_reference  # noqa: E402
 from pagedrt.kernels import configs, copy, validate, write  # noqa: E402
 
 KV_HEADS, GROUP, BLOCK, DIM = 2, 4, 16, 128
@@ -38,6 +46,19 @@ def rel_error(out, ref):
 def main():
     import cupy
     cupy.cuda.set_allocator(None)
+    failures = run()
+    cupy.cuda.Device().synchronize()
+    gc.collect()  # every array of the runs is gone; then what the launchers and CuPy hold
+    release_buffers()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    cupy.get_default_memory_pool().free_all_blocks()
+    print("all kernels ran" if not failures else f"{len(failures)} mismatches: {failures}")
+    return 1 if failures else 0
+
+
+def run():
+    """Every kernel and refusal; returns the names of the checks that failed."""
+    import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
     for part in (decode.instances([base]), write.instances([base]), copy.instances(), validate.instances()):
         for file, names in part.items():
@@ -66,6 +87,8 @@ def main():
         print(f"{'ok' if ok else 'MISMATCH'}: {name}")
         if not ok:
             failures.append(name)
+
+    refusals(expect)
 
     write_kv(cupy.asarray(k_new), cupy.asarray(v_new), k, v, cupy.asarray(slots))
     write_kv_reference(k_new, v_new, host_k, host_v, slots)
@@ -97,9 +120,53 @@ def main():
     except BlockTableError:
         expect("validation refuses a bad block id", True)
     cupy.cuda.Device().synchronize()
-    print("all kernels ran" if not failures else f"{len(failures)} mismatches: {failures}")
-    sys.exit(1 if failures else 0)
+    return failures
+
+
+def refused(expect, name, error, call):
+    """Expect ``call`` to raise ``error`` (had it run, memcheck would report the access)."""
+    try:
+        call()
+    except error as exc:
+        expect(f"{name}: {type(exc).__name__}", True)
+    else:
+        expect(f"{name}: refused", False)
+
+
+def refusals(expect):
+    """Issue 21's reproducer on the CUDA backend: each call is refused, and good launches follow."""
+    import cupy
+    if validate.find_pool is None:
+        expect("the refusals of unmapped blocks need pagedrt.memory.find_pool", False)
+        return
+    cache = PagedKVCache(1, 1, DIM, BLOCK, "float16", max_tokens=1 << 20, backend="cuda")
+    seq = cache.add_sequence()
+    slots = cupy.asarray(cache.append([seq], 8)[0])
+    rng = np.random.default_rng(21)
+    kv = rng.standard_normal((8, 1, DIM)).astype(np.float16)
+    q = rng.standard_normal((1, GROUP, DIM)).astype(np.float16)
+    d_kv, d_q, k, v = cupy.asarray(kv), cupy.asarray(q), cache.k(0), cache.v(0)
+    write_kv(d_kv, d_kv, k, v, slots)
+    table, lens = cache.block_tables([seq]).copy(), cache.seq_lens([seq]).copy()
+    held, last = int(table[0, 0]), int(k.shape[0]) - 1
+    refused(expect, "paged_decode over a block in a chunk never mapped", BlockTableError,
+            lambda: paged_decode(d_q, k, v, cupy.asarray([[held, last]], np.int32), cupy.asarray([20], np.int32)))
+    refused(expect, "write_kv into a block in a chunk never mapped", BlockTableError,
+            lambda: write_kv(d_kv[:1], d_kv[:1], k, v, cupy.asarray([last * BLOCK], np.int64)))
+    refused(expect, "copy_blocks into a block in a chunk never mapped", BlockTableError,
+            lambda: copy_blocks(cache.planes, cupy.asarray([[held, last]])))
+    refused(expect, "write_kv with a slot given twice", BlockTableError,
+            lambda: write_kv(d_kv[:2], d_kv[:2], k, v, cupy.asarray([int(slots[0])] * 2, np.int64)))
+    out = paged_decode(d_q, k, v, table, lens)
+    ref = reference.attend(q.astype(np.float64), kv.astype(np.float64).transpose(1, 0, 2),
+                           kv.astype(np.float64).transpose(1, 0, 2), 1 / math.sqrt(DIM))
+    expect("paged_decode after the refusals (the context survived)", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+    cache.close()
+    refused(expect, "paged_decode over the planes of a closed cache", PoolClosedError,
+            lambda: paged_decode(d_q, k, v, table, lens))
+    refused(expect, "write_kv into the planes of a closed cache", PoolClosedError,
+            lambda: write_kv(d_kv, d_kv, k, v, slots))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,7 +24,7 @@ from .. import source
 from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
                             multiprocessors, plane, positive_int, ptr, same_layout)
 from ..kernels.configs import config, sweep
-from ..kernels.validate import check_block_tables
+from ..kernels.validate import Spans, check_block_tables
 from . import reference
 from .planner import GEOMETRIES, check_geometry, geometry, plan_splits, workspace_layout
 
@@ -181,8 +181,9 @@ class _Plan:
     """What a decode plan of either layout does once it is checked: bind the launch, then run per layer."""
 
     def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, paged,
-              block_stride, table_args, width, seq_lens):
+              block_stride, table_args, width, seq_lens, spans):
         """Keep what :meth:`run` checks against, and prepare the launch (device arrays only)."""
+        self._spans = spans
         self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
         self._array_type, self._q = type(q), (q.shape, q.dtype)
         self._layout = (k.shape, k.strides, k.dtype)
@@ -215,6 +216,8 @@ class _Plan:
               and (out is None or type(out) is array_type),
               lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
                       "the plan's: NumPy or CuPy arrays, not a mix")
+        if self._spans.pools:
+            self._spans.check_open()
         shape, dtype = self._q
         check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
               lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
@@ -252,7 +255,10 @@ class DecodePlan(_Plan):
     launches, so a step over many layers pays the planning once (and a CUDA graph
     can capture the runs). A plan reads ``block_tables`` and ``seq_lens`` when each
     run executes: it belongs to the step whose tables and lengths it checked; make a
-    new one when they change.
+    new one when they change. With planes in a pool, validation checks the plan's K
+    plane (and paged_decode's V plane): a cache maps and releases a block in every
+    plane at once, so that covers every layer; a run refuses planes whose pool was
+    closed since (``PoolClosedError``).
 
     ``workspace``: a caller-owned CuPy uint8 array of at least
     :func:`~pagedrt.attention.planner.workspace_bytes` bytes for the plan's split
@@ -269,11 +275,14 @@ class DecodePlan(_Plan):
     """
 
     def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
-                 mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None):
+                 mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None, _v_cache=None):
+        # _v_cache: paged_decode's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
                           block_mask=block_mask, workspace=workspace)
         c_contiguous("q", q, 3)
         pk = plane("k_cache", k_cache)
+        planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
+        spans = Spans(planes, k_cache.strides[0], pk.block_elems * k_cache.itemsize)
         int_array("block_tables", block_tables, np.int32, 2)
         width = int(block_tables.shape[1])
         check(block_tables.shape[0] == q.shape[0],
@@ -293,12 +302,12 @@ class DecodePlan(_Plan):
         split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
         layout = _workspace_fits(workspace, q.shape[0], q.shape[1], pk.head_dim, split)
         if xp is np or validate:
-            check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask)
+            check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
         reference_run = functools.partial(_paged_reference, block_tables=block_tables, seq_lens=seq_lens,
                                           scale=scale, num_splits=split.num_splits, max_seq_len=max_seq_len)
         table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4)) if xp is not np else None
         self._bind(xp, q, k_cache, cfg, scale, max_seq_len, split, layout, workspace, reference_run, True,
-                   pk.block_stride, table_args, width, seq_lens)
+                   pk.block_stride, table_args, width, seq_lens, spans)
 
 
 class ContiguousDecodePlan(_Plan):
@@ -319,6 +328,7 @@ class ContiguousDecodePlan(_Plan):
         c_contiguous("q", q, 3)
         c_contiguous("k", k, 5)
         batch, width, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
+        spans = Spans((k,), 0, 0)  # only refuses a k in a closed pool: the baseline reads no block table
         check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
         cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, None, scale, num_splits,
                                           width * block_size, max_seq_len, geometry, workspace)
@@ -330,7 +340,7 @@ class ContiguousDecodePlan(_Plan):
         reference_run = functools.partial(_contiguous_reference, seq_lens=seq_lens, scale=scale,
                                           num_splits=split.num_splits, max_seq_len=max_seq_len)
         self._bind(xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, False,
-                   kv_heads * block_size * head_dim, (NULL, np.int64(0)), width, seq_lens)
+                   kv_heads * block_size * head_dim, (NULL, np.int64(0)), width, seq_lens, spans)
 
 
 def _paged_reference(q, k, v, *, block_tables, seq_lens, scale, num_splits, max_seq_len):
@@ -353,14 +363,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out
     ``mean_seq_len`` (host-side figures of the lengths, if the caller has them, as
     the cache does) size the split plan (and so the geometry) only.
     ``validate`` checks lengths and every used block id (against ``block_mask`` too,
-    when given) on the device first, at the cost of one small device-to-host read;
-    NumPy inputs are always checked. ``geometry`` and ``workspace`` as for
+    when given, and, for planes that lie in a pool, that the block's memory is mapped
+    now) on the device first, at the cost of one small launch and a 16-byte
+    device-to-host read; NumPy inputs are always checked (``BlockTableError``). Planes
+    in a closed pool raise ``PoolClosedError``, whatever ``validate`` says. ``geometry`` and ``workspace`` as for
     :class:`DecodePlan`. For many layers over the same tables, make one
     :class:`DecodePlan` and run it per layer.
     """
     plan = DecodePlan(q, k_cache, block_tables, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                       mean_seq_len=mean_seq_len, block_mask=block_mask, validate=validate, geometry=geometry,
-                      workspace=workspace)
+                      workspace=workspace, _v_cache=v_cache)
     return plan.run(q, k_cache, v_cache, out)
 
 

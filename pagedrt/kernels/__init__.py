@@ -6,9 +6,11 @@ Attention has its own package, :mod:`pagedrt.attention`.
 """
 
 from .copy import copy_blocks, copy_blocks_reference
+from .validate import release_buffers
 from .write import WritePlan, write_kv, write_kv_reference
 
-__all__ = ["WritePlan", "copy_blocks", "copy_blocks_reference", "instances", "write_kv", "write_kv_reference"]
+__all__ = ["WritePlan", "copy_blocks", "copy_blocks_reference", "instances", "release_buffers", "write_kv",
+           "write_kv_reference"]
 
 
 def instances():

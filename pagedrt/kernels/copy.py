@@ -4,6 +4,7 @@ import numpy as np
 
 from .. import source
 from .args import aligned, array_module, check, multiprocessors, plane
+from .validate import Spans
 from ..errors import BlockTableError
 
 FILE = "copy.cu"
@@ -22,6 +23,9 @@ def copy_blocks(planes, pairs):
     block stride and block byte size (e.g. every layer's K and V); pairs: ints
     [n, 2] (a list, NumPy or CuPy). No block may be both a source and a
     destination, and destinations must be distinct, so the copies are order-free.
+    Every pair is checked on the host first (``BlockTableError``): ids inside the
+    planes and, for planes that lie in a pool, blocks whose memory is mapped now in
+    every plane; planes in a closed pool raise ``PoolClosedError``.
     """
     planes = list(planes)
     check(len(planes) > 0, "planes is empty: pass at least one plane")
@@ -34,6 +38,14 @@ def copy_blocks(planes, pairs):
               lambda: f"{n} has block stride {p.strides[0]} and block size {lay.block_elems * p.itemsize} bytes but "
                       f"planes[0] has {planes[0].strides[0]} and {block_bytes}: all planes must share both")
     pairs = _host_pairs(pairs, min(lay.num_blocks for lay in layouts))
+    spans = Spans(planes, planes[0].strides[0], block_bytes)
+    if spans.spans and len(pairs):
+        bad = np.flatnonzero(spans.unusable(pairs).any(axis=1))
+        if bad.size:
+            i = int(bad[0])
+            block = next(int(b) for b in pairs[i] if spans.unusable(np.array([b]))[0])
+            raise BlockTableError(f"pairs[{i}] = {tuple(pairs[i].tolist())} names block {block}, "
+                                  f"{spans.why(block)}; fix the pair")
     if xp is np:
         copy_blocks_reference(planes, pairs)
         return

@@ -6,7 +6,7 @@ from .. import source
 from .args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane, ptr,
                    same_layout)
 from .configs import config, sweep
-from .validate import check_slots
+from .validate import Spans, check_slots
 
 FILE = "write.cu"
 THREADS = 256
@@ -28,9 +28,16 @@ class WritePlan:
     ``validate``, on the device, once) and sizes the launch; :meth:`run` stores one
     layer's k and v, which must have the shape and dtype of the plan's k, into planes
     with the layout of the plan's K plane. Arguments are those of :func:`write_kv`.
+
+    When the K plane lies in a pool (a cache's planes do), validation also refuses
+    slots in blocks whose memory is not mapped, checked against the plan's K plane:
+    a cache maps and releases a block in every plane at once, so that covers every
+    layer a run writes. A run refuses planes whose pool was closed since
+    (``PoolClosedError``).
     """
 
-    def __init__(self, k, k_cache, slot_mapping, *, validate=True):
+    def __init__(self, k, k_cache, slot_mapping, *, validate=True, _v_cache=None):
+        # _v_cache: write_kv's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
         pk = plane("k_cache", k_cache)
         c_contiguous("k", k, 3)
@@ -43,8 +50,11 @@ class WritePlan:
         check(slot_mapping.shape[0] == num_tokens and slot_mapping.flags.c_contiguous,
               lambda: f"slot_mapping must be contiguous with one slot per token ({num_tokens}), got "
                       f"{slot_mapping.shape}")
+        planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
+        spans = Spans(planes, k_cache.strides[0], pk.block_elems * k.itemsize)
         if xp is np or validate:
-            check_slots(slot_mapping, pk.num_blocks * pk.block_size)
+            check_slots(slot_mapping, pk.block_size, pk.num_blocks, spans)
+        self._spans = spans
         self._type, self._k, self._plane = type(k), (k.shape, k.dtype), (k_cache.shape, k_cache.strides, k_cache.dtype)
         self._slots, self._launch = slot_mapping, None
         if xp is not np:
@@ -70,6 +80,8 @@ class WritePlan:
                           f"got {a.dtype} {a.shape}")
         same_layout("k_cache", k_cache, self._plane, "K plane")
         same_layout("v_cache", v_cache, self._plane, "K plane")
+        if self._spans.pools:
+            self._spans.check_open()
         if kind is np.ndarray:
             write_kv_reference(k, v, k_cache, v_cache, self._slots)
             return
@@ -83,12 +95,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
     """Store k, v [num_tokens, kv_heads, head_dim] into the planes at ``slot_mapping``.
 
     slot_mapping: int64 [num_tokens], slot = block_id * block_size + slot_in_block;
-    a negative slot is padding and is skipped. Slots must be distinct. ``validate``
-    refuses slots past the cache on the device first (one small device-to-host
-    read); NumPy inputs are always checked. For many layers over the same slots,
-    make one :class:`WritePlan` and run it per layer.
+    a negative slot is padding and is skipped. ``validate`` refuses, on the device
+    first (one small launch and a 16-byte device-to-host read), slots past the cache,
+    slots in blocks whose memory is not mapped (planes in a pool) and a slot given to
+    two tokens (``BlockTableError``); NumPy inputs are always checked. Planes in a
+    closed pool raise ``PoolClosedError``. For many layers over the same slots, make
+    one :class:`WritePlan` and run it per layer.
     """
-    WritePlan(k, k_cache, slot_mapping, validate=validate).run(k, v, k_cache, v_cache)
+    WritePlan(k, k_cache, slot_mapping, validate=validate, _v_cache=v_cache).run(k, v, k_cache, v_cache)
 
 
 def write_kv_reference(k, v, k_cache, v_cache, slot_mapping):
