@@ -1,7 +1,5 @@
 """Shared builders for the kernel tests: paged caches with scattered, NaN-poisoned blocks, and naive attention;
-caches whose tables or slots name blocks that are not mapped (the refusals of issue 21)."""
-
-import weakref
+caches whose tables or slots name blocks that are not mapped (what validation must refuse)."""
 
 import numpy as np
 import pytest
@@ -84,43 +82,7 @@ def rel_error(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-# --- blocks whose memory is not mapped (issue 21) ----------------------------------------------------------
-
-@pytest.fixture
-def pool_lookup(monkeypatch):
-    """The memory layer's pool lookup the checks use (``find_pool``, ``Pool.version``, ``Pool.mapped_mask``).
-
-    A memory layer that lacks it gets a minimal stand-in for the test's duration (pools made during the test
-    are found; the version counts maps and releases), so these tests run on both sides of that change.
-    """
-    from pagedrt.kernels import validate
-    from pagedrt.memory import Pool
-    if validate.find_pool is not None:
-        return
-    pools = weakref.WeakSet()
-    init, map_chunks, release = Pool.__init__, Pool._map, Pool.release
-
-    def tracked_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        pools.add(self)
-
-    def bumping(method):
-        def changed(self, *args, **kwargs):
-            out = method(self, *args, **kwargs)
-            self._stand_in_version = getattr(self, "_stand_in_version", 0) + 1
-            return out
-        return changed
-
-    monkeypatch.setattr(Pool, "__init__", tracked_init)
-    monkeypatch.setattr(Pool, "_map", bumping(map_chunks))
-    monkeypatch.setattr(Pool, "release", bumping(release))
-    monkeypatch.setattr(Pool, "version", property(lambda self: getattr(self, "_stand_in_version", 0)),
-                        raising=False)
-    monkeypatch.setattr(Pool, "mapped_mask", lambda self: np.isin(np.arange(self.num_chunks), list(self._handles)),
-                        raising=False)
-    monkeypatch.setattr(validate, "find_pool", lambda address: next(
-        (p for p in pools if p.base <= address < p.base + p.max_bytes), None))
-
+# --- blocks whose memory is not mapped ----------------------------------------------------------
 
 class Reproducer:
     """The issue's cache: one layer, one KV head of 128, blocks of 16, 2^20 tokens reserved, 8 tokens appended

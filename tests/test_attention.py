@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, naive_attention, np_dtype,  # noqa: F401
-                          pool_lookup, rel_error, stale_table)
+                          rel_error, stale_table)
 from pagedrt import Pool
 from pagedrt.attention import (ContiguousDecodePlan, DecodePlan, SplitPlan, contiguous_decode, paged_decode,
                                plan_splits, reference, workspace_bytes)
@@ -470,10 +470,9 @@ def test_contiguous_checks():
         contiguous_decode(case.q, k, v, np.array([3, 40], np.int32))
 
 
-# --- blocks whose memory is not mapped, closed pools (issue 21) ---------------------------------------------
+# --- blocks whose memory is not mapped, closed pools ---------------------------------------------
 # Before these checks each decode below read unmapped memory: a segfault that killed the test process.
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_a_block_in_a_chunk_never_mapped():
     r = Reproducer("host")
     table = np.array([[int(r.table[0, 0]), r.last]], np.int32)
@@ -487,7 +486,6 @@ def test_decode_refuses_a_block_in_a_chunk_never_mapped():
     assert r.decode_is_right()
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_a_table_copied_before_free_and_trim():
     q = np.ones((2, 4, 128), np.float16)
     cache, table, lens, _ = stale_table("host", lambda c, t, n: paged_decode(q, c.k(0), c.v(0), t, n))
@@ -496,6 +494,5 @@ def test_decode_refuses_a_table_copied_before_free_and_trim():
     paged_decode(q[1:], cache.k(0), cache.v(0), table[1:], lens[1:])  # a's row is still good
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_planes_of_a_closed_cache():
     check_closed_cache_refuses_decode("host")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import to_host
-from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, pool_lookup, rel_error,  # noqa: F401
+from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_decode, rel_error,  # noqa: F401
                           stale_table)
 from pagedrt import Pool, source
 from pagedrt.attention import DecodePlan, contiguous_decode, paged_decode, reference, workspace_bytes
@@ -337,11 +337,10 @@ def test_device_only_argument_checks():
         paged_decode(dev.q, dev.k, dev.v, dev.table, dev.lens, workspace=cupy.zeros(1 << 18, np.float32))
 
 
-# --- blocks whose memory is not mapped, closed pools (issue 21) ---------------------------------------------
+# --- blocks whose memory is not mapped, closed pools ---------------------------------------------
 # Before these checks each refused decode below ended in CUDA_ERROR_ILLEGAL_ADDRESS (validate=True too: the
 # ids were in range), which leaves the process's CUDA context unusable: each test launches a decode afterwards.
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_a_block_in_a_chunk_never_mapped_and_the_context_survives():
     import cupy
     r = Reproducer("cuda")
@@ -356,7 +355,6 @@ def test_decode_refuses_a_block_in_a_chunk_never_mapped_and_the_context_survives
     cupy.cuda.Device().synchronize()
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_a_table_copied_before_free_and_trim():
     import cupy
     q = cupy.ones((2, 4, 128), np.float16)
@@ -368,7 +366,6 @@ def test_decode_refuses_a_table_copied_before_free_and_trim():
     assert out.shape == (1, 4, 128)
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_decode_refuses_planes_of_a_closed_cache():
     check_closed_cache_refuses_decode("cuda")
     case = Case(BASE, [3, 40], seed=3)  # the context is fine: a decode elsewhere runs

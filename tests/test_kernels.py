@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
-                          naive_attention, pool_lookup, rel_error)
+                          naive_attention, rel_error)
 from pagedrt import source
 from pagedrt.attention import paged_decode
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
@@ -170,10 +170,9 @@ def test_unsupported_configs_name_the_value():
             configs.config(**args)
 
 
-# --- blocks whose memory is not mapped, closed pools, duplicate slots (issue 21) ---------------------------
+# --- blocks whose memory is not mapped, closed pools, duplicate slots ---------------------------
 # Before these checks each call below wrote or read unmapped memory: a segfault that killed the test process.
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped():
     r = Reproducer("host")
     slot = r.last * 16
@@ -190,12 +189,10 @@ def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped():
     assert r.decode_is_right()
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_write_refuses_slots_of_a_sequence_freed_and_trimmed():
     check_stale_slots_refused("host")
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_planes_of_a_closed_cache_are_refused():
     check_closed_cache_refuses_writes("host")
 

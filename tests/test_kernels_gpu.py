@@ -11,7 +11,7 @@ import pytest
 
 from helpers import to_host
 from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
-                          np_dtype, pool_lookup)
+                          np_dtype)
 from pagedrt import source
 from pagedrt.errors import BlockTableError, LaunchArgumentError
 from pagedrt.kernels import WritePlan, copy, copy_blocks, copy_blocks_reference, release_buffers, validate, write, \
@@ -120,11 +120,10 @@ def test_copy_blocks_every_plane_in_one_launch():
     assert same_bits(dev, host)
 
 
-# --- blocks whose memory is not mapped, closed pools, duplicate slots (issue 21) ---------------------------
+# --- blocks whose memory is not mapped, closed pools, duplicate slots ---------------------------
 # Before these checks each refused call below ended in CUDA_ERROR_ILLEGAL_ADDRESS, which leaves the process's
 # CUDA context unusable: every test checks that a kernel launched afterwards still runs and is right.
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped_and_the_context_survives():
     import cupy
     r = Reproducer("cuda")
@@ -141,14 +140,12 @@ def test_write_and_copy_refuse_a_block_in_a_chunk_never_mapped_and_the_context_s
     cupy.cuda.Device().synchronize()
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_write_refuses_slots_of_a_sequence_freed_and_trimmed():
     import cupy
     check_stale_slots_refused("cuda")
     cupy.cuda.Device().synchronize()
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_planes_of_a_closed_cache_are_refused():
     import cupy
     check_closed_cache_refuses_writes("cuda")
@@ -178,7 +175,6 @@ def test_write_refuses_a_slot_given_twice_on_the_device():
         assert same_bits(dev.buffer, case.buffer)
 
 
-@pytest.mark.usefixtures("pool_lookup")
 def test_release_buffers_drops_every_cached_device_buffer():
     r = Reproducer("cuda")  # its write cached a scratch buffer and the pool's chunk mask
     assert validate._scratch and r.cache.pool in validate._masks

@@ -21,10 +21,7 @@ from .. import source
 from .args import NULL, ptr
 from ..errors import BlockTableError, PoolClosedError
 
-try:
-    from ..memory import find_pool
-except ImportError:  # a memory layer without the pool lookup: no array is known to lie in a pool
-    find_pool = None
+from ..memory import find_pool
 
 FILE = "validate.cu"
 NAMES = ("pagedrt::find_bad_entries", "pagedrt::find_bad_slots")
@@ -75,7 +72,7 @@ class Spans:
     def __init__(self, planes, block_stride, block_bytes):
         self.spans = []
         for a in planes:
-            pool = find_pool(address(a)) if find_pool is not None else None
+            pool = find_pool(address(a))
             if pool is not None:
                 if pool.closed:
                     raise _closed_error(pool)
