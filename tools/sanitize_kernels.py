@@ -1,7 +1,11 @@
 """Run every kernel once on small data, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck  python3 tools/sanitize_kernels.py
+    compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck python3 tools/sanitize_kernels.py
+
+(``--report-api-errors no``: cuda-python resolves its driver entry points with
+``cuGetProcAddress``, and the ones this driver lacks come back as invalid-value API
+errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
 (with empty segments), each in both geometries, the contiguous baseline, block copy, and
@@ -13,7 +17,8 @@ them (the CUDA context survived). CuPy's memory pool is switched off, so every a
 is its own exact-size allocation and a read one element past it is an error memcheck
 reports. Each result is also checked against its reference; exits non-zero on a
 mismatch. Everything the script and the launchers hold on the device is released
-before it exits, so ``--leak-check full`` has nothing to report.
+before it exits (no CuPy array is left alive), yet ``--leak-check full`` still lists the
+run's allocations as leaked: why is not known yet (docs/KERNELS.md).
 """
 
 import gc
