@@ -90,3 +90,21 @@ def test_absurd_reservation_is_named_and_leaks_nothing():
     assert abs(free_bytes_after_close() - start) <= 2 * MiB
     with Pool(64 * MiB, 2 * MiB, backend="cuda") as pool:
         pool.grow(1)
+
+
+def test_a_closed_pools_addresses_are_not_handed_to_other_memory_while_it_lives():
+    """A closed pool keeps its range reserved until it is gone, so a new allocation never lands where a
+    stale view of it points (find_pool would then mistake the new memory for the closed pool)."""
+    import cupy
+    from pagedrt.memory import find_pool
+    pool = Pool(256 * MiB, 32 * MiB, backend="cuda")
+    pool.grow(8)
+    view = pool.view(0, 1 << 20, np.uint8)
+    lo, hi = pool.base, pool.base + pool.max_bytes
+    pool.close()
+    fresh = [cupy.empty(n, np.uint8) for n in (1 << 20, 32 << 20, 64 << 20) for _ in range(4)]
+    fresh.append(Pool(256 * MiB, 32 * MiB, backend="cuda"))
+    addresses = [a.data.ptr for a in fresh[:-1]] + [fresh[-1].base]
+    assert not [a for a in addresses if lo <= a < hi]
+    assert find_pool(view.data.ptr) is pool and pool.closed
+    fresh[-1].close()

@@ -109,7 +109,6 @@ class Memfd:
 class HostBackend:
     name = "host"
     xp = np
-    frees_at_close = False  # the range stays (as scratch) while views may live: see the docstring
 
     def __init__(self, reason):
         self.reason = reason

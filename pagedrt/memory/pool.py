@@ -20,8 +20,11 @@ memory that is not.
 What views see after :meth:`Pool.close` and in holes depends on the backend
 (docs/ARCHITECTURE.md, "The pool"): on the host, a closed range is scratch memory
 (reads give zeros, writes go nowhere) until the pool and its last view are gone,
-and holes read as zeros; on CUDA, close frees the range at once and holes stay
-unmapped, so a view must not be used after close or over a hole.
+and holes read as zeros; on CUDA, close releases every chunk and holes stay
+unmapped, so a view must not be used after close or over a hole. On both, the
+range itself stays reserved until the pool object is gone, so no other allocation
+can take its addresses while a view of it may live, and :func:`find_pool` never
+confuses an old pool's view with new memory.
 """
 
 import weakref
@@ -311,17 +314,15 @@ class Pool:
         """Unmap and release every chunk. Idempotent; also runs when the pool is collected
         and at exit.
 
-        CUDA frees the range at once. The host backend maps scratch memory over the
-        range instead (views taken before close then read zeros rather than crash) and
-        frees it when the pool and its last view are gone.
+        The range stays reserved until the pool and its last view are gone (then the
+        finalizer frees it), so its addresses are not handed to other memory meanwhile.
+        The host backend maps scratch memory over it (views taken before close then read
+        zeros rather than crash); on CUDA it is reserved and unmapped.
         """
         if not self._closed:
             self._closed = True
             self._version += 1
-            if self._backend.frees_at_close:
-                self._finalizer()
-            else:
-                self._range.retire()
+            self._range.retire()
             self._released.clear()
 
     def __enter__(self):

@@ -3,11 +3,12 @@
 cuMemAddressReserve reserves the range; a chunk is a cuMemCreate allocation
 mapped with cuMemMap; cuMemSetAccess enables reads and writes (one call per
 contiguous run, since its cost is per call); release is cuMemUnmap + cuMemRelease;
-close unmaps and releases every chunk and frees the range with cuMemAddressFree
-at once. Arrays are CuPy arrays over ``cupy.cuda.UnownedMemory``, so no copy is
-ever made. Holes stay unmapped (unlike the host backend's read-only zero pages)
-and a closed pool's range is freed: a kernel that reads either faults with an
-illegal address, so pagedrt's launches refuse both before they start.
+close unmaps and releases every chunk, and cuMemAddressFree frees the range once
+the pool and its views are gone (so no later allocation takes those addresses
+while a view may live). Arrays are CuPy arrays over ``cupy.cuda.UnownedMemory``,
+so no copy is ever made. Holes stay unmapped (unlike the host backend's read-only
+zero pages), and so does a closed pool's range: a kernel that reads either faults
+with an illegal address, so pagedrt's launches refuse both before they start.
 """
 
 from .. import driver as drv
@@ -16,7 +17,6 @@ from ..errors import BackendUnavailableError, CudaError, MappingLimitError
 
 class CudaBackend:
     name = "cuda"
-    frees_at_close = True  # see the module docstring: views must not outlive the pool's close
 
     def __init__(self):
         self.device = drv.current_device()
