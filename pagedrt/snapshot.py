@@ -108,8 +108,8 @@ def _read_bounded(path):
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-            raise SnapshotError(f"{path} is {kind}, not a snapshot file: give a file written by "
+            file_type = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise SnapshotError(f"{path} is {file_type}, not a snapshot file: give a file written by "
                                 f"cache.write_snapshot")
         parts, total = [], 0
         while total <= MAX_SNAPSHOT_BYTES:

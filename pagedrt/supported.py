@@ -29,8 +29,8 @@ MAX_POOL_BYTES = 2**46          # one reservation: within a 47-bit user address 
 def check(what, value, supported):
     """``value`` if it is one of ``supported`` (and of their type: 64.0 is not a head_dim), else raise
     UnsupportedConfigError. NumPy integers come back as ints."""
-    kind = str if isinstance(supported[0], str) else (int, np.integer)
-    if not isinstance(value, kind) or isinstance(value, bool) or value not in supported:
+    expected_type = str if isinstance(supported[0], str) else (int, np.integer)
+    if not isinstance(value, expected_type) or isinstance(value, bool) or value not in supported:
         raise UnsupportedConfigError(
             f"{what}={value!r} is not supported: use one of {', '.join(map(str, supported))}")
     return value if isinstance(value, str) else int(value)
@@ -41,7 +41,8 @@ def dtype_name(dtype):
     try:
         return _dtype_name(dtype)
     except TypeError:  # unhashable: no dtype
-        raise UnsupportedConfigError(f"dtype {dtype!r:.80} is not supported: use one of {', '.join(DTYPES)}") from None
+        raise UnsupportedConfigError(
+            f"dtype {dtype!r:.80} is not supported: use one of {', '.join(DTYPES)}") from None
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,10 +69,10 @@ class WritePlan:
 
     def run(self, k, v, k_cache, v_cache):
         """Store ``k`` and ``v`` into one layer's planes at the plan's slots."""
-        kind = self._type
-        check(type(k) is kind and type(v) is kind and type(k_cache) is kind and type(v_cache) is kind,
-              lambda: f"k, v, k_cache and v_cache must be {kind.__module__}.{kind.__name__}s, as the plan's: "
-                      "NumPy or CuPy arrays, not a mix")
+        array_type = self._type
+        check(all(type(a) is array_type for a in (k, v, k_cache, v_cache)),
+              lambda: f"k, v, k_cache and v_cache must be {array_type.__module__}.{array_type.__name__}s, as the "
+                      "plan's: NumPy or CuPy arrays, not a mix")
         shape, dtype = self._k
         for name, a in (("k", k), ("v", v)):
             check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
@@ -82,7 +82,7 @@ class WritePlan:
         same_layout("v_cache", v_cache, self._plane, "K plane")
         if self._spans.pools:
             self._spans.check_open()
-        if kind is np.ndarray:
+        if array_type is np.ndarray:
             write_kv_reference(k, v, k_cache, v_cache, self._slots)
             return
         pk, pv, pkc, pvc = device_pointers(self._device, ("k", "v", "k_cache", "v_cache"), (k, v, k_cache, v_cache))
