@@ -70,7 +70,8 @@ class WritePlan:
     def run(self, k, v, k_cache, v_cache):
         """Store ``k`` and ``v`` into one layer's planes at the plan's slots."""
         array_type = self._type
-        check(all(type(a) is array_type for a in (k, v, k_cache, v_cache)),
+        check(type(k) is array_type and type(v) is array_type and type(k_cache) is array_type
+              and type(v_cache) is array_type,
               lambda: f"k, v, k_cache and v_cache must be {array_type.__module__}.{array_type.__name__}s, as the "
                       "plan's: NumPy or CuPy arrays, not a mix")
         shape, dtype = self._k
