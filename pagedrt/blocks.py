@@ -8,17 +8,38 @@ every chunk whose blocks are all free. With ``num_planes > 1`` the range is cut 
 that many equal regions (one per layer and K/V) and allocator chunk ``k`` stands
 for the k-th chunk of every region: they are mapped and released together.
 
+The prefix cache (:mod:`pagedrt.prefix`) lives here too. A block whose reference
+count falls to zero while it is named (cached) does not become free: it is
+*cached-free*, kept with its data in a least-recently-used order (an ``OrderedDict``
+keyed by block id: O(1) to add, remove or take the oldest). :meth:`~BlockAllocator.allocate`
+takes never-cached free blocks first, then evicts cached-free blocks oldest first,
+and only then maps more chunks: a cached block is memory already mapped, and growing
+would map more while it holds data nobody may ask for again. Since a cached-free
+block is not free, :meth:`~BlockAllocator.trim` leaves its chunk mapped; evicting it
+is the allocator's job, when blocks are needed.
+
 :class:`BlockTables` keeps, per sequence, its length and its row of the dense
 block table (logical block -> block id). A sequence's handle is its row. It logs
 which table entries and lengths change; :mod:`pagedrt.step` drains that log to
 keep the device's copies current. Everything here is NumPy on the host, and all
-per-step work is vectorised: no per-token or per-sequence Python loops.
+per-step work is vectorised: no per-token or per-sequence Python loops (the prefix
+cache hashes each newly filled block and each looked-up block once, in a loop over
+blocks).
+
+Appends may carry the new tokens' ids. Per sequence the tables keep how many of its
+leading tokens have known ids, the ids of its partly filled last block and the name
+of its last full block; when a block whose ids are all known fills, it is named and
+registered in the allocator's prefix index. :meth:`BlockTables.add` with a prompt
+starts the sequence holding the longest chain of cached blocks the prompt begins with.
 """
 
 from typing import NamedTuple
 
 import numpy as np
 
+from collections import OrderedDict
+
+from . import prefix
 from .errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
                      PoolSizeError, SequenceFullError, TooManySequencesError, UnknownSequenceError)
 
@@ -44,6 +65,9 @@ class BlockAllocator:
         self.chunk_mapped = np.zeros(self.num_chunks, bool)
         self.version = 0  # bumped whenever chunks are mapped or released
         self.num_shared = 0  # blocks with more than one reference: copy-on-write is possible
+        self.index = prefix.PrefixIndex(self.max_blocks)  # names of cached blocks
+        self.evictable = OrderedDict()  # cached-free blocks (named, reference count 0), oldest first
+        self.evictions = 0
 
     # --- what is where ---------------------------------------------------------------
 
@@ -61,11 +85,11 @@ class BlockAllocator:
 
     @property
     def num_held(self):
-        return self.num_mapped_blocks - self.num_free
+        return self.num_mapped_blocks - self.num_free - len(self.evictable)
 
     @property
     def num_available(self):
-        """Blocks :meth:`allocate` can still hand out: the free ones and every block of unmapped chunks."""
+        """Blocks :meth:`allocate` can still hand out: free, cached-free (evictable) and every block of unmapped chunks."""
         return self.max_blocks - self.num_held
 
     def usable_mask(self):
@@ -87,8 +111,13 @@ class BlockAllocator:
             raise PoolExhaustedError(
                 f"asked for {n} blocks but only {self.num_free} are free and the reservation holds at most "
                 f"{self.max_blocks} ({self.num_held} held): free sequences, or reserve a larger cache")
-        if n > self.num_free:
-            self.grow(ceil_div(n - self.num_free, self.blocks_per_chunk))
+        short = n - self.num_free
+        if short > 0:
+            evict = min(short, len(self.evictable))
+            if short > evict:  # may fail: before anything is evicted
+                self.grow(ceil_div(short - evict, self.blocks_per_chunk))
+            if evict:
+                self._evict(evict)
         free, bpc = self.free_in_chunk, self.blocks_per_chunk
         fullest = int(np.where(free > 0, free, bpc + 1).argmin())
         if free[fullest] >= n:  # the common case: one chunk has enough
@@ -106,6 +135,26 @@ class BlockAllocator:
         self.ref_count[ids] = 1
         return ids
 
+    def _evict(self, n):
+        """Make the ``n`` least recently freed cached blocks free, forgetting their names."""
+        ids = np.empty(n, np.int64)
+        for i in range(n):
+            block = self.evictable.popitem(last=False)[0]
+            self.index.forget(block)
+            ids[i] = block
+        self.is_free[ids] = True
+        self.free_in_chunk += np.bincount(ids // self.blocks_per_chunk, minlength=self.num_chunks)
+        self.evictions += n
+
+    def claim_cached(self, block_ids):
+        """One more reference to each of these cached blocks (a prefix hit); cached-free ones stop being evictable."""
+        ids = np.asarray(block_ids, np.int64)
+        refs = self.ref_count[ids]
+        for block in ids[refs == 0].tolist():
+            del self.evictable[block]
+        self.num_shared += int((refs == 1).sum())
+        self.ref_count[ids] += 1
+
     def share(self, block_ids):
         """Add one reference to each held block (a fork); a block may appear more than once."""
         ids, counts = np.unique(np.asarray(block_ids, np.int64), return_counts=True)
@@ -115,8 +164,14 @@ class BlockAllocator:
         self.num_shared += int((before == 1).sum())
 
     def free(self, block_ids):
-        """Drop one reference per occurrence; blocks reaching zero become free. All or nothing."""
-        ids, counts = np.unique(np.asarray(block_ids, np.int64), return_counts=True)
+        """Drop one reference per occurrence; blocks reaching zero become free. All or nothing.
+
+        A cached (named) block reaching zero becomes cached-free instead, the most
+        recently used; of several freed at once, later ones in ``block_ids`` (the
+        ends of sequences' chains) are evicted before earlier ones.
+        """
+        order = np.asarray(block_ids, np.int64)
+        ids, counts = np.unique(order, return_counts=True)
         if ids.size == 0:
             return
         self._check_held(ids, counts, "free")
@@ -125,6 +180,13 @@ class BlockAllocator:
         after = self.ref_count[ids]
         self.num_shared -= int(((before > 1) & (after <= 1)).sum())
         released = ids[after == 0]
+        cached = self.index.cached[released]
+        if cached.any():
+            released = released[~cached]
+            kept = order[self.index.cached[order] & (self.ref_count[order] == 0)]
+            for block in kept[::-1].tolist():
+                self.evictable[block] = None
+                self.evictable.move_to_end(block)
         self.is_free[released] = True
         self.free_in_chunk += np.bincount(released // self.blocks_per_chunk, minlength=self.num_chunks)
 
@@ -193,6 +255,9 @@ class BlockTables:
         self._mark = np.zeros(max_seqs, np.int64)  # scratch for the duplicate check
         self._live_cache = None                    # np.flatnonzero(live), until add or free
         self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self.known = np.zeros(max_seqs, np.int64)              # leading tokens whose ids are known
+        self.tail = np.zeros((max_seqs, block_size), np.int32)  # the ids in the partly filled last block
+        self.chain = [prefix.ROOT] * max_seqs                   # the name of the last full block
         self.log_changes = True     # False where no device copy reads the log (the host backend)
         self._changed_entries = []  # (rows, cols) of table entries changed since the last drain
         self._changed_lens = []     # rows whose length changed since the last drain
@@ -240,8 +305,35 @@ class BlockTables:
 
     # --- changes ------------------------------------------------------------------------
 
-    def add(self):
-        """A new empty sequence; returns its handle."""
+    def add(self, prompt=None):
+        """A new sequence; returns its handle.
+
+        With ``prompt`` (token ids), the sequence starts holding the longest chain of
+        cached blocks equal to the prompt's leading full blocks, but never the whole
+        prompt (at least its last token is left to compute), and its length is the
+        tokens those blocks hold. Without, it starts empty.
+        """
+        if prompt is not None:
+            prompt = prefix.check_token_ids(prompt, None, "prefix")
+        row = self._add_row()
+        self.known[row], self.chain[row] = 0, prefix.ROOT
+        if prompt is None:
+            return row
+        index = self.allocator.index
+        most = min(max(prompt.size - 1, 0) >> self._shift, self.max_blocks_per_seq)
+        blocks, name = index.match(prompt, self.block_size, most)
+        index.lookups += 1
+        index.queried_tokens += prompt.size
+        index.hit_blocks += blocks.size
+        index.hit_tokens += blocks.size * self.block_size
+        if blocks.size:
+            self.allocator.claim_cached(blocks)
+            self._set_entries(np.full(blocks.size, row), np.arange(blocks.size), blocks)
+            self._set_lens(np.array([row]), blocks.size * self.block_size)
+            self.known[row], self.chain[row] = blocks.size * self.block_size, name
+        return row
+
+    def _add_row(self):
         if not self._free_rows:
             raise TooManySequencesError(
                 f"all {self.max_seqs} block-table rows hold live sequences: free one, or make the cache "
@@ -251,7 +343,7 @@ class BlockTables:
         self._live_cache = None
         return row
 
-    def append(self, seqs, counts):
+    def append(self, seqs, counts, token_ids=None):
         """Make room for ``counts`` more tokens in each of ``seqs``.
 
         Returns ``(slot_mapping, copies)``: int64 pool slots (block_id * block_size +
@@ -262,10 +354,26 @@ class BlockTables:
         live sequence, in handle order; ``counts`` is one int for every sequence
         or one per sequence. One token for every live sequence is the decode
         step, and has a fast path.
+
+        ``token_ids``, if given, are the new tokens' ids (one flat array, sequence by
+        sequence, ``sum(counts)`` long, each in [0, 2**31)); blocks they fill are named
+        and cached (:mod:`pagedrt.prefix`). A sequence that ever appended without ids
+        caches no block from then on.
         """
         rows, step = self._request(seqs, counts)
+        if token_ids is not None:
+            total = step * rows.size if isinstance(step, int) else int(step.sum())
+            token_ids = prefix.check_token_ids(token_ids, total, "token_ids")
+            before = self.lens[rows].astype(np.int64)
         if isinstance(step, int) and step == 1 and self.allocator.num_shared == 0:
-            return self._append_one(rows)
+            result = self._append_one(rows)
+        else:
+            result = self._append(rows, step)
+        if token_ids is not None and token_ids.size:
+            self._record_tokens(rows, before, np.broadcast_to(step, rows.shape).astype(np.int64), token_ids)
+        return result
+
+    def _append(self, rows, step):
         old, old_nb, new_nb = self._block_counts(rows, step)
         self._check_capacity(rows, old + step, new_nb)
         tail_rows, tail_cols, tail_src = self._shared_tails(rows, old, old_nb, step)
@@ -276,6 +384,34 @@ class BlockTables:
         slots = self._slots(rows, old, step)
         self._set_lens(rows, old + step)
         return slots, copies
+
+    def _record_tokens(self, rows, old, counts, token_ids):
+        """Keep the ids of rows whose earlier ids are all known; name and register each block they fill."""
+        starts = np.cumsum(counts) - counts  # each row's first id in token_ids
+        ok = self.known[rows] == old
+        if not ok.all():
+            rows, old, counts, starts = rows[ok], old[ok], counts[ok], starts[ok]
+        self.known[rows] = old + counts
+        shift, mask = self._shift, self.block_size - 1
+        within = old & mask
+        run = within + counts  # the row's partly filled block's ids, then the new ones
+        run_start = np.cumsum(run) - run
+        r = ranks(run)
+        from_tail = r < np.repeat(within, run)
+        at = np.where(from_tail, 0, np.repeat(starts - within, run) + r)
+        ids = np.where(from_tail, self.tail[np.repeat(rows, run), r & mask], token_ids[at])
+        full, rest = run >> shift, run & mask
+        self.tail[np.repeat(rows, rest), ranks(rest)] = ids[np.repeat(run_start + (full << shift), rest) + ranks(rest)]
+        if not full.any():
+            return
+        k = ranks(full)
+        block_rows = np.repeat(rows, full)
+        blocks = self.table[block_rows, np.repeat(old >> shift, full) + k]
+        filled = ids[(np.repeat(run_start, full) + (k << shift))[:, None] + np.arange(self.block_size)]
+        index, chain = self.allocator.index, self.chain
+        for row, block, tokens in zip(block_rows.tolist(), blocks.tolist(), filled):
+            chain[row] = prefix.chain_hash(chain[row], tokens)
+            index.register(block, chain[row], tokens)
 
     def can_append(self, seqs, counts):
         """Whether ``append(seqs, counts)`` would succeed now.
@@ -444,7 +580,9 @@ class BlockTables:
         """A new sequence sharing every block of ``seq`` (parallel sampling, beam search)."""
         parent = self.row(seq)
         blocks = self.blocks(parent)
-        child = self.add()
+        child = self._add_row()
+        self.known[child], self.chain[child] = self.known[parent], self.chain[parent]
+        self.tail[child] = self.tail[parent]
         self.allocator.share(blocks)
         self._set_entries(np.full(blocks.size, child), np.arange(blocks.size), blocks)
         self._set_lens(np.array([child]), self.lens[parent])

@@ -145,18 +145,28 @@ class PagedKVCache:
     # --- sequences (delegated to the block tables) --------------------------------------
 
     @_exclusive
-    def add_sequence(self):
-        """A new empty sequence; returns its handle (its row in the block table)."""
-        return self.tables.add()
+    def add_sequence(self, prefix=None):
+        """A new sequence; returns its handle (its row in the block table).
+
+        Without ``prefix`` it starts empty. With ``prefix``, the prompt's token ids, it
+        starts holding the cached blocks that the prompt begins with (shared, by
+        reference count), never all of the prompt: ``cache.length(seq)`` tokens are
+        cached, and the prefill appends the other ``len(prefix) - cache.length(seq)``
+        with their ids (``append(seq, n, token_ids=prefix[length:])``), attending over
+        the cached ones as a chunk with a prefix.
+        """
+        return self.tables.add(prefix)
 
     @_exclusive
-    def append(self, seqs, counts=1):
+    def append(self, seqs, counts=1, token_ids=None):
         """Room for ``counts`` more tokens per sequence: ``(slot_mapping, copies)``.
 
         Write the new tokens' K/V through ``slot_mapping`` (``kernels.write_kv``) after
         copying each ``copies`` (src, dst) block pair (``kernels.copy_blocks(cache.planes, copies)``).
+        ``token_ids`` (optional, ``sum(counts)`` ids, sequence by sequence) lets the
+        blocks these tokens fill be cached for later prompts that begin alike.
         """
-        return self.tables.append(seqs, counts)
+        return self.tables.append(seqs, counts, token_ids)
 
     @_exclusive
     def fork(self, seq):
@@ -184,9 +194,25 @@ class PagedKVCache:
         """Blocks that appends can still get: the free ones and every block of chunks not mapped yet."""
         return self.allocator.num_available
 
+    @property
+    @_exclusive
+    def num_cached_blocks(self):
+        """Blocks named in the prefix cache, held by sequences or cached-free (evictable)."""
+        return len(self.allocator.index)
+
+    @_exclusive
+    def prefix_stats(self):
+        """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable, evictions."""
+        a = self.allocator
+        return {**a.index.stats(), "evictable": len(a.evictable), "evictions": a.evictions}
+
     @_exclusive
     def trim(self):
-        """Hand back every chunk whose blocks are all free; returns the allocator chunks released."""
+        """Hand back every chunk whose blocks are all free; returns the allocator chunks released.
+
+        Cached-free blocks are not free: a chunk holding one stays mapped until
+        allocation evicts the block.
+        """
         return self.allocator.trim()
 
     @_exclusive
@@ -265,7 +291,7 @@ class PagedKVCache:
         """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page."""
         row = self.tables.row(seq)
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
-                         row, pos, layer, kv, head)
+                         row, pos, layer, kv, head, cached=self.allocator.index.cached)
 
     @_exclusive
     def stats(self):

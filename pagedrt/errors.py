@@ -92,6 +92,10 @@ class InvalidTokenCountError(PagedRTError, ValueError):
     """A negative, non-integer or impossibly large token count."""
 
 
+class InvalidTokenIdsError(PagedRTError, ValueError):
+    """Token ids that are not a flat int array of the expected length with values in [0, 2**31)."""
+
+
 class InvalidPositionError(PagedRTError, IndexError):
     """A token position outside a live sequence."""
 

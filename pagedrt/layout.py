@@ -156,13 +156,17 @@ class Translation:
     chunk_offset: int     # bytes into that chunk
     page: int             # page index inside the chunk
     nbytes: int           # contiguous bytes of this token's head_dim values
+    cached: bool = False  # the block is in the prefix cache (named by its tokens' hash chain)
 
     def as_dict(self):
         return asdict(self)
 
 
-def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0):
-    """The chain for token ``pos`` of a sequence whose block-table row and length are given."""
+def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0, cached=()):
+    """The chain for token ``pos`` of a sequence whose block-table row and length are given.
+
+    ``cached``: per block id, whether it is cached (a bool array), or the cached ids (a set).
+    """
     if not is_int(pos) or not 0 <= pos < length:
         raise InvalidPositionError(f"sequence {seq} has no token {pos!r:.80}: its positions are 0..{length - 1}")
     layout.check(layer, kv, head)
@@ -172,4 +176,5 @@ def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0
     offset = layout.offset(block_id, slot, layer, kv, head)
     chunk, within, page = layout.locate(offset)
     return Translation(seq, pos, layer, kv, head, logical, slot, block_id, offset, base + offset,
-                       chunk, within, page, layout.head_dim * layout.itemsize)
+                       chunk, within, page, layout.head_dim * layout.itemsize,
+                       bool(cached[block_id]) if isinstance(cached, np.ndarray) else block_id in cached)

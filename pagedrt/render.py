@@ -83,7 +83,7 @@ def _block_owners(snap):
 
 
 def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
-    """A grid of blocks up to the frontier: owner letter, '*' shared, '.' free, blank unmapped."""
+    """A grid of blocks up to the frontier: owner letter, '*' shared, '+' cached-free, '.' free, blank unmapped."""
     blocks = snap["blocks"]
     bpc, mapped = blocks["blocks_per_chunk"], blocks["chunk_mapped"]
     frontier = max((c["chunk"] % blocks["num_chunks"] + 1 for c in snap["pool"]["chunks"]), default=0)
@@ -93,13 +93,15 @@ def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
     row_blocks = chunks_per_row * bpc
     cell = math.ceil(row_blocks / width)
     owners = _block_owners(snap)
+    idle = set(blocks["cached"]) - owners.keys()  # cached-free: kept for prompts that begin alike
     lines = [f"pool map: {frontier} chunks of {bpc} blocks; one cell = {cell} block{'s' if cell > 1 else ''}, "
              f"one row = {chunks_per_row} chunk{'s' if chunks_per_row > 1 else ''}",
-             "  letters: owning sequence, *: shared (copy-on-write), .: free, blank: not mapped (hole)"]
+             "  letters: owning sequence, *: shared (copy-on-write or a cached prefix), +: cached, held by no "
+             "sequence (evictable), .: free, blank: not mapped (hole)"]
     for first in range(0, frontier, chunks_per_row):
         cells = []
         for start in range(first * bpc, min(frontier, first + chunks_per_row) * bpc, cell):
-            cells.append(_cell(range(start, start + cell), owners, mapped, bpc, style))
+            cells.append(_cell(range(start, start + cell), owners, idle, mapped, bpc, style))
             if cell <= bpc and (start + cell) % bpc == 0 and start + cell < (first + chunks_per_row) * bpc:
                 cells.append("|")
         label = f"{first}" if chunks_per_row == 1 else f"{first}-{min(frontier, first + chunks_per_row) - 1}"
@@ -107,11 +109,13 @@ def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
     return lines
 
 
-def _cell(block_range, owners, mapped, bpc, style):
+def _cell(block_range, owners, idle, mapped, bpc, style):
     if not mapped[block_range.start // bpc]:
         return " "
     held = [owners[b] for b in block_range if b in owners]
     if not held:
+        if any(b in idle for b in block_range):
+            return style("+", fg="bright_white")
         return style(".", fg="bright_black")
     if any(len(o) > 1 for o in held):
         return style("*", fg="white", bold=True)
@@ -131,7 +135,7 @@ def chain(snap, seq, pos, layer=0, kv="k", head=0):
         raise InvalidPositionError(f"position {pos} is out of range: sequence {seq} holds {entry['length']} "
                                    f"tokens" + (f", positions 0..{entry['length'] - 1}" if entry["length"] else ""))
     return translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
-                     seq, pos, layer, kv, head)
+                     seq, pos, layer, kv, head, cached=set(snap["blocks"]["cached"]))
 
 
 def chain_lines(snap, tr, style=plain):
@@ -150,6 +154,8 @@ def chain_lines(snap, tr, style=plain):
         f"slot {bold(tr.slot)} = {tr.pos} % {lay.block_size}",
         f"table    block_table[{tr.seq}][{tr.logical_block}] = block id {bold(tr.block_id)}   "
         "(software layer: the kernel reads this)",
+        f"cache    block {tr.block_id} is " + ("in the prefix cache (named by its tokens' hash chain; prompts that "
+                                              "begin alike share it)" if tr.cached else "not in the prefix cache"),
         f"pool     offset {bold(tr.pool_offset)} = plane {plane} + {tr.block_id} x {lay.block_stride_bytes} "
         f"(block stride) + {inner} (head, slot)",
         f"address  virtual address {bold(hex(tr.virtual_address))} = base {snap['pool']['base']:#x} + offset",

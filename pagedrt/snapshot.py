@@ -46,7 +46,8 @@ def build_snapshot(layout, pool, allocator, tables):
         "blocks": {"blocks_per_chunk": a.blocks_per_chunk, "num_planes": a.num_planes, "num_chunks": a.num_chunks,
                    "max_blocks": a.max_blocks, "free": a.num_free, "held": a.num_held,
                    "chunk_mapped": a.chunk_mapped.tolist(), "free_in_chunk": a.free_in_chunk.tolist(),
-                   "ref_counts": a.ref_count[:frontier * a.blocks_per_chunk].tolist()},
+                   "ref_counts": a.ref_count[:frontier * a.blocks_per_chunk].tolist(),
+                   "cached": np.flatnonzero(a.index.cached).tolist()},
         "sequences": [{"seq": int(s), "length": int(t.lens[s]), "blocks": t.blocks(s).tolist()}
                       for s in t.sequences],
         "max_seqs": t.max_seqs, "max_blocks_per_seq": t.max_blocks_per_seq,
@@ -303,15 +304,30 @@ def _check_blocks(snap, lay, pool_mapped):
     frontier = int(np.flatnonzero(mapped).max()) + 1 if mapped.any() else 0
     refs = _int_list(_get(blocks, "ref_counts", where), f"{where}.ref_counts", frontier * bpc, 0, MAX_INDEX)
     held_in_chunk = np.bincount(np.flatnonzero(refs) // bpc, minlength=n) if refs.size else np.zeros(n, np.int64)
-    for k in np.flatnonzero(held_in_chunk + free_in_chunk != np.where(mapped, bpc, 0)):
+    cached = _check_cached(blocks, where, refs, mapped, bpc)
+    idle_in_chunk = np.bincount(cached[refs[cached] == 0] // bpc, minlength=n)  # cached-free blocks
+    for k in np.flatnonzero(held_in_chunk + idle_in_chunk + free_in_chunk != np.where(mapped, bpc, 0)):
         _fail(f"{where}.free_in_chunk[{k}]", f"is {free_in_chunk[k]} but chunk {k} is "
                                              f"{'mapped' if mapped[k] else 'not mapped'} with {held_in_chunk[k]} "
-                                             f"referenced blocks of {bpc}")
+                                             f"referenced and {idle_in_chunk[k]} cached-free blocks of {bpc}")
     _equal(_int(_get(blocks, "free", where), f"{where}.free"), int(free_in_chunk.sum()), f"{where}.free",
            "blocks.free_in_chunk's entries")
     _equal(_int(_get(blocks, "held", where), f"{where}.held"), int(held_in_chunk.sum()), f"{where}.held",
            "the referenced blocks in blocks.ref_counts")
     return mapped, refs
+
+
+def _check_cached(blocks, where, refs, mapped, bpc):
+    """``blocks.cached``: distinct block ids in increasing order, each in a mapped chunk."""
+    raw = _list(_get(blocks, "cached", where), f"{where}.cached", hi=refs.size)
+    cached = _int_list(raw, f"{where}.cached", len(raw), 0, MAX_INDEX)
+    for i in np.flatnonzero(np.diff(cached) <= 0)[:1]:
+        _fail(f"{where}.cached[{i + 1}]", f"is {cached[i + 1]}: cached block ids are distinct, in increasing order")
+    outside = np.flatnonzero(cached >= refs.size)
+    outside = outside if outside.size else np.flatnonzero(~mapped[cached // bpc])
+    for i in outside[:1]:
+        _fail(f"{where}.cached[{i}]", f"block {cached[i]} lies in chunk {cached[i] // bpc}, which is not mapped")
+    return cached
 
 
 def _check_sequences(snap, lay, mapped, refs):

@@ -56,16 +56,24 @@ def copy_blocks(cache, copies):
 
 
 def check_allocator(cache):
-    """The allocator's invariants: reference counts are the tables' holders, free xor held, counts per chunk."""
+    """The allocator's invariants: reference counts are the tables' holders; free, held or cached-free, one each;
+    the prefix index and the eviction order agree; counts per chunk."""
     a, t = cache.allocator, cache.tables
     holders = np.zeros(a.max_blocks, np.int64)
     for seq in t.sequences:
         np.add.at(holders, t.blocks(seq), 1)
     assert np.array_equal(a.ref_count, holders)
     mapped = a.usable_mask()
-    assert not (a.is_free & (a.ref_count > 0)).any()
-    assert np.array_equal(a.is_free | (a.ref_count > 0), mapped)  # released chunks hold nothing
-    assert a.num_free + a.num_held == a.num_mapped_blocks == int(mapped.sum())
+    index = a.index
+    idle = np.zeros(a.max_blocks, bool)
+    idle[list(a.evictable)] = True
+    assert len(a.evictable) == int(idle.sum())
+    assert np.array_equal(idle, index.cached & (a.ref_count == 0))  # cached-free = named and held by none
+    assert (a.is_free.astype(int) + (a.ref_count > 0) + idle <= 1).all()
+    assert np.array_equal(a.is_free | (a.ref_count > 0) | idle, mapped)  # released chunks hold nothing
+    assert a.num_free + a.num_held + len(a.evictable) == a.num_mapped_blocks == int(mapped.sum())
+    assert sorted(index.block_of.values()) == np.flatnonzero(index.cached).tolist() == sorted(index.tokens)
+    assert all(int(index.name[b]) == name for name, b in index.block_of.items())
     assert cache.num_available_blocks == a.max_blocks - a.num_held
     assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
     assert a.num_shared == int((a.ref_count > 1).sum())
@@ -149,6 +157,10 @@ class CacheMachine(RuleBasedStateMachine):
         except TooManySequencesError:
             return
         self.data[child] = self.data[parent].copy()
+        self.forked(parent, child)
+
+    def forked(self, parent, child):
+        """A hook for subclasses that model more per sequence."""
 
     @precondition(lambda self: self.data)
     @rule(pick=st.integers(0, 100))
@@ -156,8 +168,12 @@ class CacheMachine(RuleBasedStateMachine):
         seq = sorted(self.data)[pick % len(self.data)]
         self.cache.free(seq)
         del self.data[seq]
+        self.freed(seq)
         with pytest.raises(UnknownSequenceError):
             self.cache.length(seq)
+
+    def freed(self, seq):
+        """A hook for subclasses that model more per sequence."""
 
     @rule()
     def trim(self):
@@ -225,8 +241,100 @@ class CudaMachine(CacheMachine):
     backend = "cuda"
 
 
+SYSTEM_PROMPTS = [np.random.default_rng(k).integers(0, 1000, n) for k, n in enumerate((2 * BS + 3, 3 * BS, BS - 1))]
+
+
+def kv_of(tokens, positions):
+    """The K/V the prefix machine writes for tokens at positions: a function of both, so cached data is checkable."""
+    base = (tokens.astype(np.float32) * 7 + positions.astype(np.float32) * 13)[:, None, None, None]
+    return base + np.arange(2 * LAYERS * HEADS * DIM, dtype=np.float32).reshape(2 * LAYERS, HEADS, DIM)
+
+
+class PrefixMachine(CacheMachine):
+    """The cache machine with prompts that share prefixes (system prompts and small-vocabulary suffixes), token ids
+    on appends and decode steps, forks of cached sequences, and a pool small enough to evict.
+
+    The model keeps every sequence's token ids (-1 where appended without ids); after every step each cached block
+    held by a sequence holds the ids that sequence has there, and the data read back equals the data written."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache.close()
+        self.cache = small_cache(max_tokens=24 * BS, max_seqs=6, max_seq_len=12 * BS)
+        self.ids = {}
+
+    def known_ids(self, seq):
+        """The model's token ids of ``seq``, -1 for tokens appended without ids (by CacheMachine's rules)."""
+        ids = self.ids.get(seq, np.empty(0, np.int64))
+        self.ids[seq] = np.concatenate([ids, np.full(len(self.data[seq]) - ids.size, -1)])
+        return self.ids[seq]
+
+    def forked(self, parent, child):
+        self.ids[child] = self.known_ids(parent).copy()
+
+    def freed(self, seq):
+        self.ids.pop(seq, None)
+
+    @rule(system=st.integers(0, len(SYSTEM_PROMPTS)), suffix=st.lists(st.integers(0, 3), max_size=2 * BS))
+    def add_prompt(self, system, suffix):
+        prompt = np.concatenate([SYSTEM_PROMPTS[system] if system < len(SYSTEM_PROMPTS) else [], suffix])
+        prompt = prompt.astype(np.int64)
+        stats = self.cache.prefix_stats()
+        try:
+            seq = self.cache.add_sequence(prompt)
+        except TooManySequencesError:
+            return
+        cached = self.cache.length(seq)
+        assert cached % BS == 0 and cached <= max(prompt.size - 1, 0)
+        after = self.cache.prefix_stats()
+        assert after["hit_tokens"] - stats["hit_tokens"] == cached
+        assert after["queried_tokens"] - stats["queried_tokens"] == prompt.size
+        assert np.array_equal(self.cache.allocator.index.cached[self.cache.tables.blocks(seq)],
+                              np.ones(cached // BS, bool))
+        self.data[seq] = kv_of(prompt[:cached], np.arange(cached))
+        self.ids[seq] = prompt[:cached]
+        self._append_ids([seq], [prompt.size - cached], prompt[cached:])
+
+    @precondition(lambda self: self.data)
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=6, max_size=6))
+    def decode_step_with_ids(self, tokens):
+        seqs = sorted(self.data)
+        self._append_ids(seqs, [1] * len(seqs), np.array((tokens * 2)[:len(seqs)]), all_seqs=True)
+
+    def _append_ids(self, seqs, counts, ids, all_seqs=False):
+        before = self.cache.snapshot()
+        fits = self.cache.can_append(seqs, counts)
+        try:
+            slots, copies = self.cache.append(None if all_seqs else seqs, 1 if all_seqs else counts, token_ids=ids)
+        except (PoolExhaustedError, SequenceFullError):
+            after = self.cache.snapshot()
+            before.pop("time"), after.pop("time")
+            assert after == before and not fits
+            return
+        assert fits
+        copy_blocks(self.cache, copies)
+        starts = np.cumsum(counts) - counts
+        positions = np.concatenate([np.arange(self.cache.length(s) - n, self.cache.length(s))
+                                    for s, n in zip(seqs, counts)])
+        write_tokens(self.cache, slots, kv_of(ids, positions))
+        for seq, start, n in zip(seqs, starts, counts):
+            part = ids[start:start + n]
+            self.ids[seq] = np.concatenate([self.known_ids(seq), part])
+            self.data[seq] = np.concatenate([self.data[seq], kv_of(part, positions[start:start + n])])
+
+    @invariant()
+    def cached_blocks_hold_their_holders_ids(self):
+        index, t = self.cache.allocator.index, self.cache.tables
+        for seq in self.data:
+            blocks = t.blocks(seq)
+            for j in np.flatnonzero(index.cached[blocks]):
+                assert np.array_equal(index.tokens[int(blocks[j])], self.known_ids(seq)[j * BS:(j + 1) * BS])
+        assert self.cache.num_cached_blocks == int(index.cached.sum())
+
+
 TestPlaneMajor = machine_test(CacheMachine, 30, 30)
 TestBlockMajor = machine_test(BlockMajorMachine, 30, 30)
+TestPrefix = machine_test(PrefixMachine, 50, 50)
 TestCudaPlaneMajor = pytest.mark.gpu(machine_test(CudaMachine, 10, 25))
 
 

@@ -71,7 +71,8 @@ def test_translate(snapshot):
     assert tr["block_id"] == entry["blocks"][pos // snap["layout"]["block_size"]]
     assert tr["virtual_address"] == snap["pool"]["base"] + tr["pool_offset"]
     out = run("translate", entry["seq"], pos, snapshot, "--no-color")
-    assert len(out.strip().splitlines()) == 7 and "block_table[" in out
+    assert len(out.strip().splitlines()) == 8 and "block_table[" in out
+    assert f"block {tr['block_id']} is not in the prefix cache" in out and tr["cached"] is False
     from_demo = json.loads(run("translate", entry["seq"], 0, "--from-demo", *TINY, "--json"))
     from_file = json.loads(run("translate", entry["seq"], 0, snapshot, "--json"))
     for record in (from_demo, from_file):  # a new run's pool has its own base address

@@ -27,7 +27,7 @@ FAST = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCh
 
 
 def make_valid():
-    """A snapshot with mapped and released chunks, a fork sharing blocks, and an empty sequence."""
+    """A snapshot with mapped and released chunks, a fork sharing blocks, an empty sequence, cached blocks."""
     with PagedKVCache(2, 2, 64, 16, max_tokens=2048, chunk_bytes=32768, backend="host") as cache:
         a, gone = cache.add_sequence(), cache.add_sequence()
         cache.append([a, gone], [40, 200])
@@ -36,6 +36,10 @@ def make_valid():
         cache.free([gone])
         cache.trim()
         cache.add_sequence()
+        cached = cache.add_sequence()
+        cache.append(cached, 32, token_ids=list(range(32)))  # two cached blocks
+        cache.free(cached)
+        cache.add_sequence(list(range(20)))  # holds the first; the second stays cached-free
         return json.loads(json.dumps(cache.snapshot()))
 
 
@@ -46,6 +50,8 @@ def test_the_valid_snapshot_covers_the_cases():
     chunks, seqs = VALID["pool"]["chunks"], VALID["sequences"]
     assert {c["state"] for c in chunks} == {"mapped", "released"}
     assert max(VALID["blocks"]["ref_counts"]) == 2 and any(s["length"] == 0 for s in seqs)
+    refs = VALID["blocks"]["ref_counts"]
+    assert sorted({refs[b] for b in VALID["blocks"]["cached"]}) == [0, 1]  # held and cached-free
     assert validate_snapshot(copy.deepcopy(VALID)) == VALID
 
 
