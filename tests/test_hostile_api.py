@@ -207,6 +207,16 @@ class HostileMachine(RuleBasedStateMachine):
     def append(self, pick, count):
         self.call("append", self.live(pick), count)
 
+    @rule(prompt=st.lists(st.integers(0, 2), max_size=3 * BS))
+    def add_prompt(self, prompt):
+        """A prompt from a three-token vocabulary: cached blocks are shared often."""
+        before = self.cache.sequences
+        self.call("add_sequence", prompt)
+        seq = next(iter(set(self.cache.sequences) - set(before)), None)
+        if seq is not None:
+            cached = self.cache.length(seq)
+            self.call("append", seq, len(prompt) - cached, prompt[cached:])
+
     @rule()
     def decode_step(self):
         self.call("append", None, 1)
@@ -232,8 +242,9 @@ class HostileMachine(RuleBasedStateMachine):
             return data.draw(HOSTILE) if hostile[i] else valid
         seq = self.live(pick)
         args = {
-            "add_sequence": (), "trim": (), "stats": (), "snapshot": (),
-            "append": (arg(0, [seq]), arg(1, 1)), "can_append": (arg(0, seq), arg(1, 3)),
+            "add_sequence": (arg(0, None),), "trim": (), "stats": (), "snapshot": (),
+            "append": (arg(0, [seq]), arg(1, 1), arg(2, None) if hostile[3] else arg(2, [1])),
+            "can_append": (arg(0, seq), arg(1, 3)),
             "fork": (arg(0, seq),), "free": (arg(0, [seq, seq]),), "length": (arg(0, seq),),
             "translate": (arg(0, seq), arg(1, 0), arg(2, 0), arg(3, "k"), arg(4, 0)),
             "block_tables": (arg(0, [seq]),), "seq_lens": (arg(0, None),),
