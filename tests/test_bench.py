@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pagedrt.bench import cases, harness, step
+from pagedrt.bench import cases, harness, prefix, step
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("decode", "launch", "layers", "pool", "step")
+BENCHMARKS = ("decode", "launch", "layers", "pool", "prefix", "step")
 
 
 class FakeCuda:
@@ -132,6 +132,16 @@ def test_every_benchmark_documents_its_command_without_cupy(name):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"python3 -m pagedrt.bench.{name}" in done.stdout
+
+
+def test_prefix_trace_hits_evicts_and_is_seeded():
+    first = prefix.run(200, 0, 8192, "host")
+    assert first["backend"] == "host" and first["requests"] > 10
+    assert 0.3 < first["hit_rate"] < 1 and first["blocks_saved"] * 16 == first["hit_tokens"]
+    assert first["evictions"] > 0 and first["peak_held_blocks"] < first["peak_unshared_blocks"]
+    again = prefix.run(200, 0, 8192, "host")
+    assert {k: v for k, v in again.items() if not k.endswith("_us")} == \
+        {k: v for k, v in first.items() if not k.endswith("_us")}
 
 
 def test_step_runs_on_the_host_backend_and_maps_ahead():

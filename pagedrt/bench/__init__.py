@@ -4,6 +4,7 @@
 - ``launch``: host time per launch, the launchers against CuPy's own launch;
 - ``layers``: a 32-layer decode step, plane- vs block-major, Python launches vs a plan vs a CUDA graph;
 - ``pool``: what a pool grow costs, by chunk size, and copy bandwidth inside a pool;
+- ``prefix``: the prefix cache on a seeded trace of shared system prompts and multi-turn conversations;
 - ``step``: host time of one decode step's bookkeeping.
 
 ``harness`` holds what they share (the GPU timer, the ceilings, the run header, tables
