@@ -45,7 +45,8 @@ def _check_sizes(layout, max_seqs, max_blocks_per_seq):
         raise UnsupportedConfigError(
             f"a block table of {max_seqs} sequences x {max_blocks_per_seq} blocks has {entries} entries; at most "
             f"{MAX_TABLE_ENTRIES}: lower max_seqs or max_seq_len")
-    host = 4 * entries + 24 * max_seqs + 6 * layout.max_blocks  # tables, per-row and per-block arrays
+    block_size = layout.block_size
+    host = 4 * entries + (48 + 4 * block_size) * max_seqs + 15 * layout.max_blocks  # tables, per row, per block
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
