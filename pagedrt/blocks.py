@@ -33,11 +33,10 @@ registered in the allocator's prefix index. :meth:`BlockTables.add` with a promp
 starts the sequence holding the longest chain of cached blocks the prompt begins with.
 """
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
-
-from collections import OrderedDict
 
 from . import prefix
 from .errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
@@ -89,7 +88,8 @@ class BlockAllocator:
 
     @property
     def num_available(self):
-        """Blocks :meth:`allocate` can still hand out: free, cached-free (evictable) and every block of unmapped chunks."""
+        """Blocks :meth:`allocate` can still hand out: free, cached-free (evictable) and every block of unmapped
+        chunks."""
         return self.max_blocks - self.num_held
 
     def usable_mask(self):

@@ -203,7 +203,8 @@ class PagedKVCache:
 
     @_exclusive
     def prefix_stats(self):
-        """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable, evictions."""
+        """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable,
+        evictions."""
         a = self.allocator
         return {**a.index.stats(), "evictable": len(a.evictable), "evictions": a.evictions}
 

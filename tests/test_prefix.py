@@ -83,7 +83,7 @@ def test_without_token_ids_nothing_is_cached():
 
 def test_decode_steps_with_ids_fill_and_cache_blocks():
     with small_cache() as c:
-        a, b = prefill(c, PROMPT[:BS - 1]), prefill(c, PROMPT[:BS - 2])
+        _, b = prefill(c, PROMPT[:BS - 1]), prefill(c, PROMPT[:BS - 2])
         c.append(None, 1, token_ids=[PROMPT[BS - 1], PROMPT[BS - 2]])
         assert c.num_cached_blocks == 1
         c.append([b], 1, token_ids=[PROMPT[BS - 1]])
