@@ -23,7 +23,6 @@ run) is timed call by call with and without it, and the validation cost (validat
 - unvalidated) includes that round trip.
 """
 
-import argparse
 import contextlib
 
 import numpy as np
@@ -162,12 +161,11 @@ def table(rows):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.decode", description=__doc__.splitlines()[0],
-                                 epilog="Experiments only (the standard figures use none of these): --order, "
-                                        "--block-size, --memory, --splits.")
+    ap = harness.parser("pagedrt.bench.decode", __doc__,
+                        epilog="Experiments only (the standard figures use none of these): --order, "
+                               "--block-size, --memory, --splits.")
     ap.add_argument("--cases", default=",".join(DECODE_CASES), help=f"comma-separated, of {', '.join(DECODE_CASES)}")
     ap.add_argument("--repeats", type=int, default=100, help="timed calls per measurement (at least 50)")
-    ap.add_argument("--out", help="also write the run as a JSON record here")
     ap.add_argument("--chunk-mib", type=int, default=64, help="the pool's chunk size in MiB (a multiple of 2)")
     ap.add_argument("--splits", default="", help="comma-separated split counts to time as well, to check the plan")
     ap.add_argument("--order", choices=("random", "sequential"), default="random",

@@ -17,6 +17,7 @@ Every function that touches the GPU takes the ``cupy`` module from its caller, s
 pure parts (tables, records) and every benchmark's ``--help`` work without CuPy.
 """
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -220,3 +221,13 @@ def publish(benchmark, out, info, rows, table, **extra):
     print(table)
     if out:
         write_record(out, record(benchmark, info, rows, table, **extra))
+
+
+def parser(module, doc, *, backend=False, **kwargs):
+    """The command line every benchmark shares: ``python3 -m MODULE``, its docstring's first line, ``--out``
+    (a JSON record of the run) and, for those that also run without a GPU, ``--backend``."""
+    ap = argparse.ArgumentParser(prog=f"python3 -m {module}", description=doc.splitlines()[0], **kwargs)
+    if backend:
+        ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help="the pool's backend")
+    ap.add_argument("--out", help="also write the run as a JSON record here")
+    return ap

@@ -12,7 +12,6 @@ once. ``raw launch`` is an empty kernel taking the decode kernel's 14 arguments
 arguments prepared once: the floor under any launcher, set by CuPy's launch itself.
 """
 
-import argparse
 import statistics
 import time
 
@@ -86,10 +85,9 @@ def calls(cp):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.launch", description=__doc__.splitlines()[0])
+    ap = harness.parser("pagedrt.bench.launch", __doc__)
     ap.add_argument("--calls", type=int, default=2000, help="calls queued per round")
     ap.add_argument("--rounds", type=int, default=7, help="rounds; the median is reported")
-    ap.add_argument("--out", help="also write the run as a JSON record here")
     return ap
 
 

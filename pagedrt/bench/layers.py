@@ -20,7 +20,6 @@ layers either way, and the graph's bandwidth against the read-only streaming
 ceiling measured in the same run.
 """
 
-import argparse
 import statistics
 import time
 
@@ -122,12 +121,11 @@ def run(cp, case, placement, chunk, repeats):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.layers", description=__doc__.splitlines()[0])
+    ap = harness.parser("pagedrt.bench.layers", __doc__)
     ap.add_argument("--cases", default="b32,big,long-1", help=f"comma-separated, of {', '.join(FP16_CASES)}")
     ap.add_argument("--repeats", type=int, default=20, help="steps timed per measurement")
     ap.add_argument("--chunk-mib", type=int, default=64, help="physical chunk size in MiB (per plane when "
                                                               "plane-major)")
-    ap.add_argument("--out", help="also write the run as a JSON record here")
     return ap
 
 

@@ -13,7 +13,6 @@ a kernel that loads and stores every element (CuPy's ``copyto``, which reads
 memory as an attention kernel does) and the driver's device-to-device memcpy.
 """
 
-import argparse
 import statistics
 import time
 from collections import defaultdict
@@ -123,11 +122,9 @@ def pool_copy_bandwidth(timer, chunk, nbytes, repeats):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.pool", description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help="the pool's backend")
+    ap = harness.parser("pagedrt.bench.pool", __doc__, backend=True)
     ap.add_argument("--repeats", type=int, default=20, help="timed grows and copies per measurement")
     ap.add_argument("--copy-gib", type=int, default=4, help="bytes copied per direction in the bandwidth test")
-    ap.add_argument("--out", help="also write the run as a JSON record here")
     return ap
 
 

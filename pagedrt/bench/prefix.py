@@ -19,7 +19,6 @@ microseconds per step: the lookups (``add_sequence`` with a prompt; steps with a
 least one), the prefill appends with ids, and the decode append with ids.
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -125,12 +124,10 @@ def run(steps, seed, capacity, backend="host", max_running=32):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.prefix", description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help="the pool's backend")
+    ap = harness.parser("pagedrt.bench.prefix", __doc__, backend=True)
     ap.add_argument("--steps", type=int, default=400, help="steps of the trace")
     ap.add_argument("--seed", type=int, default=0, help="the trace's seed")
     ap.add_argument("--capacity", type=int, default=24576, help="the pool's capacity in tokens")
-    ap.add_argument("--out", help="also write the run as a JSON record here")
     return ap
 
 

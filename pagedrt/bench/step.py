@@ -16,7 +16,6 @@ starts from an empty pool, so some steps map chunks: the mean per step, and how
 many steps grew the pool.
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -63,11 +62,9 @@ def run(batch, steps, backend, placement, premap):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python3 -m pagedrt.bench.step", description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help="the pool's backend")
+    ap = harness.parser("pagedrt.bench.step", __doc__, backend=True)
     ap.add_argument("--steps", type=int, default=256, help="decode steps per run")
     ap.add_argument("--batches", default="1,64,256,1024", help="comma-separated batch sizes")
-    ap.add_argument("--out", help="also write the run as a JSON record here")
     return ap
 
 
