@@ -14,7 +14,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ >"$out/pytest-gpu.log" 2>&1
 {
     compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_kernels.py
-    compute-sanitizer --tool memcheck --report-api-errors no --leak-check full python3 tools/sanitize_kernels.py
+    compute-sanitizer --tool memcheck --report-api-errors no --leak-check full --show-backtrace device \
+        python3 tools/sanitize_kernels.py
     compute-sanitizer --tool racecheck python3 tools/sanitize_kernels.py
 } >"$out/sanitizers.txt" 2>&1
 python3 -m pagedrt demo --backend cuda --no-color >"$out/demo.txt" 2>&1
