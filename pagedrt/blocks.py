@@ -317,11 +317,23 @@ class BlockTables:
             prompt = prefix.check_token_ids(prompt, None, "prefix")
         row = self._add_row()
         self.known[row], self.chain[row] = 0, prefix.ROOT
-        if prompt is None:
-            return row
-        index = self.allocator.index
+        if prompt is not None:
+            self._start(row, prompt, self.match(prompt))
+        return row
+
+    def match(self, prompt):
+        """(block ids, name of the last): the cached blocks a sequence for ``prompt`` would start with.
+
+        The longest chain of cached blocks equal to the prompt's leading full blocks,
+        never the whole prompt (its last token is left to compute). Changes nothing.
+        """
         most = min(max(prompt.size - 1, 0) >> self._shift, self.max_blocks_per_seq)
-        blocks, name = index.match(prompt, self.block_size, most)
+        return self.allocator.index.match(prompt, self.block_size, most)
+
+    def _start(self, row, prompt, match):
+        """Start new row ``row`` holding the cached blocks of ``match``; count the lookup."""
+        blocks, name = match
+        index = self.allocator.index
         index.lookups += 1
         index.queried_tokens += prompt.size
         index.hit_blocks += blocks.size
@@ -331,7 +343,6 @@ class BlockTables:
             self._set_entries(np.full(blocks.size, row), np.arange(blocks.size), blocks)
             self._set_lens(np.array([row]), blocks.size * self.block_size)
             self.known[row], self.chain[row] = blocks.size * self.block_size, name
-        return row
 
     def _add_row(self):
         if not self._free_rows:
@@ -361,17 +372,166 @@ class BlockTables:
         caches no block from then on.
         """
         rows, step = self._request(seqs, counts)
+        return self._append_rows(rows, step, token_ids)
+
+    def _append_rows(self, rows, step, token_ids):
+        """:meth:`append` for checked ``rows`` (live, each once) and ``step`` (from :meth:`_counts`)."""
         if token_ids is not None:
             total = step * rows.size if isinstance(step, int) else int(step.sum())
             token_ids = prefix.check_token_ids(token_ids, total, "token_ids")
             before = self.lens[rows].astype(np.int64)
-        if isinstance(step, int) and step == 1 and self.allocator.num_shared == 0:
-            result = self._append_one(rows)
-        else:
+        result = self._append_one(rows) if isinstance(step, int) and step == 1 else None
+        if result is None:
             result = self._append(rows, step)
         if token_ids is not None and token_ids.size:
             self._record_tokens(rows, before, np.broadcast_to(step, rows.shape).astype(np.int64), token_ids)
         return result
+
+    def step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens):
+        """One engine step's decisions, all or nothing: frees, then forks, then arrivals, then the appends.
+
+        ``seqs``/``counts``/``token_ids`` are as for :meth:`append` (``seqs=None``: every
+        live sequence not freed now). ``arrivals`` are new sequences' prompts (token ids);
+        each starts holding the cached blocks its prompt begins with and appends
+        ``arrival_tokens`` more of the prompt (one int for all, one per arrival, or None for
+        the whole uncached rest). ``forks`` are parent handles, one child each (a parent may
+        repeat); a child shares its parent's blocks as they were before this step's tokens.
+        ``frees`` are handles to free. At most ``max_tokens`` new tokens in all.
+
+        Every check runs before anything changes, including whether the blocks suffice
+        (with those the frees give back and without cached-free blocks an arrival takes), so
+        an error leaves the tables and the allocator exactly as they were. Returns a
+        :class:`StepResult`; the batch is ``seqs`` in order, then the arrivals.
+        """
+        if not (len(arrivals) or len(forks) or len(frees)):  # append alone is all or nothing
+            rows, step = self._request(seqs, counts)
+            self._check_step_tokens(rows, step, 0, max_tokens)
+            slots, copies = self._append_rows(rows, step, token_ids)
+            return StepResult(rows, step, slots, copies, _NO_ROWS, _NO_ROWS, _NO_ROWS)
+        plan = self._plan_step(seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens)
+        rows, step, prompts, matches, chunk, parents, freed, unmapped = plan
+        if unmapped > 0:  # map before anything changes: a mapping that fails leaves the step undone
+            self.allocator.grow(ceil_div(unmapped, self.allocator.blocks_per_chunk))
+        if freed.size:
+            self.free(freed)
+        forked = np.array([self.fork(int(p)) for p in parents], np.int64)
+        arrived = np.empty(len(prompts), np.int64)
+        for i, (prompt, match) in enumerate(zip(prompts, matches)):
+            arrived[i] = row = self._add_row()
+            self.known[row], self.chain[row] = 0, prefix.ROOT
+            self._start(row, prompt, match)
+        cached = self.lens[arrived].astype(np.int64)
+        slots, copies = self._append_rows(rows, step, token_ids)
+        if arrived.size:
+            ids = np.concatenate([p[c:c + n] for p, c, n in zip(prompts, cached.tolist(), chunk.tolist())])
+            new_slots, new_copies = self._append_rows(arrived, chunk, ids)
+            slots, copies = np.concatenate([slots, new_slots]), np.concatenate([copies, new_copies])
+            rows, step = np.concatenate([rows, arrived]), np.concatenate([np.broadcast_to(step, rows.shape), chunk])
+        return StepResult(rows, step, slots, copies, arrived, cached, forked)
+
+    def _plan_step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens):
+        """Every check of :meth:`step`, changing nothing; the validated decisions."""
+        freed = np.sort(self._distinct(self.rows(frees), "step's frees", "free each sequence once"))
+        parents = self.rows(forks)
+        gone = np.isin(parents, freed)
+        if gone.any():
+            raise UnknownSequenceError(f"sequence {parents[gone][0]} is forked and freed in one step: fork it, or "
+                                       f"free it")
+        if seqs is None:
+            rows = self._live_rows()
+            rows = rows[~np.isin(rows, freed)]
+        else:
+            rows = self._distinct(self.rows(seqs), "step", "sum its counts instead")
+            gone = np.isin(rows, freed)
+            if gone.any():
+                raise UnknownSequenceError(f"sequence {rows[gone][0]} is given tokens and freed in one step")
+        step = self._counts(rows, counts)
+        if token_ids is not None:
+            total = step * rows.size if isinstance(step, int) else int(step.sum())
+            prefix.check_token_ids(token_ids, total, "token_ids")
+        prompts = [prefix.check_token_ids(p, None, f"arrivals[{i}]") for i, p in enumerate(arrivals)]
+        rows_after = int(self.live.sum()) - freed.size + parents.size + len(prompts)
+        if rows_after > self.max_seqs:
+            raise TooManySequencesError(
+                f"the step would leave {rows_after} live sequences but the block table has {self.max_seqs} rows: "
+                f"free some first, or make the cache with a larger max_seqs")
+        matches = [self.match(p) for p in prompts]
+        cached = np.array([m[0].size for m in matches], np.int64) << self._shift
+        rest = np.array([p.size for p in prompts], np.int64) - cached
+        chunk = self._arrival_chunks(arrival_tokens, rest, len(prompts))
+        if chunk.size and (cached + chunk).max() > self.row_tokens:
+            self._too_many(int((cached + chunk).max()))
+        self._check_step_tokens(rows, step, int(chunk.sum()), max_tokens)
+        old, old_nb, new_nb = self._block_counts(rows, step)
+        self._check_capacity(rows, old + step, new_nb)
+        need = int((new_nb - old_nb).sum()) + int((ceil_div(cached + chunk, self.block_size) -
+                                                   (cached >> self._shift)).sum())
+        need += self._step_copies(rows, step, old, old_nb, freed, parents)
+        released = self._step_released(freed, matches)
+        available = self.allocator.num_available + released
+        if need > available:
+            raise PoolExhaustedError(
+                f"the step needs {need} blocks but {available} would be available: free sequences, schedule fewer "
+                f"tokens, or reserve a larger cache")
+        a = self.allocator
+        unmapped = need - a.num_free - len(a.evictable) - released  # blocks to map, after all this step frees
+        return rows, step, prompts, matches, chunk, parents, freed, unmapped
+
+    def _arrival_chunks(self, arrival_tokens, rest, n):
+        """How many prompt tokens each arrival appends now: at least one, at most its uncached rest."""
+        if arrival_tokens is None:
+            chunk = rest
+        else:
+            try:
+                chunk = np.broadcast_to(np.asarray(arrival_tokens), (n,))
+            except ValueError:
+                raise InvalidTokenCountError(f"arrival_tokens must be one int or one per arrival ({n}), got "
+                                             f"{arrival_tokens!r:.80}") from None
+            if chunk.size and (chunk.dtype.kind not in "iu" or chunk.min() < 1):
+                raise InvalidTokenCountError(f"arrival_tokens must be ints >= 1, got {arrival_tokens!r:.80}")
+            chunk = np.minimum(chunk.astype(np.int64), rest)
+        if chunk.size and chunk.min() < 1:
+            raise InvalidTokenCountError(f"arrivals[{int(chunk.argmin())}] is empty: a prompt has a token at least")
+        return chunk
+
+    @staticmethod
+    def _check_step_tokens(rows, step, more, max_tokens):
+        total = (step * rows.size if isinstance(step, int) else int(step.sum())) + more
+        if total > max_tokens:
+            raise InvalidTokenCountError(f"the step has {total} new tokens but steps hold at most {max_tokens} "
+                                         f"(max_step_tokens): split the prompt into chunks")
+
+    def _step_copies(self, rows, step, old, old_nb, freed, parents):
+        """Private copies of shared tail blocks the appends take once this step's frees and forks are done."""
+        tail = (old & (self.block_size - 1)) != 0
+        if not isinstance(step, int):
+            tail &= step > 0
+        elif step == 0:
+            return 0
+        tails = self.table[rows[tail], old_nb[tail] - 1]
+        if not tails.size:
+            return 0
+        blocks, holders = np.unique(tails, return_counts=True)
+        refs = self.allocator.ref_count[blocks].astype(np.int64)
+        refs -= _occurrences(blocks, self._held_blocks(freed))
+        refs += _occurrences(blocks, self._held_blocks(parents))
+        return int(np.where(refs > holders, holders, holders - 1).sum())
+
+    def _step_released(self, freed, matches):
+        """Blocks this step's frees make available, less the cached-free ones its arrivals take."""
+        dropped = self._held_blocks(freed)
+        blocks, drops = np.unique(dropped, return_counts=True)
+        released = int((self.allocator.ref_count[blocks] == drops).sum())
+        claimed = np.unique(np.concatenate([_NO_ROWS] + [m[0].astype(np.int64) for m in matches]))
+        if claimed.size:
+            refs = self.allocator.ref_count[claimed] - _occurrences(claimed, dropped)
+            released -= int((refs == 0).sum())
+        return released
+
+    def _held_blocks(self, rows):
+        """Every block held by ``rows`` (a row may repeat), as int64."""
+        nb = ceil_div(self.lens[rows].astype(np.int64), self.block_size)
+        return self.table[np.repeat(rows, nb), ranks(nb)].astype(np.int64)
 
     def _append(self, rows, step):
         old, old_nb, new_nb = self._block_counts(rows, step)
@@ -431,10 +591,15 @@ class BlockTables:
         return self.allocator.can_allocate(int((new_nb - old_nb).sum()) + copies)
 
     def _append_one(self, rows):
-        """append(rows, 1) when no block is shared (the decode step): no tails to copy, one new block at most."""
+        """append(rows, 1), the decode step: one new block at most per row and, unless a row's partly filled
+        last block is shared, nothing to copy; None (nothing changed) when one is, for the general path."""
         shift, mask = self._shift, self.block_size - 1
         old = self.lens[rows]
         within, cols = old & mask, old >> shift
+        if self.allocator.num_shared:  # blocks shared by forks or prefix hits: is a tail about to be written?
+            tails = within != 0
+            if (self.allocator.ref_count[self.table[rows[tails], cols[tails]]] > 1).any():
+                return None
         fresh = np.flatnonzero(within == 0)  # these start a new block
         if fresh.size and cols[fresh].max() >= self.max_blocks_per_seq:
             i = fresh[cols[fresh].argmax()]
@@ -461,12 +626,16 @@ class BlockTables:
             rows = self._live_rows()
         else:
             rows = self._distinct(self.rows(seqs), "append", "sum its counts instead")
+        return rows, self._counts(rows, counts)
+
+    def _counts(self, rows, counts):
+        """``counts`` for ``rows``: one int for every row, or an int64 array, one per row, each checked."""
         if isinstance(counts, (int, np.integer)) and not isinstance(counts, bool):
             if counts < 0:
                 raise InvalidTokenCountError(f"token counts must be >= 0, got {counts}")
             if counts > self.row_tokens:
                 self._too_many(counts)
-            return rows, int(counts)
+            return int(counts)
         try:
             counts = np.asarray(counts)
         except (ValueError, TypeError):
@@ -480,7 +649,7 @@ class BlockTables:
                 raise InvalidTokenCountError(f"token counts must be >= 0, got {counts.min()}")
             if counts.max() > self.row_tokens:
                 self._too_many(counts.max())
-        return rows, counts.astype(np.int64)
+        return counts.astype(np.int64)
 
     def _too_many(self, count):
         raise SequenceFullError(f"{count} more tokens do not fit any sequence: a block-table row holds "
@@ -616,6 +785,26 @@ class BlockTables:
         self._changed_entries.clear()
         self._changed_lens.clear()
         return Changes(entries, self.table.ravel()[entries], rows, self.lens[rows])
+
+
+class StepResult(NamedTuple):
+    """What one :meth:`BlockTables.step` did, on the host."""
+
+    rows: np.ndarray     # int64 [batch]: the step's sequences in batch order (scheduled, then arrivals)
+    counts: object       # their new tokens: one int for every row, or int64 [batch]
+    slots: np.ndarray    # int64 [tokens]: the new tokens' pool slots, row by row
+    copies: np.ndarray   # int32 [n, 2]: (src, dst) blocks to copy before writing (copy-on-write)
+    arrived: np.ndarray  # int64: the arrivals' handles, in the order given
+    cached: np.ndarray   # int64: per arrival, its leading tokens found in the prefix cache
+    forked: np.ndarray   # int64: the children's handles, one per fork, in the order given
+
+
+def _occurrences(values, items):
+    """For each of the sorted unique ``values``, how many times it occurs in ``items``."""
+    if not items.size:
+        return np.zeros(values.size, np.int64)
+    items = np.sort(items)
+    return np.searchsorted(items, values, "right") - np.searchsorted(items, values, "left")
 
 
 class Changes(NamedTuple):

@@ -95,7 +95,7 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
-                 max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None,
+                 max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None, max_step_tokens=None,
                  placement="plane", chunk_bytes=None, backend="auto"):
         num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
                                                                                                 num_kv_heads)
@@ -123,12 +123,15 @@ class PagedKVCache:
         if max_seq_len is None:
             max_seq_len = min(self.layout.max_blocks * block_size, 32768)
         max_seq_len = _check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
+        if max_step_tokens is None:
+            max_step_tokens = max_seq_len + max_seqs
+        max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
         self._lock = threading.Lock()
         _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes)
         self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
-        self.step = StepMetadata(self.tables, self.pool.xp)
+        self.metadata = StepMetadata(self.tables, self.pool.xp, max_step_tokens)
         self._planes = [self._plane_view(layer, kv) for layer in range(num_layers) for kv in KV]
         self._mask = None  # device copy of allocator.usable_mask(), rebuilt after grow/trim
         self._mask_version = None
@@ -168,6 +171,30 @@ class PagedKVCache:
         blocks these tokens fill be cached for later prompts that begin alike.
         """
         return self.tables.append(seqs, counts, token_ids)
+
+    @_exclusive
+    def step(self, seqs=None, counts=1, token_ids=None, *, arrivals=(), arrival_tokens=None, forks=(), frees=()):
+        """One engine step in one call: the scheduler's decisions in, the step's kernel metadata out.
+
+        In order: ``frees`` (handles) are freed; each of ``forks`` (parent handles; one
+        child each, a parent may repeat) gets a child sharing its blocks as they are before
+        this step's tokens; each of ``arrivals`` (prompts, as token ids) becomes a new
+        sequence holding the cached blocks its prompt begins with, and appends
+        ``arrival_tokens`` more of the prompt (one int, one per arrival, or None: the whole
+        uncached rest; a chunked prefill appends the rest in later steps, with its ids); then
+        ``seqs`` (None: every live sequence not freed now, before the arrivals and forks) get
+        ``counts`` new tokens each (``token_ids``: their ids, optional, as for :meth:`append`).
+
+        Returns a :class:`~pagedrt.step.Step`: the slot mapping, the batch's block tables,
+        KV lengths and query offsets on the device (one pinned upload), the copy-on-write
+        pairs to copy first, and the arrivals' handles and cached tokens and the children's
+        handles. All or nothing: a step that cannot be satisfied (an unknown, finished or
+        repeated sequence, ids of the wrong length, more tokens than ``max_step_tokens``
+        or than the cache holds) raises a named error and changes nothing.
+        """
+        result = self.tables.step(seqs, counts, token_ids, list(arrivals), arrival_tokens, forks, frees,
+                                  self.metadata.max_step_tokens)
+        return self.metadata.build(result)
 
     @_exclusive
     def fork(self, seq):
@@ -253,14 +280,14 @@ class PagedKVCache:
 
         Consecutive handles give a view of the table (no copy); others a gathered copy.
         """
-        self.step.upload()
-        return self._select(self.step.block_table, seqs)
+        self.metadata.upload()
+        return self._select(self.metadata.block_table, seqs)
 
     @_exclusive
     def seq_lens(self, seqs=None):
         """The device lengths (int32), all rows or those of ``seqs`` in order."""
-        self.step.upload()
-        return self._select(self.step.seq_lens, seqs)
+        self.metadata.upload()
+        return self._select(self.metadata.seq_lens, seqs)
 
     def _select(self, array, seqs):
         if seqs is None:
