@@ -21,14 +21,15 @@ from helpers import to_host
 LAYERS, HEADS, DIM, BS = 2, 2, 64, 8
 
 
-def small_cache(backend="host", placement="plane", max_tokens=64 * BS, max_seqs=8, max_seq_len=24 * BS):
+def small_cache(backend="host", placement="plane", max_tokens=64 * BS, max_seqs=8, max_seq_len=24 * BS, growth=None):
     # 4 blocks per chunk on the host (4 KiB pages), so that sequences spread over
     # many chunks and trims happen; on a GPU a chunk is at least one 2 MiB page
     plane_block = HEADS * BS * DIM * 4
     unit = plane_block if placement == "plane" else 2 * LAYERS * plane_block
     chunk = np.lcm(4 * unit, select_backend(backend).page_bytes)
     return PagedKVCache(LAYERS, HEADS, DIM, BS, "float32", max_tokens=max_tokens, max_seqs=max_seqs,
-                        max_seq_len=max_seq_len, placement=placement, chunk_bytes=int(chunk), backend=backend)
+                        max_seq_len=max_seq_len, placement=placement, chunk_bytes=int(chunk), backend=backend,
+                        growth=growth)
 
 
 def write_tokens(cache, slots, values):
