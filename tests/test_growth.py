@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 from pagedrt import Pool
+from pagedrt.blocks import BlockAllocator
 from pagedrt.errors import (ChunkStateError, DeviceOutOfMemoryError, MappingLimitError, PoolClosedError,
                             UnsupportedConfigError)
 from pagedrt.growth import Growth
-from test_cache import BS, CacheMachine, PrefixMachine, check_allocator, frozen, machine_test, small_cache
+from test_cache import (BS, CacheMachine, PrefixMachine, check_allocator, frozen, machine_test, read_sequence,
+                        small_cache, write_tokens)
 from test_pool import PAGE, FailingCall, assert_consistent, host_mappings, state
 
 BPC = 4  # blocks per allocator chunk in small_cache on the host; 16 chunks, 64 blocks
@@ -409,3 +411,52 @@ class GrowthPrefixMachine(GrowthRules, PrefixMachine):
 TestGrowth = machine_test(GrowthMachine, 30, 30)
 TestInlineGrowth = machine_test(InlineGrowthMachine, 30, 30)
 TestGrowthPrefix = machine_test(GrowthPrefixMachine, 40, 50)
+
+
+class CudaGrowthMachine(GrowthRules, CacheMachine):
+    backend = "cuda"
+    cache_args = GrowthMachine.cache_args
+
+
+TestCudaGrowth = pytest.mark.gpu(machine_test(CudaGrowthMachine, 10, 25))
+
+
+# --- the CUDA backend ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_growth_on_the_cuda_backend():
+    with small_cache("cuda", max_tokens=4 * 512 * BS, max_seq_len=1024 * BS,
+                     growth=dict(low_blocks=1, high_blocks=512, release_after=2)) as cache:
+        g, bpc = cache.growth, cache.allocator.blocks_per_chunk
+        assert bpc == 512  # a 2 MiB page per plane
+        g.tick()
+        seq = cache.add_sequence()
+        slots, _ = cache.append(seq, 700 * BS)  # chunk 0 from the worker, chunk 1 mapped here
+        assert mapped(cache) == [0, 1] and g.chunks_ahead == 1 and g.stats()["sync_grows"] == 1
+        values = np.random.default_rng(1).standard_normal((slots.size, 4, 2, 64)).astype(np.float32)
+        write_tokens(cache, slots, values)
+        assert np.array_equal(read_sequence(cache, seq), values)
+        check_allocator(cache)
+        cache.free(seq)
+        g.tick(), g.tick()  # all free for two ticks: one chunk goes, 512 spare stay
+        assert mapped(cache) == [0] and g.chunks_released == 1
+        check_allocator(cache)
+
+
+@pytest.mark.gpu
+def test_growth_meets_real_device_out_of_memory():
+    from pagedrt.driver import current_device
+    chunk = 4 << 30
+    total = current_device().mem_info()[1]
+    with Pool((total // chunk + 8) * chunk, chunk, "cuda") as pool:
+        start = pool._backend.device.mem_info()[0]
+        allocator = BlockAllocator(pool, 1)
+        g = Growth(allocator, low_blocks=1, high_blocks=allocator.num_chunks, release_after=1)
+        g.tick()  # asks for more chunks than the device holds
+        settle(g)
+        assert isinstance(g.last_error, DeviceOutOfMemoryError) and g.in_flight == 0 and not pool._claims
+        assert pool.mapped_bytes == 0 and abs(pool._backend.device.mem_info()[0] - start) <= 64 << 20
+        with pytest.raises(DeviceOutOfMemoryError):
+            allocator.allocate(allocator.num_chunks - 4)  # allocate maps itself, and memory is really out
+        assert allocator.allocate(2).size == 2 and g.stats()["sync_grows"] == 2
+        g.close()
