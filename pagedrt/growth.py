@@ -28,10 +28,11 @@ claimed); every piece of bookkeeping, the pool's and the allocator's, changes on
 caller's thread: in :meth:`Growth.tick`, or in ``allocate`` when it has to wait for
 chunks in flight. Results (a prepared claim, or the exception that stopped it) come
 back through a queue. A failed preparation is undone by the pool, its places are
-given back at the next tick, the error is kept in :attr:`Growth.last_error`, and
-nothing more is asked of the worker until the allocator's chunks change (a
-synchronous grow, a release, another claim committed); meanwhile ``allocate`` maps
-what it needs itself, raising the named error if memory is really out.
+given back when its outcome is taken (at a tick, or by a waiting ``allocate``), the
+error is kept in :attr:`Growth.last_error`, and nothing more is asked of the worker
+until the allocator's chunks change (a synchronous grow, a release, another claim
+committed); meanwhile ``allocate`` maps what it needs itself, raising the named
+error if memory is really out.
 
 With ``background=False`` the same policy maps on the caller's thread inside
 :meth:`Growth.tick`: between steps, not inside an allocation (the benchmark's
