@@ -18,6 +18,13 @@ would map more while it holds data nobody may ask for again. Since a cached-free
 block is not free, :meth:`~BlockAllocator.trim` leaves its chunk mapped; evicting it
 is the allocator's job, when blocks are needed.
 
+Chunks may also be mapped ahead of demand, off the step's critical path
+(:mod:`pagedrt.growth`): such chunks are *in flight* (``in_flight``) from the moment
+their places are claimed until they are adopted as free blocks or given up;
+:meth:`~BlockAllocator.grow` skips them, and an :meth:`~BlockAllocator.allocate` that
+is short of blocks after eviction waits for them (through ``wait_in_flight``, which
+whoever maps ahead sets) before it maps what is still missing itself.
+
 :class:`BlockTables` keeps, per sequence, its length and its row of the dense
 block table (logical block -> block id). A sequence's handle is its row. It logs
 which table entries and lengths change; :mod:`pagedrt.step` drains that log to
@@ -67,6 +74,9 @@ class BlockAllocator:
         self.index = prefix.PrefixIndex(self.max_blocks)  # names of cached blocks
         self.evictable = OrderedDict()  # cached-free blocks (named, reference count 0), oldest first
         self.evictions = 0
+        self.in_flight = np.zeros(self.num_chunks, bool)  # chunks being mapped ahead: not mapped yet, grow skips them
+        self.wait_in_flight = None  # set with in_flight: returns once no chunk is in flight (adopted or given up)
+        self.sync_grows = 0  # times allocate mapped chunks itself
 
     # --- what is where ---------------------------------------------------------------
 
@@ -102,7 +112,12 @@ class BlockAllocator:
         return n <= self.num_available
 
     def allocate(self, n):
-        """``n`` block ids with reference count 1, fullest chunks first; grows the pool if needed."""
+        """``n`` block ids with reference count 1, fullest chunks first; grows the pool if needed.
+
+        Free blocks first, then cached-free ones (evicted), then chunks in flight
+        (waited for), and only then chunks this call maps itself. Chunks that arrive
+        while it waits stay mapped even if the grow after them fails.
+        """
         if n <= 0:
             if n == 0:
                 return np.empty(0, np.int32)
@@ -112,9 +127,13 @@ class BlockAllocator:
                 f"asked for {n} blocks but only {self.num_free} are free and the reservation holds at most "
                 f"{self.max_blocks} ({self.num_held} held): free sequences, or reserve a larger cache")
         short = n - self.num_free
+        if short > len(self.evictable) and self.in_flight.any():
+            self.wait_in_flight()
+            short = n - self.num_free
         if short > 0:
             evict = min(short, len(self.evictable))
             if short > evict:  # may fail: before anything is evicted
+                self.sync_grows += 1
                 self.grow(ceil_div(short - evict, self.blocks_per_chunk))
             if evict:
                 self._evict(evict)
@@ -204,17 +223,22 @@ class BlockAllocator:
     # --- growing and trimming ---------------------------------------------------------
 
     def grow(self, n_chunks):
-        """Map ``n_chunks`` more chunks, re-using holes (lowest first) before the frontier."""
-        candidates = np.flatnonzero(~self.chunk_mapped)[:n_chunks]
-        if candidates.size < n_chunks:
+        """Map ``n_chunks`` more chunks, re-using holes (lowest first) before the frontier; never one in flight."""
+        chunks = self.unmapped_chunks(n_chunks)
+        if len(chunks) < n_chunks:
             raise PoolExhaustedError(
-                f"cannot map {n_chunks} more chunks: {candidates.size} remain in the reservation")
-        chunks = [int(k) for k in candidates]
+                f"cannot map {n_chunks} more chunks: {len(chunks)} remain in the reservation "
+                f"({int(self.in_flight.sum())} more are being mapped ahead)")
         self.pool.map([c for k in chunks for c in self.pool_chunks(k)])
-        self._adopt(chunks)
+        self.adopt(chunks)
         return chunks
 
-    def _adopt(self, chunks):
+    def unmapped_chunks(self, n_chunks):
+        """The ``n_chunks`` lowest chunks (or fewer, all there are) that are neither mapped nor in flight."""
+        return [int(k) for k in np.flatnonzero(~(self.chunk_mapped | self.in_flight))[:n_chunks]]
+
+    def adopt(self, chunks):
+        """Make newly mapped chunks' blocks free."""
         for k in chunks:
             self.is_free[k * self.blocks_per_chunk:(k + 1) * self.blocks_per_chunk] = True
         self.chunk_mapped[chunks] = True
@@ -227,12 +251,16 @@ class BlockAllocator:
         if empty.size == 0:
             return []
         chunks = [int(k) for k in empty]
+        self.release_chunks(chunks)
+        return chunks
+
+    def release_chunks(self, chunks):
+        """Unmap these mapped chunks, every block of which is free, and free their memory."""
         self.pool.release([c for k in chunks for c in self.pool_chunks(k)])
         self.chunk_mapped[chunks] = False
         self.free_in_chunk[chunks] = 0
         self.is_free.reshape(self.num_chunks, self.blocks_per_chunk)[chunks] = False
         self.version += 1
-        return chunks
 
 
 class BlockTables:
@@ -411,7 +439,7 @@ class BlockTables:
         plan = self._plan_step(seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens)
         rows, step, prompts, matches, chunk, parents, freed, unmapped = plan
         if unmapped > 0:  # map before anything changes: a mapping that fails leaves the step undone
-            self.allocator.grow(ceil_div(unmapped, self.allocator.blocks_per_chunk))
+            self._map_ahead(unmapped)
         if freed.size:
             self.free(freed)
         forked = np.array([self.fork(int(p)) for p in parents], np.int64)
@@ -428,6 +456,17 @@ class BlockTables:
             slots, copies = np.concatenate([slots, new_slots]), np.concatenate([copies, new_copies])
             rows, step = np.concatenate([rows, arrived]), np.concatenate([np.broadcast_to(step, rows.shape), chunk])
         return StepResult(rows, step, slots, copies, arrived, cached, forked)
+
+    def _map_ahead(self, blocks):
+        """Make ``blocks`` more blocks usable without mapping: chunks in flight first (waited for), then mapped."""
+        a = self.allocator
+        if a.in_flight.any():
+            free = a.num_free
+            a.wait_in_flight()
+            blocks -= a.num_free - free
+        if blocks > 0:
+            a.sync_grows += 1
+            a.grow(ceil_div(blocks, a.blocks_per_chunk))
 
     def _plan_step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens):
         """Every check of :meth:`step`, changing nothing; the validated decisions."""

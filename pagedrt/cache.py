@@ -1,9 +1,9 @@
 """PagedKVCache: every layer's K and V over one pool, its sequences, and what kernels read.
 
 The facade over the layers below: the pool (:mod:`pagedrt.memory`), the block
-allocator and tables (:mod:`pagedrt.blocks`), the step's device metadata
-(:mod:`pagedrt.step`), the layout (:mod:`pagedrt.layout`) and snapshots
-(:mod:`pagedrt.snapshot`).
+allocator and tables (:mod:`pagedrt.blocks`), growth ahead of demand
+(:mod:`pagedrt.growth`), the step's device metadata (:mod:`pagedrt.step`), the
+layout (:mod:`pagedrt.layout`) and snapshots (:mod:`pagedrt.snapshot`).
 """
 
 import functools
@@ -14,6 +14,7 @@ import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
 from .errors import ConcurrentUseError, PoolClosedError, UnsupportedConfigError
+from .growth import Growth
 from .layout import KV, PLACEMENTS, Layout, is_int, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
@@ -57,6 +58,22 @@ def _check_sizes(layout, max_seqs, max_blocks_per_seq):
             f"lower max_seqs, max_seq_len or the capacity")
 
 
+def _growth_keywords(growth, blocks_per_chunk):
+    """``growth=`` as the keywords of :class:`~pagedrt.growth.Growth`, defaults filled in; None for no growth."""
+    if growth is None or growth is False:
+        return None
+    defaults = {"low_blocks": blocks_per_chunk, "high_blocks": 2 * blocks_per_chunk, "release_after": 64,
+                "background": True}
+    if growth is True:
+        return defaults
+    if not isinstance(growth, dict):
+        raise UnsupportedConfigError(f"growth={growth!r:.80} must be None, False, True or a dict of Growth keywords")
+    unknown = sorted(map(str, growth.keys() - defaults.keys()))
+    if unknown:
+        raise UnsupportedConfigError(f"growth has unknown keys {unknown}: it takes {sorted(defaults)}")
+    return defaults | growth
+
+
 def _exclusive(method):
     """``method`` run inside the cache's lock, taken without waiting, on an open cache.
 
@@ -88,6 +105,15 @@ class PagedKVCache:
     ``max_seqs`` and ``max_seq_len`` size the dense block table. ``backend`` is a name
     or a backend made by :func:`pagedrt.memory.select_backend`.
 
+    ``growth`` maps chunks ahead of demand, on a worker thread (:mod:`pagedrt.growth`).
+    None or False (the default): chunks are mapped only when an append needs them.
+    True: one to two chunks' blocks are kept spare (``low_blocks`` one chunk's blocks,
+    ``high_blocks`` two) and a chunk all free for 64 ticks is released
+    (``release_after``). A dict of :class:`~pagedrt.growth.Growth` keywords sets some
+    of those (and ``background``), the rest as True does. ``cache.growth`` is the
+    :class:`~pagedrt.growth.Growth` or None; call its ``tick()`` once per step, on the
+    thread that calls the cache.
+
     The cache is not thread-safe: call it from one thread at a time. Concurrent use is
     detected: a call made while another thread is inside the cache raises
     :class:`~pagedrt.errors.ConcurrentUseError` and changes nothing. After :meth:`close`
@@ -96,7 +122,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
                  max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None, max_step_tokens=None,
-                 placement="plane", chunk_bytes=None, backend="auto"):
+                 placement="plane", chunk_bytes=None, backend="auto", growth=None):
         num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
                                                                                                 num_kv_heads)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
@@ -128,8 +154,14 @@ class PagedKVCache:
         max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
         self._lock = threading.Lock()
         _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
+        growth = _growth_keywords(growth, self.layout.blocks_per_chunk)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes)
+        try:
+            self.growth = None if growth is None else Growth(self.allocator, **growth)
+        except BaseException:
+            self.pool.close()
+            raise
         self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
         self.metadata = StepMetadata(self.tables, self.pool.xp, max_step_tokens)
         self._planes = [self._plane_view(layer, kv) for layer in range(num_layers) for kv in KV]
@@ -184,6 +216,7 @@ class PagedKVCache:
         uncached rest; a chunked prefill appends the rest in later steps, with its ids); then
         ``seqs`` (None: every live sequence not freed now, before the arrivals and forks) get
         ``counts`` new tokens each (``token_ids``: their ids, optional, as for :meth:`append`).
+        With ``growth``, the step ends with its :meth:`~pagedrt.growth.Growth.tick`.
 
         Returns a :class:`~pagedrt.step.Step`: the slot mapping, the batch's block tables,
         KV lengths and query offsets on the device (one pinned upload), the copy-on-write
@@ -194,7 +227,10 @@ class PagedKVCache:
         """
         result = self.tables.step(seqs, counts, token_ids, list(arrivals), arrival_tokens, forks, frees,
                                   self.metadata.max_step_tokens)
-        return self.metadata.build(result)
+        step = self.metadata.build(result)
+        if self.growth is not None:  # for the next step: chunks mapped meanwhile adopted, more asked for
+            self.growth.tick()
+        return step
 
     @_exclusive
     def fork(self, seq):
@@ -368,10 +404,13 @@ class PagedKVCache:
         return self.pool.closed
 
     def close(self):
-        """Unmap and release the pool; idempotent. Every later call raises PoolClosedError."""
+        """Stop growth (its worker), then unmap and release the pool; idempotent. Every later call raises
+        PoolClosedError."""
         if not self._lock.acquire(False):
             raise ConcurrentUseError("cache.close() was called while another thread was inside this cache")
         try:
+            if self.growth is not None:
+                self.growth.close()
             self._planes.clear()
             self._mask = None
             self.pool.close()

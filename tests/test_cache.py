@@ -79,16 +79,19 @@ def check_allocator(cache):
     assert a.num_shared == int((a.ref_count > 1).sum())
     pool_mapped = {r.chunk for r in cache.pool.mappings() if r.state == "mapped"}
     assert pool_mapped == {c for k in np.flatnonzero(a.chunk_mapped) for c in a.pool_chunks(int(k))}
+    assert not (a.in_flight & a.chunk_mapped).any()  # chunks being mapped ahead are claimed in the pool, not mapped
+    assert set(cache.pool._claims) == {c for k in np.flatnonzero(a.in_flight) for c in a.pool_chunks(int(k))}
 
 
 class CacheMachine(RuleBasedStateMachine):
     """Random add / append / fork / free / trim / grow, checking both layers after every step."""
 
     backend, placement = "host", "plane"
+    cache_args = {}  # more keywords of small_cache, for subclasses
 
     def __init__(self):
         super().__init__()
-        self.cache = small_cache(self.backend, self.placement)
+        self.cache = small_cache(self.backend, self.placement, **self.cache_args)
         self.data = {}  # seq -> what was written, [len, planes, heads, dim]
         self.rng = np.random.default_rng(0)
 
@@ -185,7 +188,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def grow(self):
         a = self.cache.allocator
-        if not a.chunk_mapped.all():
+        if a.unmapped_chunks(1):
             a.grow(1)
 
     @invariant()
@@ -257,10 +260,10 @@ class PrefixMachine(CacheMachine):
     The model keeps every sequence's token ids (-1 where appended without ids); after every step each cached block
     held by a sequence holds the ids that sequence has there, and the data read back equals the data written."""
 
+    cache_args = dict(max_tokens=24 * BS, max_seqs=6, max_seq_len=12 * BS)
+
     def __init__(self):
         super().__init__()
-        self.cache.close()
-        self.cache = small_cache(max_tokens=24 * BS, max_seqs=6, max_seq_len=12 * BS)
         self.ids = {}
 
     def known_ids(self, seq):

@@ -7,7 +7,17 @@ leaving a hole. The range never moves, so every pointer into it stays valid.
 
 The bookkeeping, argument checks and rollback live here; a backend (``vmm`` for
 CUDA, ``host`` for the operating system's virtual memory) supplies the primitive
-calls. Every operation either completes or leaves the pool exactly as it was,
+calls.
+
+Mapping comes in three steps, so that the backend's calls can run on another
+thread while the bookkeeping stays on the pool's own: :meth:`Pool.claim` (the
+caller's thread) takes unmapped places for a :class:`Prepared`; :meth:`Pool.prepare`
+(any thread, one at a time per claim) makes, maps and enables their chunks with
+backend calls alone; :meth:`Pool.commit` (the caller's thread) adopts them, or
+:meth:`Pool.discard` undoes them. ``map`` and ``grow`` are the three steps in a
+row, and refuse claimed places, as ``release`` does; :meth:`Pool.close` waits for a
+preparation under way and releases prepared chunks with the rest. Only the claims
+are shared between threads, under a small lock. Every operation either completes or leaves the pool exactly as it was,
 with one exception that keeps the bookkeeping true: a chunk that the backend
 cannot unmap while undoing a failed map stays mapped and is adopted (it then
 appears in :meth:`Pool.mappings` as mapped, which it is).
@@ -27,6 +37,7 @@ can take its addresses while a view of it may live, and :func:`find_pool` never
 confuses an old pool's view with new memory.
 """
 
+import threading
 import weakref
 from dataclasses import asdict, dataclass
 
@@ -37,6 +48,7 @@ from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, Reservati
                       UnknownChunkError, UnmappedRangeError)
 
 MAPPED, RELEASED = "mapped", "released"
+CLAIMED, RUNNING, READY, FAILED, DONE = "claimed", "running", "ready", "failed", "done"  # a Prepared's states
 
 _POOLS = []  # weak references to every pool made in this process, dead ones dropped as found
 
@@ -72,6 +84,27 @@ class ChunkRecord:
         return asdict(self)
 
 
+class Prepared:
+    """Chunk places claimed for mapping apart from the pool's bookkeeping (:meth:`Pool.claim`).
+
+    :meth:`Pool.prepare` fills ``handles`` (chunk -> handle, every chunk mapped and
+    enabled); :meth:`Pool.commit` adopts them or :meth:`Pool.discard` undoes them.
+    ``stuck`` holds the chunks that a failed preparation could not unmap: still mapped,
+    the pool adopts them when the claim is discarded, as a failed ``map`` does.
+    """
+
+    __slots__ = ("chunks", "handles", "stuck", "state")
+
+    def __init__(self, chunks):
+        self.chunks = chunks  # sorted pool chunk indices
+        self.handles = {}
+        self.stuck = {}
+        self.state = CLAIMED
+
+    def __repr__(self):
+        return f"Prepared(chunks={self.chunks}, {self.state})"
+
+
 def _positive_multiple(name, value, unit, unit_name):
     if not isinstance(value, int) or isinstance(value, bool):
         raise PoolSizeError(f"{name} must be an int, got {type(value).__name__}")
@@ -99,6 +132,8 @@ class Pool:
         self.num_chunks = max_bytes // chunk_bytes
         self._handles = {}       # chunk -> backend handle, for mapped chunks
         self._released = set()   # chunks mapped once and released since
+        self._claims = {}        # chunk -> its Prepared, from claim() to commit() or discard()
+        self._claims_lock = threading.Condition()  # guards the claims and their states; close waits on it
         self._closed = False
         self._version = 0
         self._mask = None        # (version, read-only mask) of the last mapped_mask()
@@ -108,7 +143,8 @@ class Pool:
             if isinstance(backend, str):  # the backend is ours: let it go (CUDA: its context)
                 self._backend.close()
             raise
-        self._range = _Range(self._backend, self.base, max_bytes, chunk_bytes, self._handles)
+        self._range = _Range(self._backend, self.base, max_bytes, chunk_bytes, self._handles, self._claims,
+                             self._claims_lock)
         self._finalizer = weakref.finalize(self, self._range.free)
         _POOLS.append(weakref.ref(self))
 
@@ -189,19 +225,12 @@ class Pool:
                 f"grow({n}) needs chunks {start}..{start + n - 1} but the reservation holds "
                 f"{self.num_chunks} chunks of {self.chunk_bytes} bytes ({self.max_bytes} bytes); "
                 f"{self.num_chunks - start} remain at the frontier: reserve a larger pool")
-        chunks = list(range(start, start + n))
-        self._map(chunks)
-        return chunks
+        return self._map(list(range(start, start + n)))
 
     def map(self, chunks):
         """Map the given chunk places (never mapped, or released); all or none."""
         self._check_open()
-        chunks = self._chunk_list(chunks)
-        for c in chunks:
-            if c in self._handles:
-                raise ChunkStateError(f"chunk {c} is already mapped")
-        self._map(chunks)
-        return chunks
+        return self._map(self._chunk_list(chunks))
 
     def release(self, chunks):
         """Unmap the given mapped chunks and free their physical memory, leaving holes."""
@@ -209,7 +238,8 @@ class Pool:
         chunks = self._chunk_list(chunks)
         for c in chunks:
             if c not in self._handles:
-                state = "already released" if c in self._released else "never mapped"
+                state = ("being mapped (claimed)" if c in self._claims else
+                         "already released" if c in self._released else "never mapped")
                 raise ChunkStateError(f"cannot release chunk {c}: it is {state}")
         self._backend.synchronize()  # a running kernel may still read these chunks
         try:
@@ -221,47 +251,124 @@ class Pool:
             self._version += 1
 
     def _map(self, chunks):
-        """Create, map and enable access to ``chunks``; undo exactly what was done on failure."""
+        """Claim, prepare and commit ``chunks`` on this thread; on failure undo exactly what was done."""
+        prepared = self.claim(chunks)
+        try:
+            self.prepare(prepared)
+        except BaseException:
+            self.discard(prepared)
+            raise
+        self.commit(prepared)
+        return prepared.chunks
+
+    # --- mapping in three steps: claim, prepare (any thread), commit or discard ------
+
+    def claim(self, chunks):
+        """Take unmapped places (never mapped, or released) for a :class:`Prepared`; nothing is mapped yet.
+
+        Until the claim is committed or discarded, ``map``, ``grow``, ``release`` and
+        other claims refuse its places. Call it on the thread that owns the pool.
+        """
+        self._check_open()
+        chunks = self._chunk_list(chunks)
+        prepared = Prepared(chunks)
+        with self._claims_lock:
+            for c in chunks:
+                if c in self._handles:
+                    raise ChunkStateError(f"chunk {c} is already mapped")
+                if c in self._claims:
+                    raise ChunkStateError(f"chunk {c} is already claimed: it is being mapped")
+            self._claims.update((c, prepared) for c in chunks)
+        return prepared
+
+    def prepare(self, prepared):
+        """Create, map and enable access to a claim's chunks: backend calls only, so any thread may run it.
+
+        Touches none of the pool's bookkeeping (only the claim's state, under the
+        claims' lock); :meth:`commit` adopts the chunks. On failure it undoes exactly
+        what it did and raises; the claim stays until :meth:`discard`. Refused once the
+        pool is closed (:class:`~pagedrt.errors.PoolClosedError`).
+        """
+        with self._claims_lock:
+            if self._range.retired:
+                raise PoolClosedError("this pool was closed while chunks were claimed; create a new Pool")
+            self._check_claim(prepared, CLAIMED, "prepare")
+            prepared.state = RUNNING
         b, size = self._backend, self.chunk_bytes
         created, mapped = {}, []
         try:
-            for c in chunks:
+            for c in prepared.chunks:
                 created[c] = b.create(size)
-            for c in chunks:
+            for c in prepared.chunks:
                 b.map(self.base + c * size, size, created[c])
                 mapped.append(c)
-            for first, count in _runs(chunks):  # one access call per contiguous run
+            for first, count in _runs(prepared.chunks):  # one access call per contiguous run
                 b.set_access(self.base + first * size, count * size)
         except BaseException:
-            self._undo_map(created, mapped)
+            stuck = self._undo(created, mapped)
+            with self._claims_lock:
+                prepared.stuck, prepared.state = stuck, FAILED
+                self._claims_lock.notify_all()
             raise
-        self._handles.update(created)
-        self._released.difference_update(chunks)
+        with self._claims_lock:
+            prepared.handles, prepared.state = created, READY
+            self._claims_lock.notify_all()
+
+    def commit(self, prepared):
+        """Adopt a prepared claim's chunks: mapped from now on, in :meth:`mappings` and :meth:`mapped_mask`."""
+        self._check_open()
+        with self._claims_lock:
+            self._check_claim(prepared, READY, "commit")
+            self._unclaim(prepared)
+        self._handles.update(prepared.handles)
+        self._released.difference_update(prepared.chunks)
         self._version += 1
 
-    def _undo_map(self, created, mapped):
-        """Unmap ``mapped`` and release every handle in ``created``. A chunk that the backend
-        cannot unmap stays mapped: it is adopted into the pool, so the bookkeeping stays
-        what is really mapped, and its handle is kept."""
+    def discard(self, prepared):
+        """Give a claim's places back, unmapping and releasing whatever it mapped. After :meth:`close`
+        there is nothing left to undo (close released the claim's chunks) and it does nothing."""
+        with self._claims_lock:
+            if self._range.retired:
+                return
+            self._check_claim(prepared, (CLAIMED, READY, FAILED), "discard")
+            self._unclaim(prepared)
+        stuck = {**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))}
+        if stuck:  # a chunk the backend could not unmap is mapped: the pool keeps it
+            self._handles.update(stuck)
+            self._released.difference_update(stuck)
+            self._version += 1
+
+    def _check_claim(self, prepared, states, what):
+        if not isinstance(prepared, Prepared) or self._claims.get(prepared.chunks[0]) is not prepared:
+            raise ChunkStateError(f"cannot {what} {prepared!r}: it is not a claim of this pool (committed or "
+                                  f"discarded already?)")
+        if prepared.state not in states:
+            raise ChunkStateError(f"cannot {what} {prepared!r}: it is {prepared.state}")
+
+    def _unclaim(self, prepared):
+        for c in prepared.chunks:
+            del self._claims[c]
+        prepared.state = DONE
+
+    def _undo(self, created, mapped):
+        """Unmap ``mapped`` and release every handle in ``created``; backend calls only. Returns the chunks
+        (chunk -> handle) that the backend would not unmap: they stay mapped, enabled if the backend lets it."""
         b, size = self._backend, self.chunk_bytes
-        adopted = []
+        stuck = {}
         for c in mapped:
             try:
                 b.unmap(self.base + c * size, size)
             except Exception:
-                adopted.append(c)
+                stuck[c] = created[c]
         for c, handle in created.items():
-            if c not in adopted:
+            if c not in stuck:
                 b.release(handle)
-        for c in adopted:  # usable as a mapped chunk should be, if the backend lets it
+        for c in stuck:  # usable as a mapped chunk should be, if the backend lets it
             try:
                 b.set_access(self.base + c * size, size)
             except Exception:
                 pass
-        if adopted:
-            self._handles.update((c, created[c]) for c in adopted)
-            self._released.difference_update(adopted)
-            self._version += 1
+        return stuck
 
     def _chunk_list(self, chunks):
         chunks = [chunks] if isinstance(chunks, int) else list(chunks)
@@ -314,6 +421,10 @@ class Pool:
         """Unmap and release every chunk. Idempotent; also runs when the pool is collected
         and at exit.
 
+        Claimed chunks go too: a preparation running on another thread is waited for,
+        prepared chunks are released with the mapped ones, and a preparation not yet
+        started is refused (:class:`~pagedrt.errors.PoolClosedError`).
+
         The range stays reserved until the pool and its last view are gone (then the
         finalizer frees it), so its addresses are not handed to other memory meanwhile.
         The host backend maps scratch memory over it (views taken before close then read
@@ -344,15 +455,23 @@ class Pool:
 class _Range:
     """A pool's range and chunks, apart from the pool, so that a finalizer can end them."""
 
-    def __init__(self, backend, base, size, chunk_bytes, handles):
+    def __init__(self, backend, base, size, chunk_bytes, handles, claims, claims_lock):
         self.backend, self.base, self.size, self.chunk_bytes = backend, base, size, chunk_bytes
-        self.handles = handles  # the pool's own dict
+        self.handles, self.claims, self.claims_lock = handles, claims, claims_lock  # the pool's own
         self.retired = False
 
     def retire(self):
-        """Unmap and release every chunk (the host leaves scratch memory over the range)."""
+        """Unmap and release every chunk (the host leaves scratch memory over the range): those mapped,
+        and those of claims, once a preparation under way on another thread has finished."""
         if not self.retired:
-            self.retired = True
+            with self.claims_lock:
+                self.retired = True  # no preparation starts from now on
+                self.claims_lock.wait_for(lambda: all(p.state != RUNNING for p in self.claims.values()))
+                for prepared in set(self.claims.values()):
+                    self.handles.update(prepared.handles)
+                    self.handles.update(prepared.stuck)
+                    prepared.state = DONE
+                self.claims.clear()
             self.backend.synchronize()
             self.backend.retire(self.base, self.size,
                                 [(self.base + c * self.chunk_bytes, self.chunk_bytes, h)
