@@ -146,10 +146,12 @@ def test_prefix_trace_hits_evicts_and_is_seeded():
 
 def test_step_runs_on_the_host_backend_and_maps_ahead():
     for placement in ("plane", "block"):
-        backend, times, grows = step.run(64, 32, "host", placement, premap=True)
+        backend, times, grows = step.run(64, 32, "host", placement, "decode", "steady")
         assert backend == "host" and times.shape == (32,) and grows == 0
-        _, _, grows = step.run(64, 32, "host", placement, premap=False)
+        _, _, grows = step.run(64, 32, "host", placement, "mixed", "demand")
         assert grows > 0
+        _, _, ahead = step.run(64, 32, "host", placement, "mixed", "ahead", gap_us=2000)
+        assert ahead < grows
 
 
 def imports(path):
