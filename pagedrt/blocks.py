@@ -69,6 +69,8 @@ class BlockAllocator:
         self.is_free = np.zeros(self.max_blocks, bool)
         self.free_in_chunk = np.zeros(self.num_chunks, np.int64)
         self.chunk_mapped = np.zeros(self.num_chunks, bool)
+        self._free = 0            # free_in_chunk.sum(), kept as it changes
+        self._mapped_chunks = 0   # chunk_mapped.sum(), likewise
         self.version = 0  # bumped whenever chunks are mapped or released
         self.num_shared = 0  # blocks with more than one reference: copy-on-write is possible
         self.index = prefix.PrefixIndex(self.max_blocks)  # names of cached blocks
@@ -86,11 +88,11 @@ class BlockAllocator:
 
     @property
     def num_free(self):
-        return int(self.free_in_chunk.sum())
+        return self._free
 
     @property
     def num_mapped_blocks(self):
-        return int(self.chunk_mapped.sum()) * self.blocks_per_chunk
+        return self._mapped_chunks * self.blocks_per_chunk
 
     @property
     def num_held(self):
@@ -149,7 +151,8 @@ class BlockAllocator:
             chunks = chunks[:int(np.searchsorted(np.cumsum(free[chunks]), n)) + 1]
             pos = np.flatnonzero(self.is_free.reshape(self.num_chunks, bpc)[chunks])[:n]
             ids = (chunks[pos // bpc] * bpc + pos % bpc).astype(np.int32)
-            free -= np.bincount(ids // bpc, minlength=self.num_chunks)
+            np.subtract.at(free, ids // bpc, 1)
+        self._free -= n
         self.is_free[ids] = False
         self.ref_count[ids] = 1
         return ids
@@ -162,7 +165,8 @@ class BlockAllocator:
             self.index.forget(block)
             ids[i] = block
         self.is_free[ids] = True
-        self.free_in_chunk += np.bincount(ids // self.blocks_per_chunk, minlength=self.num_chunks)
+        np.add.at(self.free_in_chunk, ids // self.blocks_per_chunk, 1)
+        self._free += n
         self.evictions += n
 
     def claim_cached(self, block_ids):
@@ -207,7 +211,8 @@ class BlockAllocator:
                 self.evictable[block] = None
                 self.evictable.move_to_end(block)
         self.is_free[released] = True
-        self.free_in_chunk += np.bincount(released // self.blocks_per_chunk, minlength=self.num_chunks)
+        np.add.at(self.free_in_chunk, released // self.blocks_per_chunk, 1)
+        self._free += released.size
 
     def _check_held(self, ids, counts, what):
         bad = (ids < 0) | (ids >= self.max_blocks)
@@ -243,6 +248,8 @@ class BlockAllocator:
             self.is_free[k * self.blocks_per_chunk:(k + 1) * self.blocks_per_chunk] = True
         self.chunk_mapped[chunks] = True
         self.free_in_chunk[chunks] = self.blocks_per_chunk
+        self._free += len(chunks) * self.blocks_per_chunk
+        self._mapped_chunks += len(chunks)
         self.version += 1
 
     def trim(self):
@@ -259,6 +266,8 @@ class BlockAllocator:
         self.pool.release([c for k in chunks for c in self.pool_chunks(k)])
         self.chunk_mapped[chunks] = False
         self.free_in_chunk[chunks] = 0
+        self._free -= len(chunks) * self.blocks_per_chunk
+        self._mapped_chunks -= len(chunks)
         self.is_free.reshape(self.num_chunks, self.blocks_per_chunk)[chunks] = False
         self.version += 1
 
@@ -818,9 +827,12 @@ class BlockTables:
         """
         if not (self._changed_entries or self._changed_lens):
             return None
-        entries = (np.concatenate([r * self.max_blocks_per_seq + c for r, c in self._changed_entries])
-                   if self._changed_entries else _NO_ROWS)
-        rows = np.concatenate(self._changed_lens) if self._changed_lens else _NO_ROWS
+        width, logged = self.max_blocks_per_seq, self._changed_entries
+        if len(logged) == 1:
+            entries = logged[0][0] * width + logged[0][1]
+        else:
+            entries = np.concatenate([r * width + c for r, c in logged]) if logged else _NO_ROWS
+        rows = _joined(self._changed_lens)
         self._changed_entries.clear()
         self._changed_lens.clear()
         return Changes(entries, self.table.ravel()[entries], rows, self.lens[rows])
@@ -836,6 +848,13 @@ class StepResult(NamedTuple):
     arrived: np.ndarray  # int64: the arrivals' handles, in the order given
     cached: np.ndarray   # int64: per arrival, its leading tokens found in the prefix cache
     forked: np.ndarray   # int64: the children's handles, one per fork, in the order given
+
+
+def _joined(arrays):
+    """One array of a list of int64 arrays (the list's only one as it is)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    return np.concatenate(arrays) if arrays else _NO_ROWS
 
 
 def _occurrences(values, items):

@@ -36,8 +36,10 @@ class Step(NamedTuple):
     row ``b``, its new tokens are ``slot_mapping[qo_indptr[b]:qo_indptr[b + 1]]``, its
     blocks ``block_tables[b]`` and its KV length after the step ``seq_lens[b]`` (cached
     tokens and new ones: a prefill chunk attends to ``seq_lens[b]`` keys with the last
-    ``query_lens[b]`` as its queries). Copy ``copies`` before writing the new tokens
-    (``kernels.copy_blocks(cache.planes, step.copies)``, a no-op for none).
+    ``query_lens[b]`` as its queries). The arrays hold until the next step rewrites them
+    in place (fixed buffers; on the host backend, possibly views of the host table). Copy
+    ``copies`` before writing the new tokens (``kernels.copy_blocks(cache.planes,
+    step.copies)``, a no-op for none).
     """
 
     seqs: np.ndarray        # int64 [batch], host: the sequences, in batch order
@@ -63,6 +65,7 @@ class StepMetadata:
     def __init__(self, tables, xp, max_step_tokens):
         self.tables = tables
         self.max_step_tokens = max_step_tokens
+        self._queries = {}  # (batch, tokens each) -> (query lengths, query offsets), read-only
         tables.drain_changes()  # the copies below start from the state now
         if xp is np:
             tables.log_changes = False  # nothing to keep current: the host arrays are what kernels read
@@ -71,63 +74,88 @@ class StepMetadata:
             return
         self.block_table, self.seq_lens = xp.asarray(tables.table), xp.asarray(tables.lens)
         self._staging = _PinnedStaging(xp)
-        self._apply = source.function("tables.cu", "pagedrt::apply_table_updates")
+        self._apply = source.function("tables.cu", "pagedrt::apply_step")
         self._gather = source.function("tables.cu", "pagedrt::gather_step")
-        rows, width = tables.table.shape
+        rows, self._width = tables.table.shape
         self.buffers = {"slot_mapping": xp.full(max_step_tokens, -1, np.int64),
-                        "block_tables": xp.full((rows, width), -1, np.int32),
+                        "block_tables": xp.full((rows, self._width), -1, np.int32),
                         "seq_lens": xp.zeros(rows, np.int32), "qo_indptr": xp.zeros(rows + 1, np.int32)}
-        self._views = {}          # (name, size) -> a view of that buffer's first size rows
-        self._padded = (0, 0)     # (tokens, batch) written by the last step; the buffers are padded past them
+        self._pos = xp.full(rows, -1, np.int32)  # each sequence's row in the step's arrays, -1 if none
+        self._batch = _NONE      # the last step's sequences, in batch order
+        self._padded = (0, 0)    # (tokens, batch) of the last step; the buffers are padded past them
+        self._views = {}         # (name, size) -> a view of that buffer's first size rows
         self._grid = (4 * _multiprocessors(xp),)
 
     def upload(self):
-        """Bring ``block_table`` and ``seq_lens`` up to date: one copy and one launch, on the current stream."""
+        """Bring ``block_table`` and ``seq_lens`` up to date (and the last step's arrays with them): one copy and
+        one launch, on the current stream."""
         if self._staging is None:
             return
-        entries, blocks, rows, lens = self._changes()
-        n = entries.size + rows.size
-        if n:
-            self._send_changes(self._staging.send(entries, blocks, rows, lens), entries.size, rows.size)
+        changes = self._changes()
+        if changes[0].size or changes[2].size:
+            self._launch(self._staging.send(_header(changes, 0, 0, 0, -1, self._width, 0), *changes))
 
     def build(self, result):
-        """The :class:`Step` of ``result`` (a :class:`~pagedrt.blocks.StepResult`): one copy and two launches
-        on the current stream (none on the host backend)."""
-        counts = np.broadcast_to(np.asarray(result.counts, np.int64), result.rows.shape)
-        qo = np.zeros(result.rows.size + 1, np.int64)
-        np.cumsum(counts, out=qo[1:])
-        n_tokens, batch = int(qo[-1]), int(result.rows.size)
-        common = dict(seqs=result.rows, query_lens=counts, num_tokens=n_tokens, copies=result.copies,
+        """The :class:`Step` of ``result`` (a :class:`~pagedrt.blocks.StepResult`): one copy and one launch on
+        the current stream, two when the batch is not the last step's (none on the host backend)."""
+        rows, counts = result.rows, result.counts
+        query_lens, qo = self._query_offsets(rows.size, counts)
+        n_tokens, batch = int(qo[-1]), int(rows.size)
+        common = dict(seqs=rows, query_lens=query_lens, num_tokens=n_tokens, copies=result.copies,
                       arrived=result.arrived, cached=result.cached, forked=result.forked)
         if self._staging is None:
             t = self.tables
-            return Step(slot_mapping=result.slots, block_tables=t.table[result.rows], seq_lens=t.lens[result.rows],
-                        qo_indptr=qo.astype(np.int32), **common)
-        entries, blocks, rows, lens = self._changes()
-        device = self._staging.send(entries, blocks, rows, lens, result.slots, result.rows, qo)
-        if entries.size or rows.size:
-            self._send_changes(device, entries.size, rows.size)
+            first = int(rows[0]) if batch else 0
+            if batch and int(rows[-1]) - first + 1 == batch and (np.diff(rows) == 1).all():  # consecutive: views
+                table, lens = t.table[first:first + batch], t.lens[first:first + batch]
+            else:
+                table, lens = t.table[rows], t.lens[rows]
+            return Step(slot_mapping=result.slots, block_tables=table, seq_lens=lens, qo_indptr=qo.astype(np.int32),
+                        **common)
+        changes = self._changes()
+        gather = not (rows is self._batch or (rows.size == self._batch.size and np.array_equal(rows, self._batch)))
         clear_tokens, clear_batch = max(n_tokens, self._padded[0]), max(batch, self._padded[1])
-        b = self.buffers
-        step = device[2 * (entries.size + rows.size):]
-        self._gather(self._grid, (THREADS,), (
-            self.block_table, self.seq_lens, np.int32(self.block_table.shape[1]), step, np.int32(n_tokens),
-            np.int32(batch), np.int32(clear_tokens), np.int32(clear_batch),
-            b["slot_mapping"], b["block_tables"], b["seq_lens"], b["qo_indptr"]))
-        self._padded = (n_tokens, batch)
+        head = _header(changes, n_tokens, batch, clear_tokens, clear_batch, self._width, gather)
+        if gather:
+            pos = np.full(self._pos.size, -1, np.int64)
+            pos[rows] = np.arange(batch)
+            upload = self._staging.send(head, *changes, result.slots, qo, rows, pos)
+        else:
+            upload = self._staging.send(head, *changes, result.slots, qo)
+        self._launch(upload)
+        if gather:
+            b = self.buffers
+            self._gather(self._grid, (THREADS,), (self.block_table, self.seq_lens, upload, np.int32(self._pos.size),
+                                                  self._pos, b["block_tables"], b["seq_lens"]))
+        self._batch, self._padded = rows, (n_tokens, batch)
         return Step(slot_mapping=self._view("slot_mapping", n_tokens), block_tables=self._view("block_tables", batch),
                     seq_lens=self._view("seq_lens", batch), qo_indptr=self._view("qo_indptr", batch + 1), **common)
 
+    def _query_offsets(self, batch, counts):
+        """(query lengths, query offsets [batch + 1]) as int64; kept for one count for every row."""
+        if not isinstance(counts, int):
+            qo = np.zeros(batch + 1, np.int64)
+            np.cumsum(counts, out=qo[1:])
+            return counts, qo
+        key = (batch, counts)
+        found = self._queries.get(key)
+        if found is None:
+            found = (np.full(batch, counts, np.int64), np.arange(batch + 1, dtype=np.int64) * counts)
+            for a in found:
+                a.flags.writeable = False
+            if len(self._queries) > 64:
+                self._queries.clear()
+            self._queries[key] = found
+        return found
+
     def _changes(self):
         changes = self.tables.drain_changes()
-        if changes is None:
-            return _NONE, _NONE, _NONE, _NONE
-        return changes
+        return (_NONE, _NONE, _NONE, _NONE) if changes is None else changes
 
-    def _send_changes(self, device, n_entries, n_lens):
-        n = n_entries + n_lens
-        self._apply(((n + THREADS - 1) // THREADS,), (THREADS,),
-                    (self.block_table, self.seq_lens, device, np.int32(n_entries), np.int32(n_lens)))
+    def _launch(self, upload):
+        b = self.buffers
+        self._apply(self._grid, (THREADS,), (self.block_table, self.seq_lens, upload, self._pos, b["block_tables"],
+                                             b["seq_lens"], b["slot_mapping"], b["qo_indptr"]))
 
     def _view(self, name, size):
         view = self._views.get((name, size))
@@ -136,12 +164,14 @@ class StepMetadata:
         return view
 
 
-class _PinnedStaging:
-    """int64 data to a device buffer: double-buffered pinned staging, one async copy.
+def _header(changes, n_tokens, batch, clear_tokens, clear_batch, width, gather):
+    """The upload's header (cuda_src/tables.cu): the sizes its kernels read."""
+    return np.array([changes[0].size, changes[2].size, n_tokens, batch, clear_tokens, clear_batch, width, gather],
+                    np.int64)
 
-    What :meth:`send` takes: (index, value) pairs as two arrays each, for the table
-    changes and the length changes, then any plain arrays; pairs are interleaved.
-    """
+
+class _PinnedStaging:
+    """int64 arrays to one device buffer, one after another: double-buffered pinned staging, one async copy."""
 
     def __init__(self, cupy):
         self.cupy = cupy
@@ -159,19 +189,16 @@ class _PinnedStaging:
         self._copied = [None, None]
         self._device = cupy.empty(self._capacity, np.int64)
 
-    def send(self, entries, blocks, rows, lens, *arrays):
-        """Copy the pairs, then ``arrays``, to the device; returns the device buffer (overwritten by the next
+    def send(self, *arrays):
+        """Copy ``arrays`` to the device, in order; returns the device buffer (overwritten by the next
         :meth:`send`). The copy is queued on the current stream, so work queued after it there reads them."""
-        n = 2 * (entries.size + rows.size) + sum(a.size for a in arrays)
+        n = sum(a.size for a in arrays)
         self._reserve(n)
         turn = self._turn = 1 - self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
         host = self._staging[turn]
-        pairs = host[:2 * (entries.size + rows.size)].reshape(-1, 2)
-        pairs[:entries.size, 0], pairs[:entries.size, 1] = entries, blocks
-        pairs[entries.size:, 0], pairs[entries.size:, 1] = rows, lens
-        start = pairs.size
+        start = 0
         for a in arrays:
             host[start:start + a.size] = a
             start += a.size
