@@ -6,25 +6,26 @@
 // and the query offsets. pos[r] is sequence r's row in the step's arrays, -1 if none.
 //
 // The upload is int64: a header, then its arrays in order:
-//   header: n_entries, n_lens, n_tokens, batch, clear_tokens, clear_batch, width, gather
+//   header: n_entries, n_lens, n_tokens, batch, clear_tokens, clear_batch, width, gather, qo_end
 //   entries[n_entries] (flat table index), blocks[n_entries], rows[n_lens], lens[n_lens],
 //   slots[n_tokens], qo[batch + 1], and when gather: batch_rows[batch], pos[max_seqs]
 //
 // apply_step writes the changed entries and lengths, and, unless the step gathers, the
 // same values into the step's arrays of sequences that have a row there; it writes the
-// slots and query offsets, padding past the step up to clear_tokens and clear_batch (the
-// previous step's sizes): slot -1 (write_kv skips it), offset n_tokens (no queries).
+// slots and the query offsets, padding past the step: slots up to clear_tokens (the last
+// step's count) with -1 (write_kv skips it), offsets up to qo_end (the whole buffer: their
+// padding is the token count, which changes) with n_tokens (no queries).
 // When the batch changed (gather), gather_step then fills the step's block table and
 // lengths from the updated table (block -1, length 0 past the batch) and sets pos.
 namespace pagedrt {
 
-enum { N_ENTRIES, N_LENS, N_TOKENS, BATCH, CLEAR_TOKENS, CLEAR_BATCH, WIDTH, GATHER, HEADER };
+enum { N_ENTRIES, N_LENS, N_TOKENS, BATCH, CLEAR_TOKENS, CLEAR_BATCH, WIDTH, GATHER, QO_END, HEADER };
 
 __global__ void apply_step(int* __restrict__ table, int* __restrict__ lens, const long long* __restrict__ up,
                            const int* __restrict__ pos, int* __restrict__ step_table, int* __restrict__ step_lens,
                            long long* __restrict__ slots_out, int* __restrict__ qo_out) {
     const long long n_entries = up[N_ENTRIES], n_lens = up[N_LENS], n_tokens = up[N_TOKENS], batch = up[BATCH];
-    const long long clear_tokens = up[CLEAR_TOKENS], clear_batch = up[CLEAR_BATCH], width = up[WIDTH];
+    const long long clear_tokens = up[CLEAR_TOKENS], qo_end = up[QO_END], width = up[WIDTH];
     const bool gather = up[GATHER] != 0;
     const long long* entries = up + HEADER;
     const long long* blocks = entries + n_entries;
@@ -34,7 +35,7 @@ __global__ void apply_step(int* __restrict__ table, int* __restrict__ lens, cons
     const long long* qo = slots + n_tokens;
     long long total = n_entries + n_lens;
     total = total > clear_tokens ? total : clear_tokens;
-    total = total > clear_batch + 1 ? total : clear_batch + 1;
+    total = total > qo_end ? total : qo_end;
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
         if (i < n_entries) {
@@ -51,7 +52,7 @@ __global__ void apply_step(int* __restrict__ table, int* __restrict__ lens, cons
             if (p >= 0) step_lens[p] = len;
         }
         if (i < clear_tokens) slots_out[i] = i < n_tokens ? slots[i] : -1;
-        if (i <= clear_batch) qo_out[i] = static_cast<int>(i <= batch ? qo[i] : n_tokens);
+        if (i < qo_end) qo_out[i] = static_cast<int>(i <= batch ? qo[i] : n_tokens);
     }
 }
 

@@ -82,7 +82,7 @@ class StepMetadata:
                         "seq_lens": xp.zeros(rows, np.int32), "qo_indptr": xp.zeros(rows + 1, np.int32)}
         self._pos = xp.full(rows, -1, np.int32)  # each sequence's row in the step's arrays, -1 if none
         self._batch = _NONE      # the last step's sequences, in batch order
-        self._padded = (0, 0)    # (tokens, batch) of the last step; the buffers are padded past them
+        self._padded = (0, 0)    # (tokens, batch) of the last step; slots and rows are padded past them
         self._views = {}         # (name, size) -> a view of that buffer's first size rows
         self._grid = (4 * _multiprocessors(xp),)
 
@@ -93,7 +93,7 @@ class StepMetadata:
             return
         changes = self._changes()
         if changes[0].size or changes[2].size:
-            self._launch(self._staging.send(_header(changes, 0, 0, 0, -1, self._width, 0), *changes))
+            self._launch(self._staging.send(_header(changes, 0, 0, 0, 0, self._width, 0, 0), *changes))
 
     def build(self, result):
         """The :class:`Step` of ``result`` (a :class:`~pagedrt.blocks.StepResult`): one copy and one launch on
@@ -115,7 +115,7 @@ class StepMetadata:
         changes = self._changes()
         gather = not (rows is self._batch or (rows.size == self._batch.size and np.array_equal(rows, self._batch)))
         clear_tokens, clear_batch = max(n_tokens, self._padded[0]), max(batch, self._padded[1])
-        head = _header(changes, n_tokens, batch, clear_tokens, clear_batch, self._width, gather)
+        head = _header(changes, n_tokens, batch, clear_tokens, clear_batch, self._width, gather, self._pos.size + 1)
         if gather:
             pos = np.full(self._pos.size, -1, np.int64)
             pos[rows] = np.arange(batch)
@@ -164,10 +164,10 @@ class StepMetadata:
         return view
 
 
-def _header(changes, n_tokens, batch, clear_tokens, clear_batch, width, gather):
+def _header(changes, n_tokens, batch, clear_tokens, clear_batch, width, gather, qo_end):
     """The upload's header (cuda_src/tables.cu): the sizes its kernels read."""
-    return np.array([changes[0].size, changes[2].size, n_tokens, batch, clear_tokens, clear_batch, width, gather],
-                    np.int64)
+    return np.array([changes[0].size, changes[2].size, n_tokens, batch, clear_tokens, clear_batch, width, gather,
+                     qo_end], np.int64)
 
 
 class _PinnedStaging:

@@ -4,8 +4,9 @@
                                   [--chunk 512] [--gap-us 2000]
 
 Step kinds, each timed from the call to its return (the device copies and launches queued,
-not waited for). Between two steps, outside the timing, the stream is synchronised and the
-host waits ``--gap-us``, as it would for a model's forward pass:
+not waited for). Between two steps, outside the timing, stands a model's forward pass: on a
+GPU a kernel that keeps the stream busy ``--gap-us`` (``cuda_src/forward_stand_in.cu``) and
+a stream synchronise, as an engine waits; on the host backend a sleep:
 
 - ``calls``: the building blocks a step took before ``cache.step()``: ``append(None, 1)``,
   then ``block_tables()`` and ``seq_lens()`` (the device table and lengths brought up to date).
@@ -30,7 +31,7 @@ import time
 
 import numpy as np
 
-from .. import PagedKVCache
+from .. import PagedKVCache, source
 from . import harness
 
 MiB = 1 << 20
@@ -73,11 +74,10 @@ def run(batch, steps, backend, placement, kind, mode, chunk=MAX_PROMPT, gap_us=0
         cache.append(seqs, prompts)
         cache.block_tables(), cache.seq_lens()
         step = _kind(cache, kind, rng, chunk)
-        sync = cache.pool.synchronize
+        forward = _forward(cache, gap_us)
         times, grows = np.empty(steps), 0
         for i in range(steps):
-            sync()
-            _wait(gap_us)
+            forward()
             before = a.sync_grows
             t = time.perf_counter()
             step()
@@ -86,12 +86,17 @@ def run(batch, steps, backend, placement, kind, mode, chunk=MAX_PROMPT, gap_us=0
         return cache.pool.backend, times * 1e6, grows
 
 
-def _wait(us):
-    """Wait ``us`` microseconds as a host waits for the GPU: the core kept busy (a driver's sync spins), the GIL
-    given up (the worker mapping chunks ahead can run)."""
-    end = time.perf_counter() + us * 1e-6
-    while time.perf_counter() < end:
-        time.sleep(0)
+def _forward(cache, us):
+    """A stand-in for the forward pass between two steps: ``us`` microseconds the host waits for."""
+    if cache.xp is np:
+        return lambda: time.sleep(us * 1e-6)
+    spin = source.function("forward_stand_in.cu", "pagedrt::forward_stand_in")
+    stream = cache.xp.cuda.get_current_stream()
+
+    def forward():
+        spin((1,), (1,), (np.int64(us * 1000),))
+        stream.synchronize()
+    return forward
 
 
 def _kind(cache, kind, rng, chunk):
