@@ -186,7 +186,8 @@ class _PinnedStaging:
         cupy.cuda.get_current_stream().synchronize()  # the old buffers may still be read
         self._capacity = max(words, 2 * self._capacity, 4096)
         self._staging = [cupyx.empty_pinned(self._capacity, np.int64) for _ in range(2)]
-        self._copied = [None, None]
+        self._copied = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]  # recorded after each copy
+        self._pending = [False, False]
         self._device = cupy.empty(self._capacity, np.int64)
 
     def send(self, *arrays):
@@ -195,7 +196,7 @@ class _PinnedStaging:
         n = sum(a.size for a in arrays)
         self._reserve(n)
         turn = self._turn = 1 - self._turn
-        if self._copied[turn] is not None:
+        if self._pending[turn]:
             self._copied[turn].synchronize()
         host = self._staging[turn]
         start = 0
@@ -206,7 +207,8 @@ class _PinnedStaging:
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, 8 * n,
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._copied[turn] = stream.record()
+        self._copied[turn].record(stream)
+        self._pending[turn] = True
         return self._device
 
 
