@@ -551,6 +551,8 @@ class BlockTables:
 
     def _step_copies(self, rows, step, old, old_nb, freed, parents):
         """Private copies of shared tail blocks the appends take once this step's frees and forks are done."""
+        if self.allocator.num_shared == 0 and not parents.size:  # frees only lower reference counts
+            return 0
         tail = (old & (self.block_size - 1)) != 0
         if not isinstance(step, int):
             tail &= step > 0
