@@ -23,8 +23,8 @@ pool mapped in advance (the median, p90 and p99 of the bookkeeping alone). The o
 start from an empty pool: "on demand" without growth ahead (an append that runs out maps
 chunks itself: the steps that did, and their effect on the median and p99), "ahead" with
 ``growth=dict(low_blocks=2 chunks, high_blocks=4 chunks)``, the worker mapping while the
-host waits between steps (``calls`` does not tick growth: it has no ahead run). "sync"
-counts the steps whose own allocation mapped chunks.
+host waits between steps (``calls`` does not tick growth: it has no ahead run). "stalls"
+counts the steps whose allocation mapped chunks itself or waited for chunks in flight.
 """
 
 import time
@@ -46,16 +46,16 @@ COLUMNS = (
     harness.Column("steady_p99_us", "p99", "{:.1f}", 7),
     harness.Column("demand_median_us", "on demand", "{:.1f}", 9),
     harness.Column("demand_p99_us", "p99", "{:.1f}", 7),
-    harness.Column("demand_sync", "sync", "{}", 4),
+    harness.Column("demand_stalls", "stalls", "{}", 6),
     harness.Column("ahead_median_us", "ahead", "{:.1f}", 7),
     harness.Column("ahead_p99_us", "p99", "{:.1f}", 7),
-    harness.Column("ahead_sync", "sync", "{}", 4),
+    harness.Column("ahead_stalls", "stalls", "{}", 6),
 )
 MODES = ("steady", "demand", "ahead")
 
 
 def run(batch, steps, backend, placement, kind, mode, chunk=MAX_PROMPT, gap_us=0):
-    """(backend name, per-step microseconds, steps whose allocation mapped chunks) over ``steps`` steps of
+    """(backend name, per-step microseconds, steps whose allocation stalled on mapping) over ``steps`` steps of
     ``kind``; ``mode`` is "steady" (every chunk mapped first), "demand" or "ahead" (growth on)."""
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, MAX_PROMPT + 1, batch)
@@ -78,12 +78,17 @@ def run(batch, steps, backend, placement, kind, mode, chunk=MAX_PROMPT, gap_us=0
         times, grows = np.empty(steps), 0
         for i in range(steps):
             forward()
-            before = a.sync_grows
+            before = _stalls(cache)
             t = time.perf_counter()
             step()
             times[i] = time.perf_counter() - t
-            grows += a.sync_grows > before
+            grows += _stalls(cache) > before
         return cache.pool.backend, times * 1e6, grows
+
+
+def _stalls(cache):
+    """Times an allocation mapped chunks itself or waited for chunks in flight."""
+    return cache.allocator.sync_grows + (cache.growth.waits if cache.growth is not None else 0)
 
 
 def _forward(cache, us):
@@ -141,7 +146,7 @@ def main(argv=None):
                     if mode == "steady":
                         row["steady_p90_us"] = float(np.percentile(times, 90))
                     else:
-                        row[f"{mode}_sync"] = grows
+                        row[f"{mode}_stalls"] = grows
                 rows.append(row)
     harness.publish("step", args.out, {"backend": backend}, rows,
                     harness.format_table(COLUMNS, rows) + f"\nus per step; backend: {backend}", steps=args.steps,
