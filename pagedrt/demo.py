@@ -171,11 +171,11 @@ class _Workload:
 
 def attention64(q, k, v):
     """Decode attention in float64 over contiguous K/V: q [Hq, D], k/v [n, Hkv, D] -> [Hq, D]."""
-    group = q.shape[0] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    scores = np.einsum("hd,nhd->hn", q, k) / np.sqrt(q.shape[-1])
-    p = np.exp(scores - scores.max(axis=1, keepdims=True))
-    return np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v)
+    kv_heads, dim = k.shape[1], q.shape[-1]
+    q = q.reshape(kv_heads, -1, dim)  # the query heads of each KV head, as np.repeat(k, group, axis=1) pairs them
+    scores = np.einsum("kgd,nkd->kgn", q, k) / np.sqrt(dim)
+    p = np.exp(scores - scores.max(axis=2, keepdims=True))
+    return np.einsum("kgn,nkd->kgd", p / p.sum(axis=2, keepdims=True), v).reshape(-1, dim)
 
 
 def _host64(a):
