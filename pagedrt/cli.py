@@ -25,8 +25,8 @@ TRANSLATION_SCHEMA, TRANSLATION_VERSION = "pagedrt-translation", 1
 # The demo's bounds: beyond them its cache could not be reserved or its K/V not be held.
 MAX_LAYERS, MAX_KV_HEADS, MAX_TOKENS, MAX_STEPS, MAX_SEQS = 256, 128, 1 << 24, 100_000, 1024
 MAX_DEMO_BYTES = 1 << 40      # the demo cache's reservation (virtual address space)
-MAX_DEMO_STEP_BYTES = 4 << 30  # the float32 K/V of one prompt, every layer, that a demo step makes at once
-DEMO_MAX_PROMPT = 256
+MAX_DEMO_STEP_BYTES = 4 << 30  # the float32 K/V of a step's prompt tokens, every layer, that a demo step computes
+DEMO_MAX_PROMPT = 256          # the longest prompt, and the most prompt tokens one demo step appends
 
 
 def backend_option(fn):
@@ -104,7 +104,7 @@ def demo_config(backend, preset, layers, q_heads, kv_heads, head_dim, dtype, blo
     token_values = 2 * layers * kv_heads * head_dim
     model = f"{layers} layers, {kv_heads} KV heads x {head_dim}"
     if DEMO_MAX_PROMPT * token_values * 4 > MAX_DEMO_STEP_BYTES:
-        raise click.UsageError(f"a demo step makes the K/V of a {DEMO_MAX_PROMPT}-token prompt at once, "
+        raise click.UsageError(f"a demo step computes the K/V of up to {DEMO_MAX_PROMPT} prompt tokens, "
                                f"{DEMO_MAX_PROMPT * token_values * 4} bytes in float32 for {model}; at most "
                                f"{MAX_DEMO_STEP_BYTES >> 30} GiB: use fewer layers, KV heads or a smaller head_dim")
     reserved = -(-max_tokens // block_size) * block_size * token_values * (4 if dtype == "float32" else 2)
@@ -165,10 +165,12 @@ def info(backend, as_json, no_color):
 def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     """Run a seeded workload on a real cache and show both mapping layers and the figures.
 
-    Sequences arrive with prompts, grow token by token, some fork and some finish;
-    K/V are written through the slot mapping and decode attention is computed through
-    the block tables (the CUDA kernel on a GPU, its NumPy reference on the host), checked
-    against float64 attention over contiguous K/V.
+    One cache.step() per step: prompts that share system prompts arrive (prefix hits),
+    are prefilled in chunks beside decode tokens, some sequences fork (copy-on-write)
+    and finished ones are freed, while the pool grows ahead of need. K/V are written
+    through the step's slot mapping and decode attention is computed through its block
+    tables (the CUDA kernel on a GPU, its NumPy reference on the host), checked against
+    float64 attention over contiguous K/V.
     """
     from .demo import run_demo
     from .render import block_tables, chain_lines, chunk_table, pool_map, size

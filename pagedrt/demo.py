@@ -1,16 +1,33 @@
-"""The demo workload: sequences arrive, grow, fork and finish over a real PagedKVCache.
+"""The demo workload: a seeded scheduler drives a real PagedKVCache, one ``cache.step()`` per engine step.
 
-Every step writes K/V through the slot mapping (``kernels.write_kv``) and computes
-decode attention through the block tables (``attention.paged_decode``: the CUDA
+Requests arrive with prompts that begin with one of a few system prompts, so later
+ones start holding blocks an earlier one filled (prefix hits, shared blocks). Prompts
+are prefilled in chunks, the first with the arrival and the rest in later steps beside
+other sequences' decode tokens; some sequences fork (parallel sampling: the child
+shares its parent's blocks, and the first appends copy the shared tail block); those
+that reach their length are freed, their named blocks kept cached. The cache grows
+ahead of need and releases chunks left idle (``growth``), mapping between steps on
+this thread (``background=False``): on a worker, when a chunk is ready would depend
+on timing, and with it which blocks a step gets; this way the seeded run reaches the
+same state every time.
+
+A token's K/V is a function of its id, its position and the sum of the ids before it,
+a stand-in for a model's (which depends on the token and on what came before it): a
+prefix hit then reads exactly what this sequence would have written, and a block
+shared by mistake would hold other values. Every step copies the step's copy-on-write
+pairs, writes the new tokens' K/V through its slot mapping (``kernels.WritePlan``) and
+computes decode attention through its block tables (``attention.DecodePlan``: the CUDA
 kernel on a GPU, its float64 reference on the host) for the first and last layer, and
-checks it against float64 attention over a contiguous copy of the same K/V.
+checks it against float64 attention over a contiguous copy of the same K/V; so the
+check also proves that shared and cached blocks hold the right data.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from . import attention, kernels
+from .blocks import ceil_div, ranks
 from .cache import PagedKVCache
 from .layout import Layout
 from .memory import select_backend
@@ -22,7 +39,14 @@ PRESETS = {  # name: (layers, query heads, kv heads, head_dim)
     "tiny": (2, 4, 2, 64),
 }
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
-DEMO_CHUNKS = 16
+DEMO_CHUNKS = 16     # the pool is cut into about this many chunks: growth to watch
+RELEASE_AFTER = 8    # growth releases a chunk all free for this many steps
+SYSTEM_PROMPTS = 3   # prompts begin with one of these
+VOCAB = 32000        # token ids are drawn from [0, VOCAB)
+ARRIVAL, FORK = 0.5, 0.2  # the chance, each step, of an arrival and of a fork
+FREQUENCY = 100.0    # scale of the K/V's frequencies (radians per unit of a token's features)
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_NO_IDS = np.empty(0, np.int64)
 
 
 @dataclass
@@ -42,13 +66,16 @@ class DemoConfig:
     backend: str = "auto"
 
 
+EVENTS = ("arrived", "forked", "finished", "prompt_tokens", "prefix_hit_tokens", "decode_tokens", "mixed_steps",
+          "blocks_copied")
+
+
 @dataclass
 class DemoResult:
     cache: PagedKVCache
     checks: int = 0
     max_error: float = 0.0
-    events: dict = field(default_factory=lambda: {"arrived": 0, "forked": 0, "finished": 0, "decode_tokens": 0,
-                                                  "chunks_released": 0})
+    events: dict = field(default_factory=lambda: dict.fromkeys(EVENTS, 0))
     peak: dict = field(default_factory=lambda: {"mapped_bytes": 0, "token_bytes": 0, "contiguous_bytes": 0})
 
     @property
@@ -56,11 +83,13 @@ class DemoResult:
         return TOLERANCE[self.cache.layout.dtype]
 
     def figures(self):
-        """Fragmentation figures now, and at the peak of the run."""
-        stats = self.cache.stats()
-        lay = self.cache.layout
+        """Fragmentation, sharing and growth figures now, and the run's peaks and events."""
+        cache = self.cache
+        stats, prefix, growth = cache.stats(), cache.prefix_stats(), cache.growth.stats()
+        refs = np.asarray(cache.snapshot()["blocks"]["ref_counts"], np.int64)
+        lay = cache.layout
         held_bytes = stats["held_blocks"] * lay.block_bytes
-        contiguous = stats["sequences"] * self.cache.max_blocks_per_seq * lay.block_size * lay.bytes_per_token
+        contiguous = stats["sequences"] * cache.max_blocks_per_seq * lay.block_size * lay.bytes_per_token
         return {
             **stats,
             "held_bytes": held_bytes,
@@ -72,101 +101,222 @@ class DemoResult:
             "peak_contiguous_bytes": self.peak["contiguous_bytes"],
             "max_error": self.max_error, "tolerance": self.tolerance, "checks": self.checks,
             **self.events,
+            "shared_blocks": int((refs > 1).sum()), "cached_blocks": prefix["cached_blocks"],
+            "evictable_blocks": prefix["evictable"], "evictions": prefix["evictions"],
+            "chunks_ahead": growth["chunks_ahead"], "chunks_released": growth["chunks_released"],
+            "sync_grows": growth["sync_grows"],
         }
 
 
+@dataclass
+class _Seq:
+    """A live sequence as the workload sees it."""
+    target: int          # the length at which it finishes
+    pending: np.ndarray  # prompt ids not appended yet; empty once it decodes
+    length: int = 0
+    id_sum: int = 0      # the sum of its ids so far (the next token's K/V depends on it)
+    history: dict = field(default_factory=dict)  # checked layer -> (k, v), [length, kv_heads, head_dim] float64
+
+
+class _Values:
+    """Every layer's K and V of tokens given by their features (:func:`features`).
+
+    Each value is the cosine of a seeded random linear function of the two features:
+    in [-1, 1], and unrelated between tokens whose features differ by more than about
+    1 / FREQUENCY. Computed per layer on the pool's device, so the same features give
+    the same bits whether a sequence writes them or the check recomputes them.
+    """
+
+    def __init__(self, config, xp, dtype):
+        rng = np.random.default_rng([config.seed, 1])  # apart from the workload's draws
+        shape = (2 * config.layers, config.kv_heads, config.head_dim)
+        self.freq = xp.asarray(rng.standard_normal((2, *shape)) * FREQUENCY, np.float32)
+        self.phase = xp.asarray(rng.uniform(0, 2 * np.pi, shape), np.float32)
+        self.xp, self.dtype = xp, dtype
+
+    def layer(self, x, layer):
+        """K and V of ``layer`` for features ``x`` [n, 2] (on the device): [2, n, kv_heads, head_dim]."""
+        planes = slice(2 * layer, 2 * layer + 2)
+        a, b = self.freq[0, planes, None], self.freq[1, planes, None]
+        angle = x[:, 0, None, None] * a + x[:, 1, None, None] * b + self.phase[planes, None]
+        return self.xp.cos(angle).astype(self.dtype)
+
+
+def features(ids, counts, lengths, sums):
+    """Two features in [0, 1) per token, a hash of its id, its position and the sum of the ids before it.
+
+    ``ids`` are the new tokens of sequences that hold ``lengths`` tokens whose ids sum
+    to ``sums``, ``counts`` of them per sequence, one flat array. Returns float32 [n, 2].
+    """
+    ids, counts = np.asarray(ids, np.int64), np.asarray(counts, np.int64)
+    total = np.concatenate([[0], np.cumsum(ids)])
+    starts = np.cumsum(counts) - counts
+    before = total[:-1] - np.repeat(total[starts], counts) + np.repeat(np.asarray(sums, np.int64), counts)
+    position = np.repeat(np.asarray(lengths, np.int64), counts) + ranks(counts)
+    key = _mix(_mix(_mix(before.astype(np.uint64)) + position.astype(np.uint64)) + ids.astype(np.uint64))
+    bits = np.stack([_mix(key), _mix(~key)], axis=1) >> np.uint64(40)
+    return bits.astype(np.float32) / np.float32(1 << 24)
+
+
+def _mix(z):
+    """splitmix64's finaliser over uint64 (wrapping): nearby inputs to unrelated outputs."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+    return z ^ (z >> np.uint64(31))
+
+
 class _Workload:
-    """Seeded arrivals, lengths, forks and finishes; keeps contiguous K/V of the checked layers."""
+    """The seeded scheduler: what each step frees, forks, admits and appends; the contiguous K/V of the
+    checked layers per sequence."""
 
     def __init__(self, config, cache):
-        self.c, self.cache = config, cache
-        self.rng = np.random.default_rng(config.seed)
-        self.xp = cache.xp
-        self.layers = sorted({0, config.layers - 1})
-        self.history = {}   # seq -> {layer: (k [n, H, D], v [n, H, D])} in float64
-        self.target = {}    # seq -> length at which it finishes
+        c = self.c = config
+        self.cache, self.xp = cache, cache.xp
+        self.rng = np.random.default_rng(c.seed)
+        self.layers = sorted({0, c.layers - 1})
+        self.values = _Values(c, self.xp, cache.dtype)
+        low, high = max(1, c.max_prompt // 4), max(2, c.max_prompt // 2)
+        self.system = [self.rng.integers(VOCAB, size=int(self.rng.integers(low, high))) for _ in range(SYSTEM_PROMPTS)]
+        self.chunk = max(1, c.max_prompt // 4)  # prompt tokens a sequence appends per step
+        self.limit = cache.max_blocks_per_seq * c.block_size
+        self.empty = np.zeros((0, c.kv_heads, c.head_dim))
+        self.seqs = {}  # handle -> _Seq, in arrival order
 
-    def random_kv(self, n):
-        """Fresh random K and V for n tokens of every layer: [2 * layers, n, kv_heads, head_dim]."""
-        c = self.c
-        shape = (2 * c.layers, n, c.kv_heads, c.head_dim)
-        if self.xp is np:
-            return self.rng.standard_normal(shape, dtype=np.float32).astype(self.cache.dtype)
-        return self.xp.random.default_rng(int(self.rng.integers(2**31))).standard_normal(
-            shape, dtype=self.xp.float32).astype(self.cache.dtype)
+    def prompt(self):
+        """A system prompt, then a user part of lognormal length: at most max_prompt tokens in all, where
+        the system prompt leaves room."""
+        system = self.system[int(self.rng.integers(SYSTEM_PROMPTS))]
+        user = min(self.c.max_prompt - system.size, self.rng.lognormal(np.log(self.c.max_prompt / 4), 0.8))
+        return np.concatenate([system, self.rng.integers(VOCAB, size=max(1, int(user)))])
 
-    def write(self, seqs, counts, slots, copies):
-        kernels.copy_blocks(self.cache.planes, copies)
-        kv = self.random_kv(slots.size)
-        write = kernels.WritePlan(kv[0], self.cache.k(0), self.xp.asarray(slots))  # the slots checked once
+    def plan(self):
+        """This step's decisions: ``cache.step``'s arguments, and the targets of its forks and arrivals.
+
+        The sequences that reached their target are freed. Each other one appends one
+        sampled token, or its next prompt chunk while the step's budget of max_prompt
+        prompt tokens lasts (in arrival order). A fork or an arrival is admitted when the
+        blocks that every sequence may still need, counted as if none were shared, fit in
+        the blocks available, so that no step runs out.
+        """
+        c, rng, bs = self.c, self.rng, self.c.block_size
+        frees = [s for s, q in self.seqs.items() if q.length >= q.target]
+        staying = [s for s, q in self.seqs.items() if q.length < q.target]
+        sampled = rng.integers(VOCAB, size=len(staying))
+        seqs, ids, budget = [], [_NO_IDS], c.max_prompt
+        for i, s in enumerate(staying):
+            pending = self.seqs[s].pending
+            if not pending.size:
+                seqs.append(s)
+                ids.append(sampled[i:i + 1])
+            elif budget:
+                seqs.append(s)
+                ids.append(pending[:budget])
+                budget -= ids[-1].size
+        to_come = sum(ceil_div(self.seqs[s].target, bs) - self.seqs[s].length // bs for s in staying)
+        available, rows = self.cache.num_available_blocks, len(staying)
+        forks, arrivals = [], []  # (parent, the child's target), (prompt, target)
+        decoding = [s for s in staying if not self.seqs[s].pending.size]
+        if decoding and rows < c.max_seqs and rng.random() < FORK:
+            parent = decoding[int(rng.integers(len(decoding)))]
+            target = min(self.limit, self.seqs[parent].target + int(rng.integers(0, 16)))
+            need = ceil_div(target, bs) - self.seqs[parent].length // bs
+            if to_come + need <= available:
+                forks.append((parent, target))
+                rows, to_come = rows + 1, to_come + need
+        if budget and rows < c.max_seqs and rng.random() < ARRIVAL:
+            prompt = self.prompt()
+            target = min(self.limit, prompt.size + int(rng.integers(4, max(5, c.steps // 2))))
+            if to_come + ceil_div(target, bs) <= available:
+                arrivals.append((prompt, target))
+        args = dict(seqs=seqs, counts=[a.size for a in ids[1:]], token_ids=np.concatenate(ids),
+                    arrivals=[p for p, _ in arrivals], arrival_tokens=min(self.chunk, budget) if arrivals else None,
+                    forks=[p for p, _ in forks], frees=frees)
+        return args, [t for _, t in forks], [t for _, t in arrivals]
+
+    def step(self, events):
+        """Plan a step and make it (``cache.step()``), write its K/V and check attention; returns the errors.
+
+        The sequences' records follow the step's order: the freed go, the children copy
+        their parents as they were before this step's tokens, the arrivals take the
+        cached prefix the step found for them (its K/V computed here, not written), then
+        every row of the batch takes its new tokens.
+        """
+        plan, fork_targets, arrival_targets = self.plan()
+        step = self.cache.step(**plan)
+        for s in plan["frees"]:
+            del self.seqs[s]
+        for child, parent, target in zip(step.forked.tolist(), plan["forks"], fork_targets):
+            self.seqs[child] = replace(self.seqs[parent], target=target, history=dict(self.seqs[parent].history))
+        prompts, cached = plan["arrivals"], step.cached
+        arrived = [_Seq(target, prompt, history={layer: (self.empty, self.empty) for layer in self.layers})
+                   for prompt, target in zip(prompts, arrival_targets)]
+        if cached.any():  # the K/V the cached blocks hold: what these sequences would have written
+            hit = np.concatenate([p[:n] for p, n in zip(prompts, cached.tolist())])
+            x = self.xp.asarray(features(hit, cached, np.zeros_like(cached), np.zeros_like(cached)))
+            self.extend(arrived, hit, cached, {layer: _host64(self.values.layer(x, layer)) for layer in self.layers})
+        self.seqs.update(zip(step.arrived.tolist(), arrived))
+        batch = [self.seqs[s] for s in step.seqs.tolist()]
+        ids = np.concatenate([plan["token_ids"]] + [q.pending[:plan["arrival_tokens"]] for q in arrived])
+        prefill = np.array([q.pending.size > 0 for q in batch], bool)
+        self.extend(batch, ids, step.query_lens, self.write(step, ids, batch))
+        n_prompt = int(step.query_lens[prefill].sum())
+        for key, value in (("arrived", len(prompts)), ("forked", step.forked.size), ("finished", len(plan["frees"])),
+                           ("prompt_tokens", n_prompt), ("prefix_hit_tokens", int(cached.sum())),
+                           ("decode_tokens", step.num_tokens - n_prompt),
+                           ("mixed_steps", int(prefill.any() and not prefill.all())),
+                           ("blocks_copied", len(step.copies))):
+            events[key] += value
+        return self.check(step)
+
+    def write(self, step, ids, batch):
+        """Copy the step's copy-on-write pairs, then write every layer's K/V of its new tokens through its slot
+        mapping; returns the checked layers' K/V ({layer: [2, n, kv_heads, head_dim] float64})."""
+        kernels.copy_blocks(self.cache.planes, step.copies)
+        if not step.num_tokens:
+            return {}
+        x = self.xp.asarray(features(ids, step.query_lens, [q.length for q in batch], [q.id_sum for q in batch]))
+        checked, write = {}, None
         for layer in range(self.c.layers):
-            write.run(kv[2 * layer], kv[2 * layer + 1], self.cache.k(layer), self.cache.v(layer))
+            kv = self.values.layer(x, layer)
+            if write is None:  # the slots checked once
+                write = kernels.WritePlan(kv[0], self.cache.k(0), step.slot_mapping)
+            write.run(kv[0], kv[1], self.cache.k(layer), self.cache.v(layer))
+            if layer in self.layers:
+                checked[layer] = _host64(kv)
+        return checked
+
+    @staticmethod
+    def extend(seqs, ids, counts, checked):
+        """Each of ``seqs`` takes its ``counts`` of the new ``ids`` and its share of their checked K/V."""
         bounds = np.cumsum(counts)[:-1]
-        for layer in self.layers:
-            k = np.split(_host64(kv[2 * layer]), bounds)
-            v = np.split(_host64(kv[2 * layer + 1]), bounds)
-            for i, seq in enumerate(seqs):
-                old_k, old_v = self.history[seq][layer]
-                self.history[seq][layer] = (np.concatenate([old_k, k[i]]), np.concatenate([old_v, v[i]]))
+        for layer, kv in checked.items():
+            for q, k, v in zip(seqs, np.split(kv[0], bounds), np.split(kv[1], bounds)):
+                old_k, old_v = q.history[layer]
+                q.history[layer] = (np.concatenate([old_k, k]), np.concatenate([old_v, v]))
+        for q, new in zip(seqs, np.split(ids, bounds)):
+            q.length += new.size
+            q.id_sum += int(new.sum())
+            q.pending = q.pending[new.size:]
 
-    def arrive(self):
-        if len(self.history) >= self.c.max_seqs or self.rng.random() > 0.5:
-            return 0
-        prompt = int(min(self.c.max_prompt, max(1, self.rng.lognormal(np.log(self.c.max_prompt / 4), 0.8))))
-        limit = self.cache.max_blocks_per_seq * self.c.block_size
-        if self.cache.num_available_blocks < -(-prompt // self.c.block_size) + len(self.history):
-            return 0  # room for the prompt, and a decode step's new block for every sequence
-        seq = self.cache.add_sequence()
-        empty = np.zeros((0, self.c.kv_heads, self.c.head_dim))
-        self.history[seq] = {layer: (empty, empty) for layer in self.layers}
-        self.target[seq] = min(limit, prompt + int(self.rng.integers(8, 4 * self.c.steps)))
-        slots, copies = self.cache.append(seq, prompt)
-        self.write([seq], [prompt], slots, copies)
-        return 1
-
-    def fork(self):
-        if not self.history or len(self.history) >= self.c.max_seqs or self.rng.random() > 0.1:
-            return 0
-        parent = int(self.rng.choice(sorted(self.history)))
-        child = self.cache.fork(parent)
-        self.history[child] = dict(self.history[parent])
-        self.target[child] = self.target[parent] + int(self.rng.integers(0, 16))
-        return 1
-
-    def decode(self):
-        seqs = self.cache.sequences
-        if not seqs or not self.cache.can_append(None, 1):
-            return 0
-        slots, copies = self.cache.append(None, 1)
-        self.write(seqs, [1] * len(seqs), slots, copies)
-        return len(seqs)
-
-    def check(self):
-        """Paged decode attention of the checked layers against float64 attention over contiguous K/V."""
-        seqs = self.cache.sequences
+    def check(self, step):
+        """Decode attention of the step's batch through its block tables, checked layers, against float64
+        attention over contiguous K/V."""
+        seqs = step.seqs.tolist()
         if not seqs:
             return []
         c, xp = self.c, self.xp
         q = self.rng.standard_normal((len(seqs), c.q_heads, c.head_dim), dtype=np.float32).astype(self.cache.dtype)
-        tables, lens = self.cache.block_tables(seqs), self.cache.seq_lens(seqs)
-        errors = []
         q_dev = xp.asarray(q)
-        plan = attention.DecodePlan(q_dev, self.cache.k(0), tables, lens, block_mask=self.cache.block_mask())
+        plan = attention.DecodePlan(q_dev, self.cache.k(0), step.block_tables, step.seq_lens,
+                                    block_mask=self.cache.block_mask())
+        errors = []
         for layer in self.layers:
             out = _host64(plan.run(q_dev, self.cache.k(layer), self.cache.v(layer)))
             for i, seq in enumerate(seqs):
-                k, v = self.history[seq][layer]
+                k, v = self.seqs[seq].history[layer]
                 ref = attention64(_host64(q[i]), k, v)
                 errors.append(np.linalg.norm(out[i] - ref) / np.linalg.norm(ref))
         return errors
-
-    def finish(self):
-        done = [s for s in self.cache.sequences if self.cache.length(s) >= self.target[s]]
-        if done:
-            self.cache.free(done)
-            for s in done:
-                del self.history[s], self.target[s]
-        return len(done)
 
 
 def attention64(q, k, v):
@@ -183,7 +333,8 @@ def _host64(a):
 
 
 def run_demo(config, progress=None):
-    """Run the workload; ``progress(n)`` is called after each step. Returns a DemoResult (cache open)."""
+    """Run the workload, one ``cache.step()`` per step; ``progress(n)`` is called after each step.
+    Returns a DemoResult (cache open)."""
     c = config
     backend = select_backend(c.backend)
     full = Layout.plan(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, c.placement, backend.page_bytes,
@@ -191,15 +342,13 @@ def run_demo(config, progress=None):
     plane_bytes, step = full.pool_bytes // full.num_planes, full.chunk_step
     chunk = step * max(1, plane_bytes // (DEMO_CHUNKS * step))  # about DEMO_CHUNKS chunks: growth to watch
     cache = PagedKVCache(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, max_tokens=c.max_tokens,
-                         max_seqs=c.max_seqs, max_seq_len=c.max_prompt + 4 * c.steps + 16,
-                         placement=c.placement, chunk_bytes=chunk, backend=backend)
+                         max_seqs=c.max_seqs, max_seq_len=c.max_prompt + c.steps + 16,
+                         max_step_tokens=c.max_prompt + c.max_seqs, placement=c.placement, chunk_bytes=chunk,
+                         backend=backend, growth={"release_after": RELEASE_AFTER, "background": False})
     result = DemoResult(cache)
     work = _Workload(c, cache)
     for _ in range(c.steps):
-        result.events["arrived"] += work.arrive()
-        result.events["forked"] += work.fork()
-        result.events["decode_tokens"] += work.decode()
-        errors = work.check()
+        errors = work.step(result.events)
         if errors:
             result.checks += len(errors)
             result.max_error = max(result.max_error, max(errors))
@@ -208,10 +357,6 @@ def run_demo(config, progress=None):
         for key, value in (("mapped_bytes", stats["mapped_bytes"]), ("token_bytes", stats["token_bytes"]),
                            ("contiguous_bytes", contiguous)):
             result.peak[key] = max(result.peak[key], value)
-        finished = work.finish()
-        if finished:
-            result.events["finished"] += finished
-            result.events["chunks_released"] += len(cache.trim())
         if progress:
             progress(1)
     return result
