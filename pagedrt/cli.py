@@ -210,10 +210,20 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
         echo(["one token's translation:"] + chain_lines(snap, tr, style))
     ok = figures["max_error"] <= figures["tolerance"]
     verdict = style("ok" if ok else "TOO LARGE", fg="green" if ok else "red", bold=True)
+    growth, n = cache.growth, _plural
     echo([
-        f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished "
-        f"({figures['chunks_released']} chunks handed back), {figures['decode_tokens']} decode tokens; "
-        f"{figures['sequences']} sequences hold {figures['tokens']} tokens now",
+        f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished; "
+        f"{n(figures['sequences'], 'sequence')} hold {n(figures['tokens'], 'token')} now",
+        f"steps      {n(figures['prompt_tokens'], 'prompt token')} computed in chunks, "
+        f"{n(figures['decode_tokens'], 'decode token')}; {figures['mixed_steps']} of {n(config.steps, 'step')} mixed "
+        f"prompt chunks with decode tokens",
+        f"sharing    {n(figures['prefix_hit_tokens'], 'prompt token')} found in the prefix cache (not computed); "
+        f"{n(figures['shared_blocks'], 'block')} shared now (*), {figures['blocks_copied']} copied on write; "
+        f"{n(figures['cached_blocks'], 'cached block')}, {figures['evictable_blocks']} of them held by no sequence "
+        f"(+), {figures['evictions']} evicted",
+        f"growth     {n(figures['chunks_ahead'], 'chunk')} mapped ahead of need, between steps (keeping "
+        f"{growth.low_blocks}-{growth.high_blocks} blocks spare); {n(figures['sync_grows'], 'grow')} inside a step; "
+        f"{n(figures['chunks_released'], 'chunk')} released after {growth.release_after} idle steps",
         f"memory     {figures['stored_tokens']} stored tokens (shared ones once) fill {size(figures['token_bytes'])} "
         f"of {size(figures['mapped_bytes'])} mapped ({figures['utilisation_of_mapped']:.1%}) and of "
         f"{size(figures['held_bytes'])} in held blocks ({figures['utilisation_of_held']:.1%})",
@@ -225,6 +235,10 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     ])
     if not ok:
         raise click.ClickException("attention through the block tables disagrees with contiguous attention")
+
+
+def _plural(count, noun):
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _sample_translation(cache):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pagedrt.cli import main
 
-TINY = ["--preset", "tiny", "--steps", "12", "--max-tokens", "2048", "--backend", "host"]
+TINY = ["--preset", "tiny", "--steps", "16", "--max-tokens", "2048", "--backend", "host"]
 
 
 def run(*args, code=0):
@@ -21,6 +21,11 @@ def run(*args, code=0):
     if code:
         assert result.exception is None or isinstance(result.exception, SystemExit)
     return result.output if code else result.stdout  # stdout alone: the progress bar is on stderr
+
+
+def pool_cells(out):
+    """The cells of the pool map in ``out``."""
+    return set("".join(line.split("[", 1)[1] for line in out.splitlines() if line.startswith("chunk ") and "[" in line))
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +44,11 @@ def test_info():
 
 def test_demo_shows_both_layers(snapshot):
     out = run("demo", *TINY, "--no-color")
-    for text in ("chunk", "block tables", "pool map", "virtual address", "MMU", "max relative error", ": ok"):
+    for text in ("chunk", "block tables", "pool map", "virtual address", "MMU", "max relative error", ": ok",
+                 "found in the prefix cache", "shared now (*)", "copied on write", "held by no sequence (+)",
+                 "mapped ahead of need", "mixed prompt chunks with decode tokens"):
         assert text in out
+    assert set("*+.") <= pool_cells(out)  # shared, cached and held by no sequence, free (mapped ahead)
     assert snapshot.exists()
 
 
@@ -53,11 +61,19 @@ def test_demo_json_is_consistent():
     assert f["mapped_bytes"] == len(mapped) * snap["pool"]["chunk_bytes"]
     assert tr["virtual_address"] == snap["pool"]["base"] + tr["pool_offset"]
     assert 0 < f["utilisation_of_mapped"] <= 1 and 0 < f["utilisation_of_held"] <= 1
+    refs, cached = snap["blocks"]["ref_counts"], snap["blocks"]["cached"]
+    assert f["shared_blocks"] == sum(r > 1 for r in refs) > 0 and f["cached_blocks"] == len(cached)
+    assert f["evictable_blocks"] == sum(refs[b] == 0 for b in cached) > 0
+    for key in ("arrived", "forked", "finished", "prefix_hit_tokens", "blocks_copied", "mixed_steps", "chunks_ahead"):
+        assert f[key] > 0, key
+    docs = (Path(__file__).parent.parent / "docs" / "SNAPSHOT.md").read_text()
+    assert [key for key in f if f"`{key}`" not in docs] == []
 
 
 def test_map_from_snapshot_and_from_demo(snapshot):
     out = run("map", snapshot, "--no-color")
     assert "pool map" in out and "block tables" in out and "virtual range" in out
+    assert set("*+.") <= pool_cells(out)
     assert json.loads(run("map", snapshot, "--json")) == json.loads(snapshot.read_text())
     out = run("map", "--from-demo", *TINY, "--no-color", "--placement", "block")
     assert "pool map" in out and "plane-major" not in out
@@ -72,7 +88,7 @@ def test_translate(snapshot):
     assert tr["virtual_address"] == snap["pool"]["base"] + tr["pool_offset"]
     out = run("translate", entry["seq"], pos, snapshot, "--no-color")
     assert len(out.strip().splitlines()) == 8 and "block_table[" in out
-    assert f"block {tr['block_id']} is not in the prefix cache" in out and tr["cached"] is False
+    assert f"block {tr['block_id']} is {'in' if tr['cached'] else 'not in'} the prefix cache" in out
     from_demo = json.loads(run("translate", entry["seq"], 0, "--from-demo", *TINY, "--json"))
     from_file = json.loads(run("translate", entry["seq"], 0, snapshot, "--json"))
     for record in (from_demo, from_file):  # a new run's pool has its own base address
