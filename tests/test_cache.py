@@ -76,7 +76,8 @@ def check_allocator(cache):
     assert all(int(index.name[b]) == name for name, b in index.block_of.items())
     assert cache.num_available_blocks == a.max_blocks - a.num_held
     assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
-    assert a.num_free == int(a.free_in_chunk.sum()) and a.num_mapped_blocks == int(a.chunk_mapped.sum()) * a.blocks_per_chunk
+    assert a.num_free == int(a.free_in_chunk.sum())
+    assert a.num_mapped_blocks == int(a.chunk_mapped.sum()) * a.blocks_per_chunk
     assert a.num_shared == int((a.ref_count > 1).sum())
     pool_mapped = {r.chunk for r in cache.pool.mappings() if r.state == "mapped"}
     assert pool_mapped == {c for k in np.flatnonzero(a.chunk_mapped) for c in a.pool_chunks(int(k))}
