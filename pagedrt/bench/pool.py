@@ -7,13 +7,16 @@ step (one chunk) and of growing 1 GiB in one call, each split into create / map 
 set-access (the backend's primitives, timed by wrapping the backend the pool is
 given), and the copy bandwidth inside a pool of such chunks; then what a
 contiguous cache pays to grow by 1 GiB (allocate a larger buffer and copy the old
-contents over), and the copy bandwidth of ordinary cudaMalloc memory. Copies move
+contents over), the copy bandwidth of ordinary cudaMalloc memory, and that bandwidth
+again while another thread maps and releases 2 MiB chunks of a second pool (what
+growth ahead of demand, on its worker thread, may cost kernels running meanwhile). Copies move
 random data, bytes read + written, timed with the benchmarks' GPU timer, two ways:
 a kernel that loads and stores every element (CuPy's ``copyto``, which reads
 memory as an attention kernel does) and the driver's device-to-device memcpy.
 """
 
 import statistics
+import threading
 import time
 from collections import defaultdict
 
@@ -121,6 +124,30 @@ def pool_copy_bandwidth(timer, chunk, nbytes, repeats):
     return bandwidth
 
 
+def copy_while_mapping(timer, src, dst, repeats, chunk=2 * MiB):
+    """:func:`copy_bandwidth` while a thread maps (and, when full, releases) chunks of another pool one at a
+    time; also the chunks that thread mapped per second."""
+    stop, mapped = threading.Event(), [0]
+
+    def grow():
+        with Pool(256 * chunk, chunk, backend="cuda") as pool:
+            while not stop.is_set():
+                if pool.mapped_bytes == pool.max_bytes:
+                    pool.release([r.chunk for r in pool.mappings() if r.state == "mapped"])
+                pool.map([next(c for c in range(pool.num_chunks) if not pool.is_mapped(c))])
+                mapped[0] += 1
+
+    worker = threading.Thread(target=grow)
+    t = time.perf_counter()
+    worker.start()
+    try:
+        bandwidth = copy_bandwidth(timer, src, dst, repeats)
+    finally:
+        stop.set()
+        worker.join()
+    return bandwidth, mapped[0] / (time.perf_counter() - t)
+
+
 def parser():
     ap = harness.parser("pagedrt.bench.pool", __doc__, backend=True)
     ap.add_argument("--repeats", type=int, default=20, help="timed grows and copies per measurement")
@@ -172,8 +199,13 @@ def main(argv=None):
         lines += ["", f"copy bandwidth of cudaMalloc memory ({args.copy_gib} GiB, read + written): "
                       f"{plain['kernel'] / 1e12:.2f} TB/s through a copy kernel, "
                       f"{plain['memcpy'] / 1e12:.2f} TB/s through memcpy"]
+        busy, rate = copy_while_mapping(timer, src, cp.empty_like(src), args.repeats)
+        lines += [f"the same while another thread maps 2 MiB chunks ({rate:.0f} per second): "
+                  f"{busy['kernel'] / 1e12:.2f} TB/s through a copy kernel, {busy['memcpy'] / 1e12:.2f} TB/s "
+                  f"through memcpy"]
         extra = {"contiguous_regrow_us": regrow, "cudamalloc_copy_tb_s": plain["kernel"] / 1e12,
-                 "cudamalloc_memcpy_tb_s": plain["memcpy"] / 1e12}
+                 "cudamalloc_memcpy_tb_s": plain["memcpy"] / 1e12, "mapping_copy_tb_s": busy["kernel"] / 1e12,
+                 "mapping_memcpy_tb_s": busy["memcpy"] / 1e12, "mapping_chunks_per_s": rate}
     harness.publish("pool", args.out, info, rows, "\n".join(lines), repeats=args.repeats, **extra)
 
 
