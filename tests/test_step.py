@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from pagedrt.errors import (DuplicateSequenceError, InvalidTokenCountError, InvalidTokenIdsError, PagedRTError,
-                            PoolExhaustedError, SequenceFullError, TooManySequencesError, UnknownSequenceError)
+                            PoolClosedError, PoolExhaustedError, SequenceFullError, TooManySequencesError,
+                            UnknownSequenceError, UnsupportedConfigError)
 from pagedrt.kernels import copy_blocks as kernel_copy_blocks
 from helpers import to_host
 from test_cache import (BS, SYSTEM_PROMPTS, PrefixMachine, check_allocator, frozen, kv_of, machine_test, small_cache,
@@ -286,3 +287,16 @@ class StepMachine(PrefixMachine):
 
 
 TestStepMachine = machine_test(StepMachine, 40, 40)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "8", 2**40])
+def test_bad_max_step_tokens(bad):
+    with pytest.raises(UnsupportedConfigError, match="max_step_tokens"):
+        small_cache(max_step_tokens=bad)
+
+
+def test_a_step_after_close_is_a_named_error():
+    c = small_cache()
+    c.close()
+    with pytest.raises(PoolClosedError):
+        c.step(arrivals=[[1, 2, 3]])
