@@ -102,8 +102,10 @@ class PagedKVCache:
 
     Give the capacity as ``max_tokens`` or ``max_bytes`` (KV bytes); the pool reserves
     that much address space and maps chunks only as sequences need blocks.
-    ``max_seqs`` and ``max_seq_len`` size the dense block table. ``backend`` is a name
-    or a backend made by :func:`pagedrt.memory.select_backend`.
+    ``max_seqs`` and ``max_seq_len`` size the dense block table; ``max_step_tokens``
+    (default ``max_seq_len + max_seqs``: a whole prompt and a decode token for every other
+    sequence) sizes the step's slot buffer, the most new tokens one :meth:`step` takes.
+    ``backend`` is a name or a backend made by :func:`pagedrt.memory.select_backend`.
 
     ``growth`` maps chunks ahead of demand, on a worker thread (:mod:`pagedrt.growth`).
     None or False (the default): chunks are mapped only when an append needs them.
