@@ -198,6 +198,7 @@ def offsets(*values):
     (lambda c: dict(qo_indptr=offsets(0, 5, 7, 13)), LaunchArgumentError, r"qo_indptr\[3\] = 13 but q has 14"),
     (lambda c: dict(query_lens=np.array([5, 3, 6])), LaunchArgumentError, r"qo_indptr\[2\] = 7 but query_lens"),
     (lambda c: dict(query_lens=np.array([5, 2])), LaunchArgumentError, "3 counts"),
+    (lambda c: dict(query_lens=np.array([5, -2, 11])), LaunchArgumentError, r"query_lens\[1\] is negative"),
     (lambda c: dict(query_lens=[5, 2, 7]), LaunchArgumentError, "NumPy integer array"),
     (lambda c: dict(query_lens=np.array([5, 2, 7.0])), LaunchArgumentError, "NumPy integer array"),
     (lambda c: dict(out=np.empty((14, 8, 128), np.float32)), LaunchArgumentError, "out must be"),
