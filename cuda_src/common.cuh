@@ -21,6 +21,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// A compile-time value as a type: lambdas take it as an `auto` argument to be instantiated per value.
+template <typename X, X VALUE> struct integral_constant { static constexpr X value = VALUE; };
+
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec16 { static constexpr int kElems = 16 / sizeof(T); };
 
@@ -80,6 +83,13 @@ __device__ __forceinline__ void cp_async16_shared(unsigned smem_dst, const void*
                                                   unsigned long long policy) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
                  :: "r"(smem_dst), "l"(gmem_src), "r"(src_bytes), "l"(policy) : "memory");
+}
+
+// The same under L2's default policy: for data that other thread blocks read too (prefill's
+// K and V, read once per query tile).
+__device__ __forceinline__ void cp_async16_shared(unsigned smem_dst, const void* gmem_src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_dst), "l"(gmem_src), "r"(src_bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {

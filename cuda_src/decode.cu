@@ -43,8 +43,6 @@ namespace pagedrt {
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
 constexpr int min_int(int a, int b) { return a < b ? a : b; }
 
-template <typename X, X VALUE> struct integral_constant { static constexpr X value = VALUE; };
-
 // Work decomposition of one thread block. THREADS, LANES, TILE, STAGES and IDS_WINDOW come from
 // the planner (pagedrt/attention/planner.py: geometry), which also sizes shared memory.
 template <typename T, int HEAD_DIM, int GROUP, int THREADS, int LANES, int TILE, int STAGES, int IDS_WINDOW>

@@ -1,5 +1,6 @@
-"""Shared builders for the kernel tests: paged caches with scattered, NaN-poisoned blocks, and naive attention;
-caches whose tables or slots name blocks that are not mapped (what validation must refuse)."""
+"""Shared builders for the kernel tests: paged caches with scattered, NaN-poisoned blocks (decode and prefill
+problems), and naive attention; caches whose tables or slots name blocks that are not mapped (what validation must
+refuse)."""
 
 import numpy as np
 import pytest
@@ -56,6 +57,39 @@ class Case:
                 dense[i, :nb] = plane[self.table[i, :nb]]
             out.append(dense)
         return out
+
+
+class PrefillCase(Case):
+    """A prefill problem over Case's planes: sequence b holds ``prefixes[b]`` cached tokens and ``new[b]`` new
+    ones (KV length the sum, at least 1); q holds the new tokens' queries, sequence after sequence
+    (``qo_indptr``; ``query_lens`` is the host copy a Step carries)."""
+
+    def __init__(self, cfg, prefixes, new, kv_heads=2, seed=0, **kwargs):
+        super().__init__(cfg, [p + n for p, n in zip(prefixes, new)], kv_heads=kv_heads, seed=seed, **kwargs)
+        rng = np.random.default_rng(seed + 1)
+        self.query_lens = np.asarray(new, np.int64)
+        self.qo_indptr = np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+        shape = (int(self.qo_indptr[-1]), kv_heads * cfg.group, cfg.head_dim)
+        self.q = rng.standard_normal(shape, dtype=np.float32).astype(self.q.dtype)
+
+
+def naive_prefill(q, k, v, table, kv_lens, qo_indptr, scale, causal=True):
+    """Per sequence, per query token, per head, key by key through the table: float64 softmax attention; causal:
+    query i of a sequence's n sees keys 0..kv_len - n + i."""
+    q_heads, d = q.shape[1:]
+    group, bs = q_heads // k.shape[1], k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(table.shape[0]):
+        first, end, n = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_lens[b])
+        for i in range(end - first):
+            seen = n - (end - first) + i + 1 if causal else n
+            for h in range(q_heads):
+                keys = np.array([k[table[b, t // bs], h // group, t % bs] for t in range(seen)], np.float64)
+                vals = np.array([v[table[b, t // bs], h // group, t % bs] for t in range(seen)], np.float64)
+                s = keys @ q[first + i, h].astype(np.float64) * scale
+                w = np.exp(s - s.max())
+                out[first + i, h] = w @ vals / w.sum()
+    return out
 
 
 def naive_attention(q, k, v, table, lens, scale):

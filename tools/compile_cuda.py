@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pagedrt.attention import decode  # noqa: E402
+from pagedrt.attention import decode, prefill  # noqa: E402
 from pagedrt import kernels  # noqa: E402
 from pagedrt.source import CUDA_SRC, text  # noqa: E402
 
@@ -32,8 +32,9 @@ NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with N
 
 
 def instances():
-    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels' and pagedrt.attention's."""
-    return {**kernels.instances(), **decode.instances()}
+    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels' and pagedrt.attention's (decode and
+    prefill)."""
+    return {**kernels.instances(), **decode.instances(), **prefill.instances()}
 
 
 def units(tmp):

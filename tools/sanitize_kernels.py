@@ -8,8 +8,9 @@ r"""Run every kernel once on small data, for compute-sanitizer.
 errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
-(with empty segments), each in both geometries, the contiguous baseline, block copy, and
-validation (a good table, then a bad one refused), on the base configuration. Then the
+(with empty segments), each in both geometries, the contiguous baseline, prefill (causal and
+not, over a ragged batch with a one-token row), block copy, and validation (a good table, then
+a bad one refused), on the base configuration. Then the
 refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
 decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
 given twice and the planes of a closed cache, each refused, with good launches after
@@ -38,8 +39,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedrt import source  # noqa: E402
-from pagedrt.attention import contiguous_decode, paged_decode, reference  # noqa: E402
-from pagedrt.attention import decode, planner  # noqa: E402
+from pagedrt.attention import contiguous_decode, paged_decode, paged_prefill, reference  # noqa: E402
+from pagedrt.attention import decode, planner, prefill  # noqa: E402
 from pagedrt.cache import PagedKVCache  # noqa: E402
 from pagedrt.errors import BlockTableError, PoolClosedError  # noqa: E402
 from pagedrt.kernels import copy_blocks, copy_blocks_reference, release_buffers  # noqa: E402
@@ -48,6 +49,7 @@ from pagedrt.kernels import configs, copy, validate, write  # noqa: E402
 
 KV_HEADS, GROUP, BLOCK, DIM = 2, 4, 16, 128
 LENS = [1, 17, 100]
+QUERIES = [1, 5, 70]  # prefill: the last QUERIES[b] of sequence b's LENS[b] tokens are its queries
 
 
 def rel_error(out, ref):
@@ -72,7 +74,8 @@ def run():
     """Every kernel and refusal; returns the names of the checks that failed."""
     import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
-    for part in (decode.instances([base]), write.instances([base]), copy.instances(), validate.instances()):
+    for part in (decode.instances([base]), prefill.instances([base]), write.instances([base]), copy.instances(),
+                 validate.instances()):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -118,6 +121,13 @@ def run():
     out = contiguous_decode(d_q, cupy.asarray(dense[0]), cupy.asarray(dense[1]), d_lens)
     expect("contiguous_decode", rel_error(cupy.asnumpy(out), reference.contiguous_decode(
         q.astype(np.float64), *dense, lens)) <= 2e-3)
+
+    qo = np.concatenate([[0], np.cumsum(QUERIES)]).astype(np.int32)
+    pq = rng.standard_normal((int(qo[-1]), KV_HEADS * GROUP, DIM)).astype(np.float16)
+    for causal in (True, False):
+        out = paged_prefill(cupy.asarray(pq), k, v, d_table, d_lens, cupy.asarray(qo), causal=causal)
+        ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
+        expect(f"paged_prefill, {'causal' if causal else 'not causal'}", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
     pairs = np.array([[int(perm[0]), int(perm[-1])], [int(perm[1]), int(perm[-2])]])
     copy_blocks([k, v], cupy.asarray(pairs))

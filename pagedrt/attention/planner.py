@@ -1,4 +1,5 @@
-"""How attention work is cut: the launch geometry of a configuration and the split plan of a step.
+"""How attention work is cut: the launch geometry of a configuration, the split plan of a decode step, the
+work items of a prefill step.
 
 Host code only (no cupy): the device side (:mod:`pagedrt.attention.decode`) asks the
 occupancy API how many thread blocks of a geometry fit on the device and hands that
@@ -7,6 +8,8 @@ never a changed constant.
 """
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..kernels.args import check
 
@@ -27,6 +30,11 @@ SHORT_TILES = 32                # segments of at most this many tiles may run th
 SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
 UNEVEN = 1.5                    # longest / mean length above which a batch that fills the device is split anyway
+PREFILL_DTYPES = ("float16", "bfloat16")  # prefill runs on tensor cores only
+PREFILL_HEAD_DIMS = (64, 128, 256)        # whole groups of 8 16-byte chunks per row (the swizzle's unit)
+PREFILL_THREADS = 128           # four warps, 16 packed query rows each
+PREFILL_TILE_M = 64             # packed query rows (query token x query head of the group) per work item
+PREFILL_STAGES = 2              # the key pipeline's depth
 
 
 def _unknown(name):
@@ -89,6 +97,48 @@ def geometry(cfg, geometry_name="standard"):
     lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
     tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
     return Geometry(lanes, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW)
+
+
+@dataclass(frozen=True)
+class PrefillGeometry:
+    """How one prefill thread block cuts its work item (template arguments of the kernel)."""
+
+    tile_m: int      # packed query rows per work item
+    tile_n: int      # keys per pipeline stage
+    stages: int
+    smem_bytes: int  # dynamic shared memory: the stages of K, then of V, then the Q tile
+    threads: int = PREFILL_THREADS
+
+
+def prefill_geometry(cfg):
+    """The :class:`PrefillGeometry` of configuration ``cfg`` (fp16/bf16, head_dim in PREFILL_HEAD_DIMS).
+
+    Four warps of 16 packed rows each, PREFILL_STAGES stages of 64 keys (32 at head_dim
+    256, where a thread holds 128 floats of output and 64 more of scores would spill).
+    """
+    row = cfg.head_dim * cfg.itemsize
+    tile_n = 32 if cfg.head_dim > 128 else 64
+    return PrefillGeometry(PREFILL_TILE_M, tile_n, PREFILL_STAGES,
+                           (PREFILL_STAGES * 2 * tile_n + PREFILL_TILE_M) * row)
+
+
+def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M):
+    """The work items of a prefill: int32 [n, 4] rows (batch row, its first query token, its query count,
+    the item's first packed row), from the host's per-row query counts.
+
+    Sequence b's packed rows are its query tokens times the group's query heads
+    (``query_lens[b] * group``), cut into items of ``tile_m``; rows without queries
+    have none. Items later in their sequence come first (stable within a position):
+    under a causal mask they see the most keys, and the long items then start in the
+    first wave rather than run alone at the end.
+    """
+    counts = np.asarray(query_lens, np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])) if counts.size else counts
+    tiles = -(-counts * group // tile_m)
+    rows = np.repeat(np.arange(counts.size), tiles)
+    index = np.arange(rows.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)  # item's tile in its sequence
+    items = np.stack([rows, starts[rows], counts[rows], index * tile_m], axis=1).astype(np.int32)
+    return items[np.argsort(-index, kind="stable")]
 
 
 @dataclass(frozen=True)

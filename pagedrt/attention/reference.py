@@ -5,7 +5,8 @@ over its keys (GQA: query head h uses KV head h // group), optionally causal wit
 the mask aligned bottom-right, and optionally cut into segments whose partial
 states are merged exactly as the split kernel merges them. The decode references
 gather each sequence's keys (through the block table, or from contiguous K/V) and
-call it with one query row.
+call it with one query row; the prefill reference calls it with each sequence's
+query rows, causal aligned bottom-right.
 """
 
 import math
@@ -19,14 +20,14 @@ def _partial(q, k, v, scale, first, causal_offset):
     """Unnormalised state of query rows q [rows, kv, group, d] over keys k, v [kv, n, d] at positions
     first..first+n-1 (float64): (m, l, o) = max score, sum of exp(score - m), sum of exp(score - m) * v.
     A row that sees no key gets m = -inf, l = 0, o = 0."""
-    scores = np.einsum("rhgd,hnd->rhgn", q, k) * scale
+    scores = np.einsum("rhgd,hnd->rhgn", q, k, optimize=True) * scale  # optimize: through BLAS
     if causal_offset is not None:
         keys = first + np.arange(k.shape[1])
         visible = keys[None, :] <= causal_offset + np.arange(q.shape[0])[:, None]  # [rows, n]
         scores = np.where(visible[:, None, None, :], scores, -np.inf)
     m = scores.max(axis=3, initial=-np.inf)
     p = np.exp(scores - np.where(np.isneginf(m), 0.0, m)[..., None])
-    return m, p.sum(axis=3), np.einsum("rhgn,hnd->rhgd", p, v)
+    return m, p.sum(axis=3), np.einsum("rhgn,hnd->rhgd", p, v, optimize=True)
 
 
 def merge_partials(m, l, o):
@@ -108,3 +109,23 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, num_splits=1, max_seq_le
         return _tokens(k[i], n), _tokens(v[i], n)
 
     return _decode(q, keys, scale, num_splits, max_seq_len or width * block_size, block_size)
+
+
+def prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, scale=None, causal=True):
+    """Reference of :func:`pagedrt.attention.paged_prefill` (no checks), in q's dtype.
+
+    Sequence b's query rows are q[qo_indptr[b]:qo_indptr[b + 1]] (n of them) over its
+    kv_lens[b] keys gathered through the table; causal: its row i sees keys
+    0..kv_lens[b] - n + i (the last n keys are the rows' own).
+    """
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    block_size = k_cache.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(block_tables.shape[0]):
+        first, end, n = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_lens[b])
+        if end == first:
+            continue
+        blocks = block_tables[b, :-(-n // block_size)]
+        out[first:end] = attend(q[first:end], _tokens(k_cache[blocks], n), _tokens(v_cache[blocks], n), scale,
+                                causal_offset=n - (end - first) if causal else None)
+    return out.astype(q.dtype)

@@ -1,0 +1,271 @@
+"""Prefill attention over a paged KV cache (many query tokens per sequence): the device side.
+
+:class:`PrefillPlan` does a step's checks and planning once; its :meth:`~PrefillPlan.run`
+attends for one layer. :func:`paged_prefill` is a plan run once. One batch may mix
+prompts, chunks of prompts after cached tokens and single decode tokens: sequence b's
+queries are rows ``qo_indptr[b]:qo_indptr[b + 1]`` of q and its keys the first
+``kv_lens[b]`` tokens of its block-table row (cached and new: the new tokens' K/V are
+written first). Causal attention is aligned bottom-right: query i of n sees keys
+0..kv_len - n + i. Given NumPy arrays the plan runs the float64 reference
+(:func:`pagedrt.attention.reference.prefill`).
+
+The kernel (``cuda_src/prefill.cu``) runs on tensor cores (mma.m16n8k16, sm_80+) for
+float16 and bfloat16 at head_dim 64, 128 and 256; other configurations raise
+``UnsupportedConfigError`` on either backend, so a configuration is supported by both or
+neither. The work items (query tiles of each sequence,
+:func:`~pagedrt.attention.planner.prefill_items`) are cut on the host from the query
+counts, which a :class:`~pagedrt.step.Step` carries on the host (``query_lens``).
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import source
+from ..errors import BlockTableError
+from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, plane, ptr,
+                            same_layout)
+from ..kernels.configs import config, sweep
+from ..kernels.validate import Spans, check_block_tables
+from ..supported import check as check_supported
+from . import reference
+from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, prefill_geometry, prefill_items
+
+FILE = "prefill.cu"
+LOG2E = 1.4426950408889634
+MAX_GRID_Y = 65535  # KV heads are grid dimension y
+
+
+def supported(cfg):
+    """Raise UnsupportedConfigError unless the prefill kernel runs configuration ``cfg``."""
+    check_supported("dtype (prefill runs on tensor cores)", cfg.dtype, PREFILL_DTYPES)
+    check_supported("head_dim (prefill)", cfg.head_dim, PREFILL_HEAD_DIMS)
+    return cfg
+
+
+def kernel_name(cfg):
+    """The prefill kernel's name expression for configuration ``cfg`` (the group is a kernel argument)."""
+    geo = prefill_geometry(cfg)
+    return (f"pagedrt::prefill<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {geo.threads}, {geo.tile_m}, "
+            f"{geo.tile_n}, {geo.stages}>")
+
+
+def instances(configs=None):
+    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweep)."""
+    names = [kernel_name(c) for c in (configs or sweep())
+             if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
+    return {FILE: tuple(dict.fromkeys(names))}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg, device_id):
+    """The compiled kernel of a configuration, allowed its dynamic shared memory on the device."""
+    fn = source.function(FILE, kernel_name(cfg))
+    fn.max_dynamic_shared_size_bytes = prefill_geometry(cfg).smem_bytes
+    return fn
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A prefill launch but for its per-layer pointers: q, the K and V planes, out."""
+    function: object
+    grid: tuple
+    threads: tuple
+    smem: int
+    middle: tuple  # the arguments between v and out: block stride ... scale
+
+    def __call__(self, q, k, v, out):
+        self.function(self.grid, self.threads, (q, k, v, *self.middle, out), shared_mem=self.smem)
+
+
+def _host_offsets(qo_indptr, query_lens, batch, num_tokens, validate):
+    """The query offsets [batch + 1] on the host (int64), checked: from ``query_lens`` when given (compared with
+    a device ``qo_indptr`` when ``validate``), else from ``qo_indptr`` (read back from the device)."""
+    if query_lens is not None:
+        check(isinstance(query_lens, np.ndarray) and query_lens.ndim == 1 and query_lens.shape[0] == batch
+              and query_lens.dtype.kind in "iu",
+              lambda: f"query_lens must be a 1-D NumPy integer array of {batch} counts (one per batch row), got "
+                      f"{type(query_lens).__name__} {getattr(query_lens, 'dtype', '')} "
+                      f"{getattr(query_lens, 'shape', '')}")
+        check((query_lens >= 0).all(), lambda: f"query_lens[{int(np.argmax(query_lens < 0))}] is negative")
+        offsets = np.concatenate(([0], np.cumsum(query_lens, dtype=np.int64)))
+    else:
+        offsets = np.asarray(qo_indptr if isinstance(qo_indptr, np.ndarray) else qo_indptr.get(), np.int64)
+    check(offsets[0] == 0, lambda: f"qo_indptr[0] = {offsets[0]}: the first sequence's queries start at row 0")
+    steps = np.diff(offsets)
+    check((steps >= 0).all(), lambda: f"qo_indptr decreases at {int(np.argmax(steps < 0)) + 1} "
+                                      f"({offsets[int(np.argmax(steps < 0))]} -> "
+                                      f"{offsets[int(np.argmax(steps < 0)) + 1]}): offsets must not decrease")
+    check(offsets[-1] == num_tokens, lambda: f"qo_indptr[{batch}] = {offsets[-1]} but q has {num_tokens} rows: the "
+                                             "last offset is the number of query tokens")
+    if query_lens is not None and validate:
+        given = qo_indptr if isinstance(qo_indptr, np.ndarray) else qo_indptr.get()
+        differ = np.flatnonzero(np.asarray(given, np.int64) != offsets)
+        check(differ.size == 0, lambda: f"qo_indptr[{differ[0]}] = {given[differ[0]]} but query_lens sum to "
+                                        f"{offsets[differ[0]]} there: they must describe the same rows")
+    return offsets
+
+
+def _check_lengths(kv_lens, query_counts, width, block_size):
+    """Raise BlockTableError for the first length outside [1, width * block_size] or below its row's queries."""
+    lens = np.asarray(kv_lens, np.int64)
+    bad = (lens < 1) | (lens > width * block_size)
+    if bad.any():
+        row = int(np.argmax(bad))
+        err = BlockTableError(f"kv_lens[{row}] = {lens[row]} is outside [1, {width * block_size}]: a block-table "
+                              f"row holds {width} blocks of {block_size} tokens; fix the length or widen the table")
+        err.row, err.length = row, int(lens[row])
+        raise err
+    short = lens < query_counts
+    if short.any():
+        row = int(np.argmax(short))
+        err = BlockTableError(f"kv_lens[{row}] = {lens[row]} is less than the row's {query_counts[row]} query "
+                              "tokens: the KV length counts the cached tokens and the new ones (write the new "
+                              "tokens' K/V first)")
+        err.row, err.length = row, int(lens[row])
+        raise err
+
+
+class PrefillPlan:
+    """One prefill step's attention, planned once and run for every layer (a plan/run split).
+
+    ``PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, ...)`` does the per-step
+    work: it checks the shapes and offsets, the lengths and the table (with
+    ``validate``), cuts the work items on the host and uploads them. :meth:`run`
+    ``(q, k_cache, v_cache, out=None)`` then attends for one layer: its q, planes and
+    out must have the shape, dtype and plane layout of the q and K plane the plan was
+    made with, and it only checks that and launches (no allocation and no host sync
+    when ``out`` is given, so a CUDA graph can capture it). A plan reads
+    ``block_tables`` and ``kv_lens`` when each run executes: it belongs to the step
+    whose table and lengths it checked.
+
+    q: [num_tokens, q_heads, head_dim], C-contiguous; k_cache: a plane [num_blocks,
+    kv_heads, block_size, head_dim] (any block stride); block_tables: int32 [batch,
+    width] (row stride may exceed width); kv_lens: int32 [batch], each sequence's keys
+    after the step (cached and new), in [max(1, its query count), width * block_size];
+    qo_indptr: int32 [batch + 1], starting at 0, never decreasing, ending at
+    num_tokens. Query head h uses KV head h // (q_heads // kv_heads). ``scale``
+    defaults to 1 / sqrt(head_dim). ``causal``: query i of a sequence's n sees keys
+    0..kv_len - n + i (the mask aligned bottom-right, as chunked prefill needs); else
+    every key.
+
+    ``query_lens``: each row's query count as a host NumPy integer array (a
+    :class:`~pagedrt.step.Step`'s ``query_lens``). The work items are cut from it; it
+    must agree with ``qo_indptr``, which ``validate`` checks on the device. Without it
+    the plan reads ``qo_indptr`` back from the device (a sync) to cut them.
+
+    ``validate`` (the default) reads ``kv_lens`` back and checks every length on the
+    host (in range, and not below its row's query count: ``BlockTableError`` with
+    ``.row``, ``.length``), then checks every used table entry on the device as
+    :class:`~pagedrt.attention.DecodePlan` does (against ``block_mask`` when given, and,
+    for planes in a pool, that the block is mapped): two device-to-host reads.
+    ``validate=False`` trusts the lengths and the table: the kernel still never reads
+    past a table row's width or writes outside q's rows. NumPy inputs are always checked.
+    """
+
+    def __init__(self, q, k_cache, block_tables, kv_lens, qo_indptr, *, query_lens=None, causal=True, scale=None,
+                 block_mask=None, validate=True, _v_cache=None):
+        # _v_cache: paged_prefill's V plane, checked with the K plane (a plan over many layers is given only K)
+        xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, kv_lens=kv_lens, qo_indptr=qo_indptr,
+                          block_mask=block_mask)
+        c_contiguous("q", q, 3)
+        pk = plane("k_cache", k_cache)
+        num_tokens, q_heads, head_dim = (int(x) for x in q.shape)
+        check(q.dtype == k_cache.dtype, lambda: f"q is {q.dtype} but the K/V cache is {k_cache.dtype}: they must match")
+        check(head_dim == pk.head_dim, lambda: f"q has head_dim {head_dim} but the K/V cache has {pk.head_dim}")
+        check(q_heads % pk.num_kv_heads == 0,
+              lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
+        check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
+        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads))
+        int_array("block_tables", block_tables, np.int32, 2)
+        batch, width = (int(x) for x in block_tables.shape)
+        check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
+              lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
+                      "contiguous columns and rows at least a row apart")
+        int_array("kv_lens", kv_lens, np.int32, 1)
+        check(kv_lens.shape[0] == batch and kv_lens.flags.c_contiguous,
+              lambda: f"kv_lens must be contiguous with one length per block-table row ({batch}), got shape "
+                      f"{kv_lens.shape}")
+        int_array("qo_indptr", qo_indptr, np.int32, 1)
+        check(qo_indptr.shape[0] == batch + 1 and qo_indptr.flags.c_contiguous,
+              lambda: f"qo_indptr must be contiguous with {batch + 1} offsets (one per block-table row, then the "
+                      f"end), got shape {qo_indptr.shape}")
+        if block_mask is not None:
+            check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
+                  and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
+                  lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
+                          f"block), got {block_mask.dtype} {block_mask.shape}")
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
+        validate = validate or xp is np
+        offsets = _host_offsets(qo_indptr, query_lens, batch, num_tokens, validate)
+        planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
+        spans = Spans(planes, k_cache.strides[0], pk.block_elems * k_cache.itemsize)
+        if validate:
+            _check_lengths(kv_lens if xp is np else kv_lens.get(), np.diff(offsets), width, pk.block_size)
+            check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
+        self._spans = spans
+        self._array_type, self._q = type(q), (q.shape, q.dtype)
+        self._layout = (k_cache.shape, k_cache.strides, k_cache.dtype)
+        self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
+                                            qo_indptr=offsets, scale=scale, causal=causal)
+        self._launch = None
+        if xp is np:
+            return
+        import cupy
+        self._device = q.device.id
+        geo = prefill_geometry(cfg)
+        items = prefill_items(np.diff(offsets), cfg.group, geo.tile_m)
+        self._items = cupy.asarray(items)
+        if items.shape[0]:
+            middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
+                      np.int32(width), ptr(kv_lens), ptr(self._items), np.int32(cfg.group), np.int32(bool(causal)),
+                      np.float32(scale * LOG2E))
+            self._launch = _Launch(_kernel(cfg, self._device), (items.shape[0], pk.num_kv_heads), (geo.threads,),
+                                   geo.smem_bytes, middle)
+
+    def run(self, q, k_cache, v_cache, out=None):
+        """Prefill attention of ``q`` over one layer's K and V; returns ``out``."""
+        k, v = k_cache, v_cache
+        array_type = self._array_type
+        check(type(q) is array_type and type(k) is array_type and type(v) is array_type
+              and (out is None or type(out) is array_type),
+              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
+                      "the plan's: NumPy or CuPy arrays, not a mix")
+        if self._spans.pools:
+            self._spans.check_open()
+        shape, dtype = self._q
+        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
+              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
+        same_layout("k_cache", k, self._layout, "K plane")
+        same_layout("v_cache", v, self._layout, "K plane")
+        if out is not None:
+            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
+                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
+        if array_type is np.ndarray:
+            result = self._reference(q, k, v)
+            if out is None:
+                return result
+            out[...] = result
+            return out
+        import cupy
+        out = cupy.empty_like(q) if out is None else out
+        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
+        if self._launch is not None:
+            self._launch(*pointers)
+        return out
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, *, out=None, query_lens=None, causal=True,
+                  scale=None, block_mask=None, validate=True):
+    """Attention of each sequence's query rows over its paged K/V; returns ``out``.
+
+    Arguments as for :class:`PrefillPlan`, which this makes and runs once; ``validate``
+    checks the V plane too. For many layers over the same step, make one
+    :class:`PrefillPlan` and run it per layer.
+    """
+    plan = PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, query_lens=query_lens, causal=causal,
+                       scale=scale, block_mask=block_mask, validate=validate, _v_cache=v_cache)
+    return plan.run(q, k_cache, v_cache, out)

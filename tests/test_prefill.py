@@ -1,0 +1,269 @@
+"""Prefill attention on the host: the float64 reference against a naive loop, the NumPy path of the launcher,
+the work items, the kernel's instances, every argument check (runs in CI)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_cases import PrefillCase, naive_prefill, rel_error
+from pagedrt import PagedKVCache
+from pagedrt.attention import PrefillPlan, paged_decode, paged_prefill, planner, prefill, reference
+from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
+from pagedrt.kernels import configs, write_kv
+from pagedrt.kernels.configs import Config
+
+BASE = Config("float16", 128, 16, 4)
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+
+
+def rows(bs):
+    """(prefix, new) per sequence: every prefix around a block, empty and one-token rows, a long one."""
+    return [(0, 9), (1, 1), (bs - 1, 5), (5, 0), (bs, 17), (bs + 1, 3), (0, 1), (3 * bs + 7, 40)]
+
+
+def case_of(cfg, spec, **kwargs):
+    return PrefillCase(cfg, [p for p, _ in spec], [n for _, n in spec], **kwargs)
+
+
+def naive(case, causal=True, scale=None):
+    scale = 1 / math.sqrt(case.cfg.head_dim) if scale is None else scale
+    return naive_prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr, scale, causal)
+
+
+# --- the reference ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_a_naive_loop(block_size, group, causal):
+    case = case_of(Config("float32", 64, block_size, group), rows(block_size), seed=block_size + group)
+    out = reference.prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr, 0.2, causal)
+    assert out.dtype == np.float32 and out.shape == case.q.shape
+    assert rel_error(out, naive(case, causal, 0.2)) < 1e-6
+
+
+def test_reference_of_one_token_rows_is_decode():
+    """A causal row of one query over all its keys is a decode row."""
+    case = case_of(Config("float32", 64, 16, 4), [(0, 1), (40, 1), (15, 1)])
+    out = reference.prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr)
+    assert rel_error(out, paged_decode(case.q, case.k, case.v, case.table, case.lens)) < 1e-6
+
+
+def test_reference_of_a_chunk_is_the_end_of_the_whole_prompt():
+    """A chunk after P cached tokens gives the rows a whole-prompt prefill gives its last tokens."""
+    case = case_of(Config("float32", 64, 16, 2), [(0, 50)])
+    whole = reference.prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr)
+    chunk = reference.prefill(case.q[30:], case.k, case.v, case.table, case.lens, np.array([0, 20], np.int32))
+    assert rel_error(chunk, whole[30:]) < 1e-12
+
+
+# --- the launcher's NumPy path ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_prefill_on_the_host_is_the_reference(dtype, head_dim, causal):
+    case = case_of(Config(dtype, head_dim, 16, 4), rows(16), seed=head_dim)
+    out = np.full(case.q.shape, 7, case.q.dtype)
+    assert paged_prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr, out=out, causal=causal,
+                         query_lens=case.query_lens) is out
+    assert np.array_equal(out, reference.prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr,
+                                                 causal=causal))
+    assert rel_error(out, naive(case, causal)) < TOLERANCE[dtype]
+
+
+def test_plan_runs_each_layer():
+    case = case_of(BASE, rows(16))
+    case.buffer[:, :, 0] = (case.buffer[:, :, 1].astype(np.float32) * -0.5).astype(case.buffer.dtype)
+    plan = PrefillPlan(case.q, case.buffer[:, 0, 0], case.table, case.lens, case.qo_indptr, scale=0.1)
+    outs = []
+    for layer in (0, 1):
+        k, v = case.buffer[:, 0, layer], case.buffer[:, 1, layer]
+        outs.append(plan.run(case.q, k, v))
+        assert np.array_equal(outs[-1], paged_prefill(case.q, k, v, case.table, case.lens, case.qo_indptr,
+                                                      scale=0.1))
+    assert np.isfinite(outs[0].astype(np.float32)).all() and not np.array_equal(outs[0], outs[1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40)), min_size=1, max_size=5),
+       block_size=st.sampled_from([8, 32]), group=st.sampled_from([1, 2, 5, 8]), causal=st.booleans(),
+       seed=st.integers(0, 100))
+def test_ragged_batches_property(spec, block_size, group, causal, seed):
+    spec = [(p + (p + n == 0), n) for p, n in spec]  # every sequence holds a key
+    case = case_of(Config("float16", 64, block_size, group), spec, kv_heads=1, seed=seed)
+    out = paged_prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr, causal=causal)
+    assert out.shape == case.q.shape
+    if out.size:
+        assert rel_error(out, naive(case, causal)) < TOLERANCE["float16"]
+
+
+def test_a_cache_step_then_write_kv_then_a_plan_per_layer():
+    """The call sequence of a prefill step on the host backend, per step (a step's arrays hold until the next):
+    a prompt; a chunk of another beside a decode token; the chunk's rest beside another decode token."""
+    rng = np.random.default_rng(5)
+    with PagedKVCache(2, 2, 64, 16, "float16", max_tokens=4096, backend="host") as cache:
+        schedule = [lambda: cache.step(arrivals=[np.arange(1000, 1030)]),
+                    lambda: cache.step(arrivals=[np.arange(70)], arrival_tokens=[40]),
+                    lambda: cache.step(None, [1, 30])]
+        for make, query_lens, kv_lens in zip(schedule, ([30], [1, 40], [1, 30]), ([30], [31, 40], [32, 70])):
+            step = make()
+            assert step.query_lens.tolist() == query_lens and step.seq_lens.tolist() == kv_lens
+            q = rng.standard_normal((step.num_tokens, 8, 64)).astype(np.float16)
+            plan = PrefillPlan(q, cache.k(0), step.block_tables, step.seq_lens, step.qo_indptr,
+                               query_lens=step.query_lens)
+            for layer in range(2):
+                k_new, v_new = rng.standard_normal((2, step.num_tokens, 2, 64)).astype(np.float16)
+                write_kv(k_new, v_new, cache.k(layer), cache.v(layer), step.slot_mapping)
+                out = plan.run(q, cache.k(layer), cache.v(layer))
+                ref = naive_prefill(q, cache.k(layer), cache.v(layer), step.block_tables, step.seq_lens,
+                                    step.qo_indptr, 1 / 8)
+                assert rel_error(out, ref) < TOLERANCE["float16"]
+
+
+# --- work items, instances, geometry -------------------------------------------------------------------
+
+@settings(max_examples=100, deadline=None)
+@given(counts=st.lists(st.integers(0, 300), max_size=8), group=st.integers(1, 8),
+       tile=st.sampled_from([16, 64]))
+def test_work_items_cover_every_packed_row_once(counts, group, tile):
+    items = planner.prefill_items(np.array(counts, np.int64), group, tile)
+    assert items.dtype == np.int32 and items.shape[1] == 4
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    covered = {b: [] for b in range(len(counts))}
+    for b, first, n, p in items.tolist():
+        assert (first, n) == (starts[b], counts[b]) and p % tile == 0 and 0 <= p < n * group
+        covered[b].extend(range(p, min(p + tile, n * group)))
+    assert all(sorted(covered[b]) == list(range(counts[b] * group)) for b in covered)
+    index = items[:, 3] // tile
+    assert (np.diff(index) <= 0).all()  # later tiles of their sequences first
+
+
+def test_instances_name_every_prefill_capable_config_of_the_sweep():
+    names = prefill.instances()["prefill.cu"]
+    capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
+    assert set(names) == {prefill.kernel_name(c) for c in capable}
+    for cfg in capable:
+        geo = planner.prefill_geometry(cfg)
+        args = prefill.kernel_name(cfg).split("<")[1][:-1].split(", ")
+        assert args == [cfg.cuda_type, *map(str, (cfg.head_dim, cfg.block_size, geo.threads, geo.tile_m,
+                                                  geo.tile_n, geo.stages))]
+
+
+@pytest.mark.parametrize("dtype", planner.PREFILL_DTYPES)
+@pytest.mark.parametrize("head_dim", planner.PREFILL_HEAD_DIMS)
+def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
+    """Mirror of PrefillShape's static_asserts; shared memory fits an H100/H200 thread block (227 KiB)."""
+    geo = planner.prefill_geometry(Config(dtype, head_dim, 16, 4))
+    row_vecs = head_dim * 2 // 16
+    rows_per_round = geo.threads // row_vecs
+    assert geo.tile_m == 16 * geo.threads // 32 and geo.tile_n % 16 == 0 and row_vecs % 8 == 0
+    assert geo.threads % row_vecs == 0 and geo.tile_n % rows_per_round == 0 and geo.tile_m % rows_per_round == 0
+    assert geo.stages >= 2 and geo.smem_bytes == (2 * geo.stages * geo.tile_n + geo.tile_m) * head_dim * 2
+    assert geo.smem_bytes <= 227 * 1024
+
+
+# --- argument checks -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def case():
+    return case_of(BASE, [(0, 5), (3, 2), (20, 7)])
+
+
+def offsets(*values):
+    return np.array(values, np.int32)
+
+
+@pytest.mark.parametrize("mutate, error, words", [
+    (lambda c: dict(q=[[1.0]]), LaunchArgumentError, "NumPy or CuPy"),
+    (lambda c: dict(q=c.q[0]), LaunchArgumentError, "3-D"),
+    (lambda c: dict(q=c.q[:, ::2]), LaunchArgumentError, "C-contiguous"),
+    (lambda c: dict(q=c.q.astype(np.float32)), LaunchArgumentError, "must match"),
+    (lambda c: dict(q=c.q[:, :, :64].copy()), LaunchArgumentError, "head_dim"),
+    (lambda c: dict(q=c.q[:, :7].copy()), LaunchArgumentError, "multiple"),
+    (lambda c: dict(q=np.concatenate([c.q, c.q, c.q], axis=1)), UnsupportedConfigError, "group"),
+    (lambda c: dict(k_cache=c.k[..., None]), LaunchArgumentError, "4-D"),
+    (lambda c: dict(v_cache=c.v[:-1]), LaunchArgumentError, "same shape and block stride"),
+    (lambda c: dict(block_tables=c.table.astype(np.int64)), LaunchArgumentError, "int32"),
+    (lambda c: dict(block_tables=c.table[:, ::2]), LaunchArgumentError, "contiguous columns"),
+    (lambda c: dict(kv_lens=c.lens[:2]), LaunchArgumentError, "one length per block-table row"),
+    (lambda c: dict(kv_lens=c.lens.astype(np.int64)), LaunchArgumentError, "int32"),
+    (lambda c: dict(qo_indptr=c.qo_indptr[:3]), LaunchArgumentError, "4 offsets"),
+    (lambda c: dict(qo_indptr=c.qo_indptr.astype(np.int64)), LaunchArgumentError, "int32"),
+    (lambda c: dict(qo_indptr=offsets(1, 5, 7, 14)), LaunchArgumentError, r"qo_indptr\[0\] = 1"),
+    (lambda c: dict(qo_indptr=offsets(0, 8, 7, 14)), LaunchArgumentError, r"decreases at 2 \(8 -> 7\)"),
+    (lambda c: dict(qo_indptr=offsets(0, 5, 7, 13)), LaunchArgumentError, r"qo_indptr\[3\] = 13 but q has 14"),
+    (lambda c: dict(query_lens=np.array([5, 3, 6])), LaunchArgumentError, r"qo_indptr\[2\] = 7 but query_lens"),
+    (lambda c: dict(query_lens=np.array([5, 2])), LaunchArgumentError, "3 counts"),
+    (lambda c: dict(query_lens=np.array([5, -2, 11])), LaunchArgumentError, r"query_lens\[1\] is negative"),
+    (lambda c: dict(query_lens=[5, 2, 7]), LaunchArgumentError, "NumPy integer array"),
+    (lambda c: dict(query_lens=np.array([5, 2, 7.0])), LaunchArgumentError, "NumPy integer array"),
+    (lambda c: dict(out=np.empty((14, 8, 128), np.float32)), LaunchArgumentError, "out must be"),
+    (lambda c: dict(block_mask=np.ones(3, bool)), LaunchArgumentError, "block_mask"),
+    (lambda c: dict(scale=float("inf")), LaunchArgumentError, "finite"),
+])
+def test_argument_errors(case, mutate, error, words):
+    out = np.full(case.q.shape, 7, case.q.dtype)
+    args = dict(q=case.q, k_cache=case.k, v_cache=case.v, block_tables=case.table, kv_lens=case.lens,
+                qo_indptr=case.qo_indptr, out=out)
+    args.update(mutate(case))
+    with pytest.raises(error, match=words):
+        paged_prefill(**args)
+    assert (out == 7).all()
+
+
+@pytest.mark.parametrize("row, length, words", [
+    (1, 1, r"kv_lens\[1\] = 1 is less than the row's 2 query tokens"),
+    (2, 0, r"kv_lens\[2\] = 0 is outside \[1, 32\]"),
+    (0, 33, r"kv_lens\[0\] = 33 is outside \[1, 32\]"),
+])
+def test_bad_lengths_raise_block_table_errors(case, row, length, words):
+    lens = case.lens.copy()
+    lens[row] = length
+    with pytest.raises(BlockTableError, match=words) as info:
+        PrefillPlan(case.q, case.k, case.table, lens, case.qo_indptr, validate=False)  # NumPy: always checked
+    assert (info.value.row, info.value.length) == (row, length)
+
+
+def test_bad_block_id_and_mask_are_refused(case):
+    table = case.table.copy()
+    table[2, 1] = len(case.k)
+    with pytest.raises(BlockTableError, match=r"block_tables\[2, 1\]"):
+        paged_prefill(case.q, case.k, case.v, table, case.lens, case.qo_indptr)
+    mask = np.ones(len(case.k), np.uint8)
+    mask[case.table[1, 0]] = 0
+    with pytest.raises(BlockTableError, match=r"block_tables\[1, 0\].*block_mask"):
+        paged_prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr, block_mask=mask)
+
+
+@pytest.mark.parametrize("dtype, head_dim, words", [("float32", 128, "dtype .*float16, bfloat16"),
+                                                    ("float16", 80, "head_dim .*64, 128, 256"),
+                                                    ("bfloat16", 96, "head_dim")])
+def test_configurations_off_the_tensor_core_path_are_refused(dtype, head_dim, words):
+    c = case_of(Config(dtype, head_dim, 16, 2), [(3, 2)])
+    with pytest.raises(UnsupportedConfigError, match=words):
+        paged_prefill(c.q, c.k, c.v, c.table, c.lens, c.qo_indptr)
+
+
+def test_unsupported_block_size_names_the_value():
+    buf = np.zeros((4, 2, 24, 128), np.float16)
+    with pytest.raises(UnsupportedConfigError, match="block_size=24"):
+        paged_prefill(np.zeros((1, 8, 128), np.float16), buf, buf, np.zeros((1, 1), np.int32), np.ones(1, np.int32),
+                      offsets(0, 1))
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda c: dict(q=c.q[:3].copy()), "q must be"),
+    (lambda c: dict(k_cache=c.k.copy()), "must match the plan's K plane"),
+    (lambda c: dict(v_cache=c.v.astype(np.float32)), "must match"),
+    (lambda c: dict(out=np.empty((14, 8, 64), c.q.dtype)), "out must be"),
+])
+def test_plan_run_refuses_arrays_unlike_the_plans(case, mutate, words):
+    plan = PrefillPlan(case.q, case.k, case.table, case.lens, case.qo_indptr)
+    args = dict(q=case.q, k_cache=case.k, v_cache=case.v)
+    args.update(mutate(case))
+    with pytest.raises(LaunchArgumentError, match=words):
+        plan.run(**args)
