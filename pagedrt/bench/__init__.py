@@ -4,8 +4,9 @@
 - ``launch``: host time per launch, the launchers against CuPy's own launch;
 - ``layers``: a 32-layer decode step, plane- vs block-major, Python launches vs a plan vs a CUDA graph;
 - ``pool``: what a pool grow costs, by chunk size, and copy bandwidth inside a pool;
+- ``prefill``: prefill attention on the standard prefill workloads: TFLOP/s, paging's cost, mixed's floor;
 - ``prefix``: the prefix cache on a seeded trace of shared system prompts and multi-turn conversations;
-- ``step``: host time of one decode step's bookkeeping.
+- ``step``: host time of one engine step, the building blocks against ``cache.step()``, steady and growing.
 
 ``harness`` holds what they share (the GPU timer, the ceilings, the run header, tables
 and JSON records) and ``cases`` the standard cases. The benchmarks sit on top of the
