@@ -75,11 +75,13 @@ def run_case(cp, timer, prefix, new, repeats):
     qo = np.zeros(lens.size + 1, np.int64)
     np.cumsum(new, out=qo[1:])
     d_lens, d_qo = cp.asarray(lens.astype(np.int32)), cp.asarray(qo.astype(np.int32))
+    gather = cp.asarray(ids)
+    planes = [(k, v), (k[gather], v[gather])]  # the second: block j holds what block ids[j] holds
     times, outs = [], []
-    for table in tables:
-        plan = attention.PrefillPlan(q, k, table, d_lens, d_qo, query_lens=new, validate=False)
+    for table, (k_plane, v_plane) in zip(tables, planes):
+        plan = attention.PrefillPlan(q, k_plane, table, d_lens, d_qo, query_lens=new, validate=False)
         out = cp.empty_like(q)
-        times.append(timer.gpu_us(lambda: plan.run(q, k, v, out), repeats, flush_l2=True))
+        times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out), repeats, flush_l2=True))
         outs.append(out)
     same = bool(cp.array_equal(outs[0], outs[1]))
     return times[0], times[1], same
