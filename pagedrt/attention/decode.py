@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import source
 from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
-                            multiprocessors, plane, positive_int, ptr, same_layout)
+                            multiprocessors, plane, positive_int, ptr, RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
@@ -183,11 +183,9 @@ class _Plan:
     def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, paged,
               block_stride, table_args, width, seq_lens, spans):
         """Keep what :meth:`run` checks against, and prepare the launch (device arrays only)."""
-        self._spans = spans
         self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
-        self._array_type, self._q = type(q), (q.shape, q.dtype)
-        self._layout = (k.shape, k.strides, k.dtype)
-        self._what = "K plane" if paged else "k"
+        self._arrays = RunArrays(type(q), q.shape, q.dtype, (k.shape, k.strides, k.dtype),
+                                 "K plane" if paged else "k", spans)
         self._reference = reference_run
         self._launch, self._workspace, self._stream, self._claim = None, workspace, None, None
         if xp is np:
@@ -211,23 +209,9 @@ class _Plan:
     def run(self, q, k_cache, v_cache, out=None):
         """Attention of ``q`` over one layer's K and V; returns ``out``."""
         k, v = k_cache, v_cache
-        array_type = self._array_type
-        check(type(q) is array_type and type(k) is array_type and type(v) is array_type
-              and (out is None or type(out) is array_type),
-              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
-                      "the plan's: NumPy or CuPy arrays, not a mix")
-        if self._spans.pools:
-            self._spans.check_open()
-        shape, dtype = self._q
-        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
-              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
-        same_layout("k_cache", k, self._layout, self._what)
-        same_layout("v_cache", v, self._layout, self._what)
-        if out is not None:
-            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
-                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
-        if array_type is np.ndarray:
-            return _store(self._reference(q, k, v), out)
+        self._arrays.check(q, k, v, out)
+        if self._arrays.array_type is np.ndarray:
+            return store(self._reference(q, k, v), out)
         import cupy
         check(self._stream is None or self._stream == cupy.cuda.get_current_stream().ptr,
               lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
@@ -382,10 +366,3 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=Non
     plan = ContiguousDecodePlan(q, k, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                                 mean_seq_len=mean_seq_len, validate=validate, geometry=geometry, workspace=workspace)
     return plan.run(q, k, v, out)
-
-
-def _store(result, out):
-    if out is None:
-        return result
-    out[...] = result
-    return out

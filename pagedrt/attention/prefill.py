@@ -26,9 +26,10 @@ import numpy as np
 from .. import source
 from ..errors import BlockTableError
 from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, plane, ptr,
-                            same_layout)
+                            RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
+from ..supported import PREFILL_GROUPS
 from ..supported import check as check_supported
 from . import reference
 from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, prefill_geometry, prefill_items
@@ -178,7 +179,8 @@ class PrefillPlan:
         check(q_heads % pk.num_kv_heads == 0,
               lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
         check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
-        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads))
+        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads,
+                               PREFILL_GROUPS))
         int_array("block_tables", block_tables, np.int32, 2)
         batch, width = (int(x) for x in block_tables.shape)
         check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
@@ -206,9 +208,8 @@ class PrefillPlan:
         if validate:
             _check_lengths(kv_lens if xp is np else kv_lens.get(), np.diff(offsets), width, pk.block_size)
             check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
-        self._spans = spans
-        self._array_type, self._q = type(q), (q.shape, q.dtype)
-        self._layout = (k_cache.shape, k_cache.strides, k_cache.dtype)
+        self._arrays = RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype),
+                                 "K plane", spans)
         self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
                                             qo_indptr=offsets, scale=scale, causal=causal)
         self._launch = None
@@ -229,27 +230,9 @@ class PrefillPlan:
     def run(self, q, k_cache, v_cache, out=None):
         """Prefill attention of ``q`` over one layer's K and V; returns ``out``."""
         k, v = k_cache, v_cache
-        array_type = self._array_type
-        check(type(q) is array_type and type(k) is array_type and type(v) is array_type
-              and (out is None or type(out) is array_type),
-              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
-                      "the plan's: NumPy or CuPy arrays, not a mix")
-        if self._spans.pools:
-            self._spans.check_open()
-        shape, dtype = self._q
-        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
-              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
-        same_layout("k_cache", k, self._layout, "K plane")
-        same_layout("v_cache", v, self._layout, "K plane")
-        if out is not None:
-            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
-                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
-        if array_type is np.ndarray:
-            result = self._reference(q, k, v)
-            if out is None:
-                return result
-            out[...] = result
-            return out
+        self._arrays.check(q, k, v, out)
+        if self._arrays.array_type is np.ndarray:
+            return store(self._reference(q, k, v), out)
         import cupy
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
