@@ -3,9 +3,10 @@
 Every input is fresh random data; every output is poisoned with NaN before a launch;
 every slot a kernel must not read holds NaN (see kernel_cases.Case). The matrix: each
 dtype x head_dim at block size 16, and block sizes 8, 32 and 128 at one dtype per
-head_dim, each causal and not, each over three groups (1 and 4 with two KV heads, 8 with
-one: MQA at the largest group) and one ragged batch whose prefixes are 0, 1, block - 1,
-block, block + 1 and long, with rows of no query and of one. Every row is compared on its
+head_dim, each causal and not, each over four groups (1 and 4 with two KV heads, 8 and 48
+with one: MQA, and a group that cuts the 64-row tiles mid-token) and one ragged batch
+whose prefixes are 0, 1, block - 1, block, block + 1 and long, with rows of no query and
+of one. Every row is compared on its
 own. All kernels are compiled up front in one NVRTC call.
 """
 
@@ -30,7 +31,7 @@ CONFIGS = list(dict.fromkeys(
     [Config(d, h, 16, 4) for d in TOLERANCE for h in (64, 128, 256)]
     + [Config(d, h, b, 4) for b in (8, 32, 128) for d, h in (("bfloat16", 64), ("float16", 128),
                                                                    ("bfloat16", 256))]))
-GROUPS = ((2, 1), (2, 4), (1, 8))  # (kv_heads, group)
+GROUPS = ((2, 1), (2, 4), (1, 8), (1, 48))  # (kv_heads, group)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,7 +104,8 @@ def test_prefill_matches_the_reference_row_by_row(cfg, causal):
     assert not failures, "; ".join(failures)
 
 
-@pytest.mark.parametrize("cfg", [BASE, Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2)], ids=str)
+@pytest.mark.parametrize("cfg", [BASE, Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2),
+                                 Config("float16", 128, 16, 64), Config("bfloat16", 64, 32, 17)], ids=str)
 def test_long_prefixes_and_long_prompts(cfg):
     case = case_of(cfg, [(4000, 300), (0, 1000), (2500, 1)], kv_heads=1, seed=3)
     bad = row_errors(run(OnDevice(case), case), expected(case), case)
