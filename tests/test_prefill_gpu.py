@@ -7,7 +7,9 @@ head_dim, each causal and not, each over four groups (1 and 4 with two KV heads,
 with one: MQA, and a group that cuts the 64-row tiles mid-token) and one ragged batch
 whose prefixes are 0, 1, block - 1, block, block + 1 and long, with rows of no query and
 of one. Every row is compared on its
-own. All kernels are compiled up front in one NVRTC call.
+own. All kernels are compiled up front in one NVRTC call. A device of compute
+capability 9.0 runs these through the sm_90a kernel (test_prefill_sm90_gpu.py checks it
+more widely, and the mma.sync kernel there too).
 """
 
 import math
@@ -36,8 +38,10 @@ GROUPS = ((2, 1), (2, 4), (1, 8), (1, 48))  # (kv_heads, group)
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """Every kernel of this module, compiled up front: one NVRTC call per source file."""
-    for part in (prefill.instances(CONFIGS), validate.instances()):
+    """Every kernel of this module that the device runs (the sm_90a prefill on compute capability 9.0, else the
+    mma.sync one), compiled up front: one NVRTC call per source file."""
+    import cupy
+    for part in (prefill.instances(CONFIGS, cupy.cuda.Device().compute_capability), validate.instances()):
         for file, names in part.items():
             source.preload(file, names)
 

@@ -9,7 +9,8 @@ errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
 (with empty segments), each in both geometries, the contiguous baseline, prefill (causal and
-not, over a ragged batch with a one-token row), block copy, and validation (a good table, then
+not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
+and the mma.sync one), block copy, and validation (a good table, then
 a bad one refused), on the base configuration. Then the
 refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
 decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
@@ -74,8 +75,10 @@ def run():
     """Every kernel and refusal; returns the names of the checks that failed."""
     import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
-    for part in (decode.instances([base]), prefill.instances([base]), write.instances([base]), copy.instances(),
-                 validate.instances()):
+    capability = cupy.cuda.Device().compute_capability
+    hopper = capability == prefill.SM90  # then both prefill kernels run
+    for part in (decode.instances([base]), prefill.instances([base], None if hopper else capability),
+                 write.instances([base]), copy.instances(), validate.instances()):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -124,10 +127,15 @@ def run():
 
     qo = np.concatenate([[0], np.cumsum(QUERIES)]).astype(np.int32)
     pq = rng.standard_normal((int(qo[-1]), KV_HEADS * GROUP, DIM)).astype(np.float16)
-    for causal in (True, False):
-        out = paged_prefill(cupy.asarray(pq), k, v, d_table, d_lens, cupy.asarray(qo), causal=causal)
-        ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
-        expect(f"paged_prefill, {'causal' if causal else 'not causal'}", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+    chosen = prefill._sm90
+    for sm90 in (True, False) if hopper else (False,):  # on 9.0 also the mma.sync kernel the other GPUs run
+        prefill._sm90 = lambda device_id, sm90=sm90: sm90
+        for causal in (True, False):
+            out = paged_prefill(cupy.asarray(pq), k, v, d_table, d_lens, cupy.asarray(qo), causal=causal)
+            ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
+            expect(f"paged_prefill ({'sm_90a' if sm90 else 'mma.sync'}), {'causal' if causal else 'not causal'}",
+                   rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+    prefill._sm90 = chosen
 
     pairs = np.array([[int(perm[0]), int(perm[-1])], [int(perm[1]), int(perm[-2])]])
     copy_blocks([k, v], cupy.asarray(pairs))

@@ -9,10 +9,12 @@ written first). Causal attention is aligned bottom-right: query i of n sees keys
 0..kv_len - n + i. Given NumPy arrays the plan runs the float64 reference
 (:func:`pagedrt.attention.reference.prefill`).
 
-The kernel (``cuda_src/prefill.cu``) runs on tensor cores (mma.m16n8k16, sm_80+) for
-float16 and bfloat16 at head_dim 64, 128 and 256; other configurations raise
-``UnsupportedConfigError`` on either backend, so a configuration is supported by both or
-neither. The work items (query tiles of each sequence,
+The kernels run on tensor cores for float16 and bfloat16 at head_dim 64, 128 and 256;
+other configurations raise ``UnsupportedConfigError`` on either backend, so a
+configuration is supported by both or neither. A device of compute capability 9.0
+(H100, H200) runs ``cuda_src/prefill_sm90.cu`` (warpgroup MMA with warp-specialised
+producer and consumers, compiled for sm_90a); every other GPU runs
+``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The work items (query tiles of each sequence,
 :func:`~pagedrt.attention.planner.prefill_items`) are cut on the host from the query
 counts, which a :class:`~pagedrt.step.Step` carries on the host (``query_lens``).
 """
@@ -32,9 +34,11 @@ from ..kernels.validate import Spans, check_block_tables
 from ..supported import PREFILL_GROUPS
 from ..supported import check as check_supported
 from . import reference
-from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, prefill_geometry, prefill_items
+from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, prefill_geometry, prefill_items, prefill_sm90_geometry
 
 FILE = "prefill.cu"
+FILE_SM90 = "prefill_sm90.cu"  # the kernel of compute capability 9.0 (source.ARCHES compiles it for sm_90a)
+SM90 = "90"  # CuPy's compute_capability of the devices that run FILE_SM90
 LOG2E = 1.4426950408889634
 MAX_GRID_Y = 65535  # KV heads are grid dimension y
 
@@ -53,19 +57,37 @@ def kernel_name(cfg):
             f"{geo.tile_n}, {geo.stages}>")
 
 
-def instances(configs=None):
-    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweep)."""
-    names = [kernel_name(c) for c in (configs or sweep())
-             if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
-    return {FILE: tuple(dict.fromkeys(names))}
+def sm90_kernel_name(cfg):
+    """The sm_90a kernel's name expression for ``cfg`` (the block size and the group are kernel arguments)."""
+    geo = prefill_sm90_geometry(cfg)
+    return f"pagedrt::prefill_sm90<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}>"
+
+
+def instances(configs=None, capability=None):
+    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweep):
+    of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it runs."""
+    capable = [c for c in (configs or sweep()) if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
+    out = {FILE: tuple(dict.fromkeys(kernel_name(c) for c in capable)),
+           FILE_SM90: tuple(dict.fromkeys(sm90_kernel_name(c) for c in capable))}
+    return out if capability is None else {k: out[k] for k in (FILE_SM90 if capability == SM90 else FILE,)}
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg, device_id):
-    """The compiled kernel of a configuration, allowed its dynamic shared memory on the device."""
-    fn = source.function(FILE, kernel_name(cfg))
-    fn.max_dynamic_shared_size_bytes = prefill_geometry(cfg).smem_bytes
-    return fn
+def _sm90(device_id):
+    """Whether the device runs the sm_90a kernel (compute capability 9.0)."""
+    import cupy
+    return cupy.cuda.Device(device_id).compute_capability == SM90
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg, device_id, sm90):
+    """(kernel, name expression, geometry) of a configuration, the sm_90a kernel's when ``sm90``, the kernel
+    allowed its dynamic shared memory on the device."""
+    file, name, geo = ((FILE_SM90, sm90_kernel_name(cfg), prefill_sm90_geometry(cfg)) if sm90
+                       else (FILE, kernel_name(cfg), prefill_geometry(cfg)))
+    fn = source.function(file, name)
+    fn.max_dynamic_shared_size_bytes = geo.smem_bytes
+    return fn, name, geo
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ class _Launch:
     grid: tuple
     threads: tuple
     smem: int
-    middle: tuple  # the arguments between v and out: block stride ... scale
+    middle: tuple  # the arguments between v and out: block stride ... scale (sm_90a: and the block shift)
 
     def __call__(self, q, k, v, out):
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out), shared_mem=self.smem)
@@ -157,6 +179,9 @@ class PrefillPlan:
     must agree with ``qo_indptr``, which ``validate`` checks on the device. Without it
     the plan reads ``qo_indptr`` back from the device (a sync) to cut them.
 
+    ``kernel``: the name expression of the kernel a device plan launches (the sm_90a
+    kernel on compute capability 9.0), None for NumPy inputs.
+
     ``validate`` (the default) reads ``kv_lens`` back and checks every length on the
     host (in range, and not below its row's query count: ``BlockTableError`` with
     ``.row``, ``.length``), then checks every used table entry on the device as
@@ -212,20 +237,23 @@ class PrefillPlan:
                                  "K plane", spans)
         self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
                                             qo_indptr=offsets, scale=scale, causal=causal)
-        self._launch = None
+        self._launch = self.kernel = None
         if xp is np:
             return
         import cupy
         self._device = q.device.id
-        geo = prefill_geometry(cfg)
+        sm90 = _sm90(self._device)
+        function, self.kernel, geo = _kernel(cfg, self._device, sm90)
         items = prefill_items(np.diff(offsets), cfg.group, geo.tile_m)
         self._items = cupy.asarray(items)
         if items.shape[0]:
             middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
                       np.int32(width), ptr(kv_lens), ptr(self._items), np.int32(cfg.group), np.int32(bool(causal)),
                       np.float32(scale * LOG2E))
-            self._launch = _Launch(_kernel(cfg, self._device), (items.shape[0], pk.num_kv_heads), (geo.threads,),
-                                   geo.smem_bytes, middle)
+            if sm90:  # the block size as log2, a run-time argument there
+                middle += (np.int32(pk.block_size.bit_length() - 1),)
+            self._launch = _Launch(function, (items.shape[0], pk.num_kv_heads), (geo.threads,), geo.smem_bytes,
+                                   middle)
 
     def run(self, q, k_cache, v_cache, out=None):
         """Prefill attention of ``q`` over one layer's K and V; returns ``out``."""

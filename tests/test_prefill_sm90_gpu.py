@@ -1,0 +1,83 @@
+"""The sm_90a prefill kernel (cuda_src/prefill_sm90.cu) against the float64 reference, on a device of compute
+capability 9.0 (skipped elsewhere).
+
+A plan there picks the sm_90a kernel; this module checks that, then the whole matrix:
+every dtype x head_dim x block size, causal and not, each over groups 1, 4 and 8 (two KV
+heads) and 48 (MQA: one KV head, a group that cuts the 128-row tiles mid-token), on the
+ragged batch of test_prefill_gpu (prefixes 0, 1, block - 1, block, block + 1 and long;
+rows of no query and of one), plus one long prompt beside long prefixes, so that key
+tiles wrap the stage ring many times. Inputs are fresh random data, unowned slots hold
+NaN and outputs are poisoned before each launch (test_prefill_gpu's helpers). The
+mma.sync kernel, which every other GPU runs, is checked here too, by a plan that is
+told the device is not 9.0.
+"""
+
+import numpy as np
+import pytest
+
+from kernel_cases import PrefillCase
+from pagedrt import source
+from pagedrt.attention import PrefillPlan, prefill
+from pagedrt.kernels.configs import Config
+from test_prefill_gpu import OnDevice, case_of, expected, poisoned, ragged, row_errors, run
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+GROUPS = ((2, 1), (2, 4), (2, 8), (1, 48))  # (kv_heads, group)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hopper():
+    """Skip unless the device is compute capability 9.0; then compile every instance in one NVRTC call."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != prefill.SM90:
+        pytest.skip("the sm_90a kernel needs compute capability 9.0")
+    configs = [Config(d, h, 16, 4) for d in DTYPES for h in HEAD_DIMS]
+    for file, names in prefill.instances(configs).items():
+        source.preload(file, names)
+
+
+def test_the_plan_picks_the_sm90a_kernel():
+    case = case_of(Config("float16", 128, 16, 4), [(3, 20)])
+    dev = OnDevice(case)
+    plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
+    assert plan.kernel == prefill.sm90_kernel_name(case.cfg) and plan.kernel.startswith("pagedrt::prefill_sm90<")
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sm90_matches_the_reference_row_by_row(dtype, head_dim, block_size, causal):
+    failures = []
+    for kv_heads, group in GROUPS:
+        cfg = Config(dtype, head_dim, block_size, group)
+        case = case_of(cfg, ragged(block_size), kv_heads=kv_heads, seed=head_dim + block_size + group)
+        bad = row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+        failures += [f"group {group}: row {b} prefix {p} queries {n}: error {e:.2e}" for b, p, n, e in bad]
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("cfg", [Config("float16", 128, 16, 4), Config("bfloat16", 64, 8, 8),
+                                 Config("float16", 256, 128, 1)], ids=str)
+def test_sm90_long_prompts_wrap_the_stage_ring(cfg):
+    case = PrefillCase(cfg, [3000, 0, 700], [900, 1500, 1], kv_heads=2, seed=5)
+    for causal in (True, False):
+        assert not row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+
+
+@pytest.mark.parametrize("cfg", [Config("float16", 128, 16, 4), Config("bfloat16", 256, 32, 8),
+                                 Config("float16", 64, 128, 1)], ids=str)
+def test_the_mma_sync_kernel_still_runs_where_the_device_is_not_9_0(cfg, monkeypatch):
+    monkeypatch.setattr(prefill, "_sm90", lambda device_id: False)
+    case = case_of(cfg, ragged(cfg.block_size), seed=11)
+    dev = OnDevice(case)
+    plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
+    assert plan.kernel == prefill.kernel_name(cfg)
+    out = poisoned(case.q.shape, case.q.dtype)
+    plan.run(dev.q, dev.k, dev.v, out)
+    assert not row_errors(out.get(), expected(case), case)
+    assert np.isfinite(out.get().astype(np.float32)).all()
