@@ -43,12 +43,6 @@ __device__ __forceinline__ void cp_async_arrive(unsigned bar) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Order this thread's earlier shared-memory accesses (generic proxy) with later ones of the async
-// proxy (wgmma operands), and the other way round.
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // --- warpgroups ---------------------------------------------------------------------------------
 
 // The calling warpgroup's register budget per thread: lowered for a producer, raised for consumers.
@@ -59,9 +53,13 @@ template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
 }
 
-// A barrier among `threads` threads (whole warps) on hardware barrier `id` (0 is __syncthreads').
-__device__ __forceinline__ void named_barrier(int id, int threads) {
+// Hardware barrier `id` (0 is __syncthreads') among `threads` threads (whole warps): wait there, or only
+// arrive (count this warp in and go on).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 // --- wgmma --------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, plane, ptr,
-                            RunArrays, store)
+from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane,
+                            ptr, RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..supported import PREFILL_GROUPS
@@ -97,7 +97,7 @@ class _Launch:
     grid: tuple
     threads: tuple
     smem: int
-    middle: tuple  # the arguments between v and out: block stride ... scale (sm_90a: and the block shift)
+    middle: tuple  # the arguments between v and out: block stride ... scale (sm_90a: block shift ... heads)
 
     def __call__(self, q, k, v, out):
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out), shared_mem=self.smem)
@@ -250,10 +250,12 @@ class PrefillPlan:
             middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
                       np.int32(width), ptr(kv_lens), ptr(self._items), np.int32(cfg.group), np.int32(bool(causal)),
                       np.float32(scale * LOG2E))
-            if sm90:  # the block size as log2, a run-time argument there
-                middle += (np.int32(pk.block_size.bit_length() - 1),)
-            self._launch = _Launch(function, (items.shape[0], pk.num_kv_heads), (geo.threads,), geo.smem_bytes,
-                                   middle)
+            grid = (items.shape[0], pk.num_kv_heads)
+            if sm90:  # the block size as log2; a persistent grid over the (item, KV head) units, a block per SM
+                middle += (np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]),
+                           np.int32(pk.num_kv_heads))
+                grid = (min(items.shape[0] * pk.num_kv_heads, multiprocessors(self._device)),)
+            self._launch = _Launch(function, grid, (geo.threads,), geo.smem_bytes, middle)
 
     def run(self, q, k_cache, v_cache, out=None):
         """Prefill attention of ``q`` over one layer's K and V; returns ``out``."""
