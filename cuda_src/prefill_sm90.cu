@@ -69,7 +69,7 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 // block_tables: [batch, >= max_blocks] int32 with row stride table_stride
 // kv_lens:      [batch] int32 (keys after the step: cached and new), clamped to [0, max_blocks << block_shift]
 // items:        [num_items] (batch row, its first query token, its query count, the tile's first packed row)
-// causal:       nonzero for the bottom-right causal mask
+// causal:       nonzero for the bottom-right causal mask; scale_log2 > 0
 template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
@@ -293,7 +293,9 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
         // The online softmax of tile t's scores (in sc): the running max and sum, sc becomes the
         // probabilities; returns (through alpha) the factor the output rows must be rescaled by. MASK:
-        // some key of the tile lies past some row's limit, so those scores become -inf.
+        // some key of the tile lies past some row's limit, so those scores become -inf. The scale is
+        // positive (the plan sends other scales to prefill.cu), so the max is taken over the raw scores
+        // and the scale folds into the exponent: exp2(s * scale_log2 - m * scale_log2), one FFMA.
         auto softmax = [&](int t, float (&alpha)[2], auto mask) {
             constexpr bool MASK = decltype(mask)::value;
             // sc[4j + e]: row row_c + 8 * (e / 2), key t * TILE_N + 8 * j + 2 * quad_col + e % 2
@@ -302,10 +304,9 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = sc[4 * j + e] * scale_log2;
-                    if (MASK && t * TILE_N + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2]) x = neg_inf();
-                    sc[4 * j + e] = x;
-                    top[e / 2] = fmaxf(top[e / 2], x);
+                    if (MASK && t * TILE_N + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
+                        sc[4 * j + e] = neg_inf();
+                    top[e / 2] = fmaxf(top[e / 2], sc[4 * j + e]);
                 }
             float shift[2];
 #pragma unroll
@@ -314,8 +315,8 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
                 const float m_new = fmaxf(m[h], top[h]);
                 // m_new = -inf: the row has seen no key yet (its o and l are 0); m = -inf: exp2f gives 0
-                alpha[h] = m_new == neg_inf() ? 1.f : exp2f(m[h] - m_new);
-                shift[h] = m_new == neg_inf() ? 0.f : m_new;
+                alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * scale_log2);
+                shift[h] = m_new == neg_inf() ? 0.f : m_new * scale_log2;
                 m[h] = m_new;
                 l[h] *= alpha[h];
             }
@@ -323,7 +324,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    sc[4 * j + e] = exp2f(sc[4 * j + e] - shift[e / 2]);
+                    sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], scale_log2, -shift[e / 2]));
                     l[e / 2] += sc[4 * j + e];
                 }
         };

@@ -8,8 +8,8 @@ ragged batch of test_prefill_gpu (prefixes 0, 1, block - 1, block, block + 1 and
 rows of no query and of one), plus one long prompt beside long prefixes, so that key
 tiles wrap the stage ring many times. Inputs are fresh random data, unowned slots hold
 NaN and outputs are poisoned before each launch (test_prefill_gpu's helpers). The
-mma.sync kernel, which every other GPU runs, is checked here too, by a plan that is
-told the device is not 9.0.
+mma.sync kernel, which every other GPU (and a scale of 0 or below) runs, is checked here
+too, by a plan that is told the device is not 9.0.
 """
 
 import numpy as np
@@ -17,7 +17,7 @@ import pytest
 
 from kernel_cases import PrefillCase
 from pagedrt import source
-from pagedrt.attention import PrefillPlan, prefill
+from pagedrt.attention import PrefillPlan, prefill, reference
 from pagedrt.kernels.configs import Config
 from test_prefill_gpu import OnDevice, case_of, expected, poisoned, ragged, row_errors, run
 
@@ -67,6 +67,21 @@ def test_sm90_long_prompts_wrap_the_stage_ring(cfg):
     case = PrefillCase(cfg, [3000, 0, 700], [900, 1500, 1], kv_heads=2, seed=5)
     for causal in (True, False):
         assert not row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+
+
+def test_a_scale_of_zero_or_below_takes_the_mma_sync_kernel():
+    """The sm_90a kernel takes the max over unscaled scores (the scale folded into exp2), so it needs scale > 0."""
+    cfg = Config("bfloat16", 128, 32, 4)
+    case = case_of(cfg, ragged(32), seed=7)
+    dev = OnDevice(case)
+    for scale in (-0.2, 0.0):
+        plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens, scale=scale)
+        assert plan.kernel == prefill.kernel_name(cfg)
+        out = poisoned(case.q.shape, case.q.dtype)
+        plan.run(dev.q, dev.k, dev.v, out)
+        ref = reference.prefill(case.q.astype(np.float64), case.k, case.v, case.table, case.lens, case.qo_indptr,
+                                scale)
+        assert not row_errors(out.get(), ref, case)
 
 
 @pytest.mark.parametrize("cfg", [Config("float16", 128, 16, 4), Config("bfloat16", 256, 32, 8),

@@ -13,8 +13,8 @@ The kernels run on tensor cores for float16 and bfloat16 at head_dim 64, 128 and
 other configurations raise ``UnsupportedConfigError`` on either backend, so a
 configuration is supported by both or neither. A device of compute capability 9.0
 (H100, H200) runs ``cuda_src/prefill_sm90.cu`` (warpgroup MMA with warp-specialised
-producer and consumers, compiled for sm_90a); every other GPU runs
-``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The work items (query tiles of each sequence,
+producer and consumers, compiled for sm_90a) for every positive scale; every other GPU,
+and a scale of 0 or below, runs ``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The work items (query tiles of each sequence,
 :func:`~pagedrt.attention.planner.prefill_items`) are cut on the host from the query
 counts, which a :class:`~pagedrt.step.Step` carries on the host (``query_lens``).
 """
@@ -180,7 +180,7 @@ class PrefillPlan:
     the plan reads ``qo_indptr`` back from the device (a sync) to cut them.
 
     ``kernel``: the name expression of the kernel a device plan launches (the sm_90a
-    kernel on compute capability 9.0), None for NumPy inputs.
+    kernel on compute capability 9.0 when ``scale`` is positive), None for NumPy inputs.
 
     ``validate`` (the default) reads ``kv_lens`` back and checks every length on the
     host (in range, and not below its row's query count: ``BlockTableError`` with
@@ -242,7 +242,7 @@ class PrefillPlan:
             return
         import cupy
         self._device = q.device.id
-        sm90 = _sm90(self._device)
+        sm90 = _sm90(self._device) and scale > 0  # the sm_90a kernel folds a positive scale into exp2
         function, self.kernel, geo = _kernel(cfg, self._device, sm90)
         items = prefill_items(np.diff(offsets), cfg.group, geo.tile_m)
         self._items = cupy.asarray(items)
