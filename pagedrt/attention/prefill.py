@@ -14,9 +14,10 @@ other configurations raise ``UnsupportedConfigError`` on either backend, so a
 configuration is supported by both or neither. A device of compute capability 9.0
 (H100, H200) runs ``cuda_src/prefill_sm90.cu`` (warpgroup MMA with warp-specialised
 producer and consumers, compiled for sm_90a) for every positive scale; every other GPU,
-and a scale of 0 or below, runs ``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The work items (query tiles of each sequence,
-:func:`~pagedrt.attention.planner.prefill_items`) are cut on the host from the query
-counts, which a :class:`~pagedrt.step.Step` carries on the host (``query_lens``).
+and a scale of 0 or below, runs ``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The
+work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.prefill_items`)
+are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
+the host (``query_lens``).
 """
 
 import functools
