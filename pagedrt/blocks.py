@@ -914,10 +914,11 @@ class BlockTables:
         block_rows = np.repeat(rows, full)
         blocks = self.table[block_rows, np.repeat(old >> shift, full) + k]
         filled = ids[(np.repeat(run_start, full) + (k << shift))[:, None] + np.arange(self.block_size)]
-        index, chain = self.allocator.index, self.chain
+        index, chain, device = self.allocator.index, self.chain, self.allocator.device_blocks
         for row, block, tokens in zip(block_rows.tolist(), blocks.tolist(), filled):
             chain[row] = prefix.chain_hash(chain[row], tokens)
-            index.register(block, chain[row], tokens)
+            if block < device:  # a swapped-out sequence's host-tier block stays unnamed: only offloads name those
+                index.register(block, chain[row], tokens)
 
     def can_append(self, seqs, counts):
         """Whether ``append(seqs, counts)`` would succeed now.

@@ -115,7 +115,7 @@ class Growth:
         if self._pending:
             self._collect(block=False)
         a = self.allocator
-        empty = a.free_in_chunk[:a.device_chunks] == a.blocks_per_chunk  # all free (only mapped chunks have free blocks)
+        empty = a.free_in_chunk[:a.device_chunks] == a.blocks_per_chunk  # all free (only mapped chunks hold free ones)
         np.multiply(self._idle + 1, empty, out=self._idle)
         spare = self.spare_blocks
         if spare < self.low_blocks:

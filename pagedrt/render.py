@@ -178,6 +178,6 @@ def chain_lines(snap, tr, style=plain):
         f"address  virtual address {bold(hex(tr.virtual_address))} = base {snap['pool']['base']:#x} + offset",
         f"MMU      pool chunk {bold(tr.chunk)}{where}, offset {tr.chunk_offset} in it, page {bold(tr.page)} of "
         f"{size(lay.page_bytes)}   (hardware layer: {mapper} map{'s' if gpu else ''} it)",
-        f"{'HBM' if memory == 'HBM' else 'memory':<8} {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in chunk "
-        f"{tr.chunk}'s physical {memory}",
+        f"{'HBM' if memory == 'HBM' else 'memory':<8} {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in "
+        f"chunk {tr.chunk}'s physical {memory}",
     ]

@@ -46,7 +46,8 @@ def make_valid():
 
 
 VALID = make_valid()
-DEVICE_BLOCKS = (VALID["layout"]["chunks_per_plane"] - VALID["layout"]["host_chunks"]) * VALID["blocks"]["blocks_per_chunk"]
+DEVICE_BLOCKS = ((VALID["layout"]["chunks_per_plane"] - VALID["layout"]["host_chunks"])
+                 * VALID["blocks"]["blocks_per_chunk"])
 
 
 def test_the_valid_snapshot_covers_the_cases():

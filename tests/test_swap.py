@@ -3,17 +3,19 @@ host-tier blocks, and the named errors that change nothing."""
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedrt import attention, kernels
 from pagedrt.cache import PagedKVCache
-from pagedrt.errors import (HostOutOfMemoryError, HostTierExhaustedError, PoolExhaustedError, SwapStateError,
-                            UnknownSequenceError, UnsupportedConfigError)
+from pagedrt.errors import (HostOutOfMemoryError, HostTierExhaustedError, PagedRTError, PoolExhaustedError,
+                            SwapStateError, UnknownSequenceError, UnsupportedConfigError)
 from pagedrt.memory import host
 from pagedrt.render import chunk_table, pool_map
 from helpers import to_host
-from test_cache import check_allocator, frozen
+from test_cache import check_allocator, frozen, machine_test
 
-LAYERS, HEADS, DIM, BS, GROUP = 4, 4, 128, 16, 2
+LAYERS, HEADS, DIM, BS, GROUP = 4, 4, 128, 16, 4  # group 4: the decode kernel the swap benchmark runs
 MiB = 1 << 20
 CHUNK_BLOCKS = 2 * MiB // (HEADS * BS * DIM * 2)  # 128 blocks (2048 tokens) in one 2 MiB chunk per plane
 
@@ -394,3 +396,48 @@ def test_swap_blocks_on_the_device_matches_the_reference():
         kernels.swap_blocks(cache.planes, cache.swap_in([a]), stream)
         stream.synchronize()
         assert np.array_equal(held_kv(cache, a), data)
+
+
+# --- random steps with swaps: all or nothing ---------------------------------------------------------------------
+
+class SwapStepMachine(RuleBasedStateMachine):
+    """Random steps mixing swaps, frees, forks, prefix-sharing arrivals and appends on a small cache whose host tier
+    fills: each step succeeds with the allocator consistent, or raises a named error and changes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = swap_cache("host", device_tokens=24 * BS, host_tokens=8 * BS, chunk_blocks=4)
+        self.rng = np.random.default_rng(0)
+
+    def teardown(self):
+        self.cache.close()
+
+    def pick(self, picks, pool):
+        return sorted({pool[p % len(pool)] for p in picks}) if pool else []
+
+    @rule(picks=st.lists(st.integers(0, 20), max_size=3), outs=st.lists(st.integers(0, 20), max_size=2),
+          ins=st.lists(st.integers(0, 20), max_size=2), frees=st.lists(st.integers(0, 20), max_size=2),
+          forks=st.lists(st.integers(0, 20), max_size=1), arrivals=st.integers(0, 2), count=st.integers(0, 2 * BS))
+    def step(self, picks, outs, ins, frees, forks, arrivals, count):
+        c = self.cache
+        device = [s for s in c.sequences if s not in c.swapped]
+        seqs = self.pick(picks, c.sequences)
+        prompts = [np.concatenate([np.arange(int(self.rng.integers(0, 3)) * BS), self.rng.integers(0, 9, 1 + BS)])
+                   for _ in range(arrivals)]
+        before = frozen(c)
+        try:
+            step = c.step(seqs, count, token_ids=self.rng.integers(0, 9, count * len(seqs)), arrivals=prompts,
+                          swap_out=self.pick(outs, device), swap_in=self.pick(ins, c.swapped),
+                          frees=self.pick(frees, c.sequences), forks=self.pick(forks, device))
+        except PagedRTError:
+            assert frozen(c) == before
+            return
+        kernels.swap_blocks(c.planes, step.swaps)
+        kernels.copy_blocks(c.planes, step.copies)
+
+    @invariant()
+    def consistent(self):
+        check_allocator(self.cache)
+
+
+TestSwapSteps = machine_test(SwapStepMachine, 40, 25)
