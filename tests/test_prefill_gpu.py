@@ -39,15 +39,11 @@ MIXED_CONFIGS = [Config("bfloat16", 64, 8, 4), Config("float16", 128, 128, 4), C
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """Every kernel of this module, compiled up front: the prefill kernels, and the decode kernels a mixed
-    step's decode rows run (the standard geometry: these batches are too small for the short one)."""
-    regroup = lambda configs, groups: [Config(c.dtype, c.head_dim, c.block_size, g) for c in configs  # noqa: E731
-                                       for g in groups]
-    plain = (regroup([BASE], (1, 4, 8)) + regroup(MIXED_CONFIGS, (4, 8))
-             + [Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2)])  # consecutive decode rows
-    indexed = regroup(CONFIGS, (1, 4, 8))  # ragged()'s decode rows are not consecutive
-    names = ([decode.kernel_name(c, True, "standard") for c in plain]
-             + [decode.kernel_name(c, True, "standard", indexed=True) for c in indexed])
+    """Every kernel of this module, compiled up front: the prefill kernels, and the (indexed) decode kernels a
+    mixed step's decode rows run, in the standard geometry: these batches are too small for the short one."""
+    mixed = [Config(c.dtype, c.head_dim, c.block_size, g) for c in CONFIGS for g in (1, 4, 8)]
+    mixed += [Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2)]  # test_long_prefixes_and_long_prompts
+    names = [decode.kernel_name(c, True, "standard", indexed=True) for c in mixed]
     compile_all(prefill.instances(CONFIGS), {decode.FILE: names}, validate.instances())
 
 
@@ -236,8 +232,8 @@ def mixed_errors(cfg, spec, kv_heads, causal=True, seed=0, **kwargs):
 @pytest.mark.parametrize("placement", list(placements(16)))
 @pytest.mark.parametrize("kv_heads, group", [(2, 1), (2, 4), (1, 8), (1, 12)])
 def test_mixed_steps_match_the_reference_row_by_row(placement, kv_heads, group):
-    """Decode rows wherever they sit (consecutive rows: the decode kernel over moved pointers; others: its
-    indexed variant); at group 12 the decode kernel does not run and the prefill kernel takes every row."""
+    """Decode rows wherever they sit; at group 12 the decode kernel does not run and the prefill kernel takes
+    every row."""
     spec = placements(16)[placement]
     rows, bad = mixed_errors(Config("float16", 128, 16, group), spec, kv_heads, seed=group)
     assert rows == ([b for b, (_, n) in enumerate(spec) if n == 1] if group <= 8 else [])

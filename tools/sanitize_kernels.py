@@ -149,8 +149,8 @@ def run():
 
 
 def mixed(expect, rng):
-    """Mixed steps: two decode rows long enough to be split around a prompt chunk (the indexed decode kernel),
-    then the same rows reordered so that the decode rows come last (the decode kernel over moved pointers)."""
+    """Mixed steps: two decode rows long enough to be split, around a prompt chunk, then the same rows reordered
+    so that the decode rows come last."""
     import cupy
     lens, queries = np.array([1100, 40, 1500], np.int32), np.array([1, 20, 1])
     used = [-(-int(n) // BLOCK) for n in lens]

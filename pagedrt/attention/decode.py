@@ -94,11 +94,8 @@ class _Launch:
     smem: int
     middle: tuple  # the arguments between v and out: block stride ... segment_tokens
     tail: tuple    # the split partials in the workspace (part_o, part_ml, arrivals) or nulls, then the rows or null
-    shift: int     # bytes added to the q and out pointers (a mixed step's decode rows after its first tokens)
 
     def __call__(self, q, k, v, out):
-        if self.shift:
-            q, out = np.uint64(int(q) + self.shift), np.uint64(int(out) + self.shift)
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail), shared_mem=self.smem)
 
 
@@ -157,7 +154,7 @@ def _bind_workspace(workspace, layout, rows):
 
 
 def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, lens, scale, split, layout,
-             workspace, rows=None, shift=0):
+             workspace, rows=None):
     """The :class:`_Bound` launch of a checked decode (on the current device and stream). ``lens``: the lengths'
     pointer; ``rows``: a device int32 [batch, 2] of (table row, query token) for the indexed kernel."""
     import cupy
@@ -173,34 +170,29 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, l
               np.int32(split.segment_tokens))
     tail = (*parts, NULL if rows is None else ptr(rows))
     launch = _Launch(kern.function, (q_heads // cfg.group, batch, split.num_splits), (kern.geometry.threads,),
-                     kern.geometry.smem_bytes, middle, tail, shift)
+                     kern.geometry.smem_bytes, middle, tail)
     return _Bound(launch, workspace, stream, claim, rows)
 
 
 def rows_launch(cfg, q_heads, block_stride, block_tables, kv_lens, rows, tokens, scale, max_seq_len, mean_seq_len,
                 workspace):
     """The launch (a :class:`_Bound`: :meth:`~_Bound.check`, then ``.launch(q, k, v, out)``) of a mixed step's
-    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host ints, ascending,
-    one query token each, at most MAX_GRID_YZ), row ``rows[i]`` of ``block_tables`` and ``kv_lens`` with query
-    token ``tokens[i]`` of q and out. Arguments are checked (``workspace`` as for :class:`DecodePlan`, holding
+    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host ints, one query
+    token each, at most MAX_GRID_YZ), row ``rows[i]`` of ``block_tables`` and ``kv_lens`` with query token
+    ``tokens[i]`` of q and out. Arguments are checked (``workspace`` as for :class:`DecodePlan`, holding
     ``len(rows)`` rows' partials); ``max_seq_len`` and ``mean_seq_len`` size the split plan.
 
-    Rows that follow one another (their tokens then do too: the decodes first or last, as engines batch them)
-    run the kernel :class:`DecodePlan` runs, over table, length, q and out pointers moved to the first row;
-    other placements run its indexed variant over the (row, token) pairs, uploaded here."""
+    Every placement of the rows runs the indexed variant of :class:`DecodePlan`'s kernel over the (row, token)
+    pairs, uploaded here: it costs one load per thread block more, and rows that follow one another gain
+    nothing measurable from the plain kernel over moved pointers (docs/KERNELS.md)."""
     import cupy
-    n, first, stride = len(rows), int(rows[0]), block_tables.strides[0] // 4
+    n = len(rows)
     split = _device_split(cfg, n, q_heads // cfg.group, max_seq_len, None, mean_seq_len, None)
     layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
-    width = int(block_tables.shape[1])
-    if int(rows[-1]) - first == n - 1:
-        table_args = (np.uint64(block_tables.data.ptr + 4 * first * stride), np.int64(stride))
-        shift = int(tokens[0]) * q_heads * cfg.head_dim * cfg.itemsize
-        return _prepare(cfg, n, q_heads, True, block_stride, table_args, width, np.uint64(kv_lens.data.ptr + 4 * first),
-                        scale, split, layout, workspace, shift=shift)
     pairs = cupy.asarray(np.stack([rows, tokens], axis=1).astype(np.int32))
-    return _prepare(cfg, n, q_heads, True, block_stride, (ptr(block_tables), np.int64(stride)), width, ptr(kv_lens),
-                    scale, split, layout, workspace, rows=pairs)
+    table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4))
+    return _prepare(cfg, n, q_heads, True, block_stride, table_args, int(block_tables.shape[1]), ptr(kv_lens), scale,
+                    split, layout, workspace, rows=pairs)
 
 
 def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, geometry_name,
