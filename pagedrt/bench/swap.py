@@ -12,7 +12,8 @@ layer, several steps queued first) runs on another stream, and made two ways: wi
 the copy engines (``kernels.swap_blocks``: one ``cuMemcpyAsync`` per plane and run
 of blocks) and with the SMs (``kernels.copy_blocks``: one kernel launch). The
 ceiling is one ``cudaMemcpyAsync`` of the same bytes between ``cudaMalloc`` memory
-and ``cudaHostAlloc`` (pinned) memory, alone and beside the same attention. The
+and ``cudaHostAlloc`` (pinned) memory, alone and beside the same attention; the same
+bytes in as many copies as a swap makes (one per plane) say what the copy count costs. The
 bookkeeping (the swap call and the table upload) is timed on the host.
 
 Then decode attention of the sequence, one layer, over its blocks in the host tier
@@ -89,12 +90,15 @@ def timed(cp, stream, issue, busy=None):
     return cp.cuda.get_elapsed_time(start, end) * 1e-3, covered
 
 
-def ceiling(cp, nbytes, stream, busy, repeats):
-    """Median seconds of one cudaMemcpyAsync of ``nbytes`` device -> pinned host and back, alone and busy."""
+def ceiling(cp, nbytes, stream, busy, repeats, pieces):
+    """Median seconds of one cudaMemcpyAsync of ``nbytes`` device -> pinned host and back, alone and busy; and,
+    alone, of the same bytes cut into ``pieces`` copies (as many as a swap makes: one per plane), which tells
+    the cost of the copy count apart from that of the host tier's memory."""
     import cupyx
     rt = cp.cuda.runtime
     device, pinned = cp.empty(nbytes, np.uint8), cupyx.empty_pinned(nbytes, np.uint8)
     device.fill(3)
+    piece = nbytes // pieces
     out = {}
     for name, dst, src, kind in (("d2h", pinned.ctypes.data, device.data.ptr, rt.memcpyDeviceToHost),
                                  ("h2d", device.data.ptr, pinned.ctypes.data, rt.memcpyHostToDevice)):
@@ -102,6 +106,11 @@ def ceiling(cp, nbytes, stream, busy, repeats):
             issue = lambda: rt.memcpyAsync(dst, src, nbytes, kind, stream.ptr)  # noqa: E731
             times = [timed(cp, stream, issue, load) for _ in range(repeats)]
             out[name, load is not None] = (statistics.median(t for t, _ in times), all(c for _, c in times))
+
+        def split():
+            for i in range(pieces):
+                rt.memcpyAsync(dst + i * piece, src + i * piece, piece, kind, stream.ptr)
+        out[name, "split"] = (statistics.median(timed(cp, stream, split)[0] for _ in range(repeats)), None)
     return out
 
 
@@ -247,13 +256,16 @@ def main(argv=None):
     busy_ms = busy.step_ms()
     gbs = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
 
-    top = ceiling(cp, nbytes, stream, busy, args.repeats)
+    pieces = cache.layout.num_planes
+    top = ceiling(cp, nbytes, stream, busy, args.repeats, pieces)
     rows = []
     for name, key in (("out", "d2h"), ("in", "h2d")):
-        for loaded in (False, True):
-            row = {"what": f"cudaMemcpyAsync {key}" + (" + attention" if loaded else ""),
-                   "ms": 1e3 * top[key, loaded][0], "gbs": gbs(top[key, loaded][0]), "of": 1.0,
-                   "covered": top[key, loaded][1]}
+        for loaded in (False, True, "split"):
+            what = {False: "", True: " + attention", "split": f", {pieces} copies"}[loaded]
+            row = {"what": f"cudaMemcpyAsync {key}{what}", "ms": 1e3 * top[key, loaded][0],
+                   "gbs": gbs(top[key, loaded][0]), "of": top[key, loaded is True][0] / top[key, loaded][0]}
+            if loaded != "split":
+                row["covered"] = top[key, loaded][1]
             rows.append(row)
     results = {}
     for engine in ("dma", "sm"):
