@@ -34,9 +34,9 @@ NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with N
 
 
 def instances():
-    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels' and pagedrt.attention's (decode and
-    prefill)."""
-    return {**kernels.instances(), **decode.instances(), **prefill.instances()}
+    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels' and pagedrt.attention's (decode with
+    its indexed variant, and prefill)."""
+    return {**kernels.instances(), **decode.instances(indexed=(False, True)), **prefill.instances()}
 
 
 def units(tmp):
