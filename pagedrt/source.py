@@ -5,7 +5,9 @@ it as ``pagedrt/cuda_src``. :func:`text` gives a file with its local ``#include 
 files inlined: CuPy's on-disk cache is keyed on the source text only, so an edited
 header must change that text. :func:`module` compiles a file for a set of template
 instances (``name_expressions``) and caches the result for the process; CuPy also
-caches the binary on disk, so a configuration is compiled once per machine.
+caches the binary on disk, so a configuration is compiled once per machine. A file
+listed in :data:`ARCHES` uses instructions of one target only and is compiled for it
+(:func:`options`); the others are compiled for the device at hand.
 :func:`function` finds a kernel in any module compiled so far, compiling it alone
 only when none holds it; :func:`preload` compiles many instances in one NVRTC call
 (one compile costs seconds, mostly per call rather than per instance).
@@ -28,6 +30,7 @@ def _find_cuda_src():
 
 CUDA_SRC = _find_cuda_src()
 OPTIONS = ("-std=c++17",)
+ARCHES = {"prefill_sm90.cu": "sm_90a"}  # files compiled for one target: Hopper's wgmma and setmaxnreg
 
 _functions = {}  # (filename, name expression) -> cupy.RawKernel
 
@@ -52,11 +55,17 @@ def text(filename):
     return expand(filename) + "\n"
 
 
+def options(filename):
+    """The NVRTC options of ``cuda_src/<filename>``: OPTIONS, and its target when :data:`ARCHES` names one."""
+    arch = ARCHES.get(filename)
+    return OPTIONS + ((f"-arch={arch}",) if arch else ())
+
+
 @functools.lru_cache(maxsize=None)
 def module(filename, name_expressions):
     """A compiled ``cupy.RawModule`` of ``cuda_src/<filename>`` holding ``name_expressions``."""
     import cupy
-    return cupy.RawModule(code=text(filename), options=OPTIONS, name_expressions=tuple(name_expressions))
+    return cupy.RawModule(code=text(filename), options=options(filename), name_expressions=tuple(name_expressions))
 
 
 def preload(filename, name_expressions):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel_cases import PrefillCase, naive_prefill, rel_error
-from pagedrt import PagedKVCache
+from pagedrt import PagedKVCache, source
 from pagedrt.attention import PrefillPlan, paged_decode, paged_prefill, planner, prefill, reference
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs, write_kv
@@ -214,6 +214,35 @@ def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
     assert geo.threads % row_vecs == 0 and geo.tile_n % rows_per_round == 0 and geo.tile_m % rows_per_round == 0
     assert geo.stages >= 2 and geo.smem_bytes == (2 * geo.stages * geo.tile_n + geo.tile_m) * head_dim * 2
     assert geo.smem_bytes <= 227 * 1024
+
+
+def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
+    capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
+    both = prefill.instances()
+    assert set(both[prefill.FILE_SM90]) == {prefill.sm90_kernel_name(c) for c in capable}
+    for cfg in capable:
+        geo = planner.prefill_sm90_geometry(cfg)
+        args = prefill.sm90_kernel_name(cfg).split("<")[1][:-1].split(", ")
+        assert args == [cfg.cuda_type, str(cfg.head_dim), str(geo.tile_n), str(geo.stages)]
+    assert prefill.instances(capability="90") == {prefill.FILE_SM90: both[prefill.FILE_SM90]}
+    assert prefill.instances(capability="80") == {prefill.FILE: both[prefill.FILE]}
+    assert source.options(prefill.FILE_SM90) == source.OPTIONS + ("-arch=sm_90a",)
+    assert source.options(prefill.FILE) == source.options("decode.cu") == source.OPTIONS
+
+
+@pytest.mark.parametrize("dtype", planner.PREFILL_DTYPES)
+@pytest.mark.parametrize("head_dim", planner.PREFILL_HEAD_DIMS)
+def test_prefill_sm90_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
+    """Mirror of PrefillSm90Shape's static_asserts and of the producer's copy split; shared memory (dynamic, and
+    the static mbarriers) fits a thread block on compute capability 9.0 (227 KiB)."""
+    geo = planner.prefill_sm90_geometry(Config(dtype, head_dim, 16, 4))
+    rows_per_round = 128 // (head_dim // 8)  # rows the producer warpgroup's 16-byte copies cover at once
+    rows_per_thread = geo.tile_n // rows_per_round
+    assert (geo.threads, geo.tile_m) == (384, 128) and head_dim % 64 == 0
+    assert geo.tile_n % 16 == 0 and 64 <= geo.tile_n <= 256 and geo.tile_n % rows_per_round == 0
+    assert rows_per_thread % 8 == 0 and rows_per_thread <= 16 and geo.stages >= 2
+    assert geo.smem_bytes == (geo.tile_m + 2 * geo.stages * geo.tile_n) * head_dim * 2 + 1024
+    assert geo.smem_bytes + 8 * (1 + 4 * geo.stages) <= 227 * 1024
 
 
 # --- argument checks -----------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ whose prefixes are 0, 1, block - 1, block, block + 1 and long, with rows of no q
 of one (at groups up to 8 the decode kernel takes the one-token rows). Mixed steps: decode
 rows first, last, interleaved with prompt rows, alone and absent, at groups 1, 4, 8 and 12,
 in each dtype and at block sizes 8, 16 and 128, split and in a CUDA graph. Every row is
-compared on its own. All kernels are compiled up front (helpers.compile_all).
+compared on its own. All kernels are compiled up front (helpers.compile_all). A device of
+compute capability 9.0 runs the prompt rows through the sm_90a kernel
+(test_prefill_sm90_gpu.py checks it more widely, and the mma.sync kernel there too).
 """
 
 import math
@@ -39,12 +41,15 @@ MIXED_CONFIGS = [Config("bfloat16", 64, 8, 4), Config("float16", 128, 128, 4), C
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """Every kernel of this module, compiled up front: the prefill kernels, and the (indexed) decode kernels a
-    mixed step's decode rows run, in the standard geometry: these batches are too small for the short one."""
+    """Every kernel of this module, compiled up front: the prefill kernel the device runs (the sm_90a one on
+    compute capability 9.0, else the mma.sync one), and the (indexed) decode kernels a mixed step's decode rows
+    run, in the standard geometry: these batches are too small for the short one."""
+    import cupy
     mixed = [Config(c.dtype, c.head_dim, c.block_size, g) for c in CONFIGS for g in (1, 4, 8)]
     mixed += [Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2)]  # test_long_prefixes_and_long_prompts
     names = [decode.kernel_name(c, True, "standard", indexed=True) for c in mixed]
-    compile_all(prefill.instances(CONFIGS), {decode.FILE: names}, validate.instances())
+    compile_all(prefill.instances(CONFIGS, cupy.cuda.Device().compute_capability), {decode.FILE: names},
+                validate.instances())
 
 
 def ragged(bs, long=300):

@@ -6,7 +6,9 @@ A .cu file is compiled as the launchers hand it to NVRTC (local includes inlined
 ``pagedrt.source.text``) together with every template instance the
 launchers name for the representative configurations (:func:`instances`),
 so template code is really compiled. Instances are spread over several translation
-units compiled in parallel. Headers are compiled on their own. Prints registers,
+units compiled in parallel. Headers are compiled on their own. A file that
+``pagedrt.source.ARCHES`` ties to one target (the sm_90a prefill) is compiled for that
+target whatever ``--arch`` says, as NVRTC compiles it, and so is a header only it includes. Prints registers,
 stack and spills per kernel; any compile error exits non-zero.
 """
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedrt.attention import decode, prefill  # noqa: E402
 from pagedrt import kernels  # noqa: E402
-from pagedrt.source import CUDA_SRC, text  # noqa: E402
+from pagedrt.source import ARCHES, CUDA_SRC, text  # noqa: E402
 
 PER_UNIT = 12  # instances per translation unit
 NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with NVRTC (it adds -ftz=true)
@@ -38,7 +40,7 @@ def instances():
 
 
 def units(tmp):
-    """(label, path) of every translation unit to compile."""
+    """(label, path, target or None for --arch) of every translation unit to compile."""
     names = instances()
     out = []
     for src in sorted(CUDA_SRC.glob("*.cu")):
@@ -49,16 +51,18 @@ def units(tmp):
             unit = tmp / f"{src.stem}_{i}.cu"
             refs = "".join(f"    (void*)&{name},\n" for name in chunk)
             unit.write_text(body + (f"\nvoid* pagedrt_instances[] = {{\n{refs}}};\n" if chunk else ""))
-            out.append((f"{src.name} [{len(chunk)} instances]" if chunk else src.name, unit))
+            out.append((f"{src.name} [{len(chunk)} instances]" if chunk else src.name, unit, ARCHES.get(src.name)))
     for header in sorted(CUDA_SRC.glob("*.cuh")):
         unit = tmp / f"{header.stem}_header.cu"
         unit.write_text(f'#include "{header.name}"\n')
-        out.append((header.name, unit))
+        out.append((header.name, unit, None))
     return out
 
 
-def compile_unit(arch, path):
-    cmd = ["nvcc", f"-arch={arch}", *NVCC_OPTIONS, f"-I{CUDA_SRC}", "-Xptxas", "-v", "-c", str(path),
+def compile_unit(arch, path, target=None):
+    """nvcc on one unit for ``--arch``, or for ``target`` (an ARCHES entry, e.g. sm_90a) when given."""
+    flags = [f"-gencode=arch={target.replace('sm_', 'compute_')},code={target}"] if target else [f"-arch={arch}"]
+    cmd = ["nvcc", *flags, *NVCC_OPTIONS, f"-I{CUDA_SRC}", "-Xptxas", "-v", "-c", str(path),
            "-o", str(path.with_suffix(".o"))]
     run = subprocess.run(cmd, capture_output=True, text=True)
     return run.returncode, run.stdout + run.stderr
@@ -95,9 +99,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         todo = units(Path(tmp))
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            results = list(pool.map(lambda u: compile_unit(args.arch, u[1]), todo))
+            results = list(pool.map(lambda u: compile_unit(args.arch, u[1], u[2]), todo))
     flagged = []
-    for (label, _), (rc, log) in zip(todo, results):
+    for (label, _, _), (rc, log) in zip(todo, results):
         print(f"== {label}: {'ok' if rc == 0 else 'FAILED'}")
         failed += rc != 0
         if rc != 0:

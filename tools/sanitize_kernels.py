@@ -9,9 +9,9 @@ errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
 (with empty segments), each in both geometries, the contiguous baseline, prefill (causal and
-not, over a ragged batch with a one-token row), mixed steps (decode rows split, around a
-prompt chunk and after it), block copy, and validation (a good table, then a bad one
-refused), on the base configuration. Then the
+not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
+and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
+block copy, and validation (a good table, then a bad one refused), on the base configuration. Then the
 refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
 decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
 given twice and the planes of a closed cache, each refused, with good launches after
@@ -75,8 +75,11 @@ def run():
     """Every kernel and refusal; returns the names of the checks that failed."""
     import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
+    capability = cupy.cuda.Device().compute_capability
+    hopper = capability == prefill.SM90  # then both prefill kernels run
     for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
-                 prefill.instances([base]), write.instances([base]), copy.instances(), validate.instances()):
+                 prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
+                 validate.instances()):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -125,10 +128,15 @@ def run():
 
     qo = np.concatenate([[0], np.cumsum(QUERIES)]).astype(np.int32)
     pq = rng.standard_normal((int(qo[-1]), KV_HEADS * GROUP, DIM)).astype(np.float16)
-    for causal in (True, False):
-        out = paged_prefill(cupy.asarray(pq), k, v, d_table, d_lens, cupy.asarray(qo), causal=causal)
-        ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
-        expect(f"paged_prefill, {'causal' if causal else 'not causal'}", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+    chosen = prefill._sm90
+    for sm90 in (True, False) if hopper else (False,):  # on 9.0 also the mma.sync kernel the other GPUs run
+        prefill._sm90 = lambda device_id, sm90=sm90: sm90
+        for causal in (True, False):
+            out = paged_prefill(cupy.asarray(pq), k, v, d_table, d_lens, cupy.asarray(qo), causal=causal)
+            ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
+            expect(f"paged_prefill ({'sm_90a' if sm90 else 'mma.sync'}), {'causal' if causal else 'not causal'}",
+                   rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+    prefill._sm90 = chosen
 
     mixed(expect, rng)
 

@@ -3,8 +3,9 @@
 :mod:`~pagedrt.attention.planner` cuts the work (launch geometry, split plan,
 workspace layout, prefill work items; host code), :mod:`~pagedrt.attention.decode`
 launches the decode kernel (``cuda_src/decode.cu``), :mod:`~pagedrt.attention.prefill`
-the prefill kernel (``cuda_src/prefill.cu``), and :mod:`~pagedrt.attention.reference`
-holds the float64 references the tests compare with and the host backend runs.
+the prefill kernels (``cuda_src/prefill.cu``; ``cuda_src/prefill_sm90.cu`` on H100/H200),
+and :mod:`~pagedrt.attention.reference` holds the float64 references the tests compare
+with and the host backend runs.
 """
 
 from . import reference

@@ -36,6 +36,9 @@ PREFILL_HEAD_DIMS = (64, 128, 256)        # whole groups of 8 16-byte chunks per
 PREFILL_THREADS = 128           # four warps, 16 packed query rows each
 PREFILL_TILE_M = 64             # packed query rows (query token x query head of the group) per work item
 PREFILL_STAGES = 2              # the key pipeline's depth
+SM90_THREADS = 384              # sm_90a prefill: a producer warpgroup and two consumer warpgroups
+SM90_TILE_M = 128               # packed query rows per work item: 64 per consumer warpgroup
+SM90_SMEM_LIMIT = 227 * 1024    # dynamic shared memory a thread block may have on compute capability 9.0
 MAX_DECODE_ROWS = 65535         # a mixed step's decode rows are the decode kernel's grid dimension y
 
 
@@ -108,7 +111,7 @@ class PrefillGeometry:
     tile_m: int      # packed query rows per work item
     tile_n: int      # keys per pipeline stage
     stages: int
-    smem_bytes: int  # dynamic shared memory: the stages of K, then of V, then the Q tile
+    smem_bytes: int  # dynamic shared memory: the Q tile and the stages of K and of V
     threads: int = PREFILL_THREADS
 
 
@@ -122,6 +125,21 @@ def prefill_geometry(cfg):
     tile_n = 32 if cfg.head_dim > 128 else 64
     return PrefillGeometry(PREFILL_TILE_M, tile_n, PREFILL_STAGES,
                            (PREFILL_STAGES * 2 * tile_n + PREFILL_TILE_M) * row)
+
+
+def prefill_sm90_geometry(cfg):
+    """The :class:`PrefillGeometry` of the sm_90a kernel (``cuda_src/prefill_sm90.cu``) for ``cfg``.
+
+    Two consumer warpgroups of 64 packed rows (SM90_TILE_M = 128), key tiles of 128
+    (64 at head_dim 256, where a consumer holds 128 floats of output), and as many K+V
+    stages as fit beside the Q tile in SM90_SMEM_LIMIT (at most 4). Shared memory: the
+    Q tile, the stages, and 1024 bytes to align the tiles for the 128-byte swizzle.
+    """
+    row = cfg.head_dim * cfg.itemsize
+    tile_n = 64 if cfg.head_dim > 128 else 128
+    stages = min(4, (SM90_SMEM_LIMIT - 1024 - SM90_TILE_M * row) // (2 * tile_n * row))
+    return PrefillGeometry(SM90_TILE_M, tile_n, stages, (SM90_TILE_M + 2 * stages * tile_n) * row + 1024,
+                           SM90_THREADS)
 
 
 def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):

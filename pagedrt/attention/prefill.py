@@ -9,12 +9,15 @@ written first). Causal attention is aligned bottom-right: query i of n sees keys
 0..kv_len - n + i. Given NumPy arrays the plan runs the float64 reference
 (:func:`pagedrt.attention.reference.prefill`).
 
-The kernel (``cuda_src/prefill.cu``) runs on tensor cores (mma.m16n8k16, sm_80+) for
-float16 and bfloat16 at head_dim 64, 128 and 256; other configurations raise
-``UnsupportedConfigError`` on either backend, so a configuration is supported by both or
-neither. The work items (query tiles of each sequence,
-:func:`~pagedrt.attention.planner.prefill_items`) are cut on the host from the query
-counts, which a :class:`~pagedrt.step.Step` carries on the host (``query_lens``).
+The kernels run on tensor cores for float16 and bfloat16 at head_dim 64, 128 and 256;
+other configurations raise ``UnsupportedConfigError`` on either backend, so a
+configuration is supported by both or neither. A device of compute capability 9.0
+(H100, H200) runs ``cuda_src/prefill_sm90.cu`` (warpgroup MMA with warp-specialised
+producer and consumers, compiled for sm_90a) for every positive scale; every other GPU,
+and a scale of 0 or below, runs ``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The
+work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.prefill_items`)
+are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
+the host (``query_lens``).
 
 A mixed step's decode rows (one query token each, at a group the decode kernel takes:
 :func:`~pagedrt.attention.planner.decode_rows`) go to the decode kernel
@@ -32,16 +35,19 @@ import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, plane, ptr,
-                            RunArrays, store)
+from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane,
+                            ptr, RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..supported import PREFILL_GROUPS
 from ..supported import check as check_supported
 from . import decode, reference
-from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items
+from .planner import (PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items,
+                      prefill_sm90_geometry)
 
 FILE = "prefill.cu"
+FILE_SM90 = "prefill_sm90.cu"  # the kernel of compute capability 9.0 (source.ARCHES compiles it for sm_90a)
+SM90 = "90"  # CuPy's compute_capability of the devices that run FILE_SM90
 LOG2E = 1.4426950408889634
 MAX_GRID_Y = 65535  # KV heads are grid dimension y
 
@@ -60,18 +66,39 @@ def kernel_name(cfg):
             f"{geo.tile_n}, {geo.stages}>")
 
 
-def instances(configs=None):
-    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweep)."""
-    names = [kernel_name(c) for c in (configs or sweep())
-             if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
-    return {FILE: tuple(dict.fromkeys(names))}
+def sm90_kernel_name(cfg):
+    """The sm_90a kernel's name expression for ``cfg`` (the block size and the group are kernel arguments)."""
+    geo = prefill_sm90_geometry(cfg)
+    return f"pagedrt::prefill_sm90<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}>"
+
+
+def instances(configs=None, capability=None):
+    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweep):
+    of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it runs."""
+    capable = [c for c in (configs or sweep()) if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
+    out = {FILE: tuple(dict.fromkeys(kernel_name(c) for c in capable)),
+           FILE_SM90: tuple(dict.fromkeys(sm90_kernel_name(c) for c in capable))}
+    return out if capability is None else {k: out[k] for k in (FILE_SM90 if capability == SM90 else FILE,)}
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg, device_id):
-    """The compiled kernel of a configuration, allowed its dynamic shared memory on the device."""
-    fn = source.function(FILE, kernel_name(cfg))
-    fn.max_dynamic_shared_size_bytes = prefill_geometry(cfg).smem_bytes
+def _sm90(device_id):
+    """Whether the device runs the sm_90a kernel (compute capability 9.0)."""
+    import cupy
+    return cupy.cuda.Device(device_id).compute_capability == SM90
+
+
+def _geometry(cfg, sm90):
+    """The geometry of the sm_90a kernel (when ``sm90``) or of the mma.sync one for configuration ``cfg``."""
+    return prefill_sm90_geometry(cfg) if sm90 else prefill_geometry(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg, device_id, sm90):
+    """The compiled kernel of a configuration (the sm_90a one when ``sm90``), allowed its dynamic shared memory on
+    the device."""
+    fn = source.function(FILE_SM90, sm90_kernel_name(cfg)) if sm90 else source.function(FILE, kernel_name(cfg))
+    fn.max_dynamic_shared_size_bytes = _geometry(cfg, sm90).smem_bytes
     return fn
 
 
@@ -82,19 +109,25 @@ class _Launch:
     grid: tuple
     threads: tuple
     smem: int
-    middle: tuple  # the arguments between v and out: block stride ... scale
+    middle: tuple  # the arguments between v and out: block stride ... scale (sm_90a: block shift ... heads)
 
     def __call__(self, q, k, v, out):
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out), shared_mem=self.smem)
 
 
-def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device):
-    """The prefill kernel's :class:`_Launch` over the work ``items`` (a device int32 [n, 4], n > 0)."""
-    geo = prefill_geometry(cfg)
+def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, sm90):
+    """The prefill kernel's :class:`_Launch` over the work ``items`` (a device int32 [n, 4], n > 0): the sm_90a
+    kernel's when ``sm90`` (the block size as log2; a persistent grid over the (item, KV head) units, a block per
+    SM), else the mma.sync kernel's."""
+    geo = _geometry(cfg, sm90)
     middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
               np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
               np.float32(scale * LOG2E))
-    return _Launch(_kernel(cfg, device), (items.shape[0], pk.num_kv_heads), (geo.threads,), geo.smem_bytes, middle)
+    grid = (items.shape[0], pk.num_kv_heads)
+    if sm90:
+        middle += (np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]), np.int32(pk.num_kv_heads))
+        grid = (min(items.shape[0] * pk.num_kv_heads, multiprocessors(device)),)
+    return _Launch(_kernel(cfg, device, sm90), grid, (geo.threads,), geo.smem_bytes, middle)
 
 
 _side_streams = {}  # device id -> the stream a mixed step's decode rows run on beside its prompt rows
@@ -183,6 +216,10 @@ class PrefillPlan:
     must agree with ``qo_indptr``, which ``validate`` checks on the device. Without it
     the plan reads ``qo_indptr`` back from the device (a sync) to cut them.
 
+    ``kernel``: the name expression of the prefill kernel a device plan launches for the
+    rows that are not decode rows (the sm_90a kernel on compute capability 9.0 when
+    ``scale`` is positive); None when there are none, and for NumPy inputs.
+
     ``validate`` (the default) reads ``kv_lens`` back and checks every length on the
     host (in range, and not below its row's query count: ``BlockTableError`` with
     ``.row``, ``.length``), then checks every used table entry on the device as
@@ -252,7 +289,7 @@ class PrefillPlan:
                                  "K plane", spans)
         self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
                                             qo_indptr=offsets, scale=scale, causal=causal)
-        self._prefill = self._decode = self._forked = None
+        self._prefill = self._decode = self._forked = self.kernel = None
         if xp is np:
             return
         import cupy
@@ -264,9 +301,12 @@ class PrefillPlan:
                 longest, mean = int(lens[rows].max()), float(lens[rows].mean())
             self._decode = decode.rows_launch(cfg, q_heads, pk.block_stride, block_tables, kv_lens, rows,
                                               offsets[rows], scale, longest, mean, workspace)
-        self._items = cupy.asarray(prefill_items(counts, cfg.group, prefill_geometry(cfg).tile_m, skip=rows))
+        sm90 = _sm90(self._device) and scale > 0  # the sm_90a kernel folds a positive scale into exp2
+        self._items = cupy.asarray(prefill_items(counts, cfg.group, _geometry(cfg, sm90).tile_m, skip=rows))
         if self._items.shape[0]:
-            self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device)
+            self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device,
+                                            sm90)
+            self.kernel = (sm90_kernel_name if sm90 else kernel_name)(cfg)
         if self._prefill is not None and self._decode is not None:
             self._forked = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True),
                             _side_stream(self._device))

@@ -1,0 +1,407 @@
+// Prefill attention over a paged KV cache on Hopper (sm_90a): the semantics, arguments and work
+// items of prefill.cu, computed by warpgroup MMA (wgmma) with warp-specialised roles, in the manner
+// of FlashAttention-3.
+//
+// Work: one thread block per (work item, KV head); a work item is kTileM = 128 consecutive packed
+// query rows of one sequence (packed row p: query token p / group, query head p % group of the KV
+// head). Three warpgroups:
+//   - the producer (warpgroup 0) gives registers away (setmaxnreg) and copies: the Q tile once,
+//     then K and V tiles of TILE_N keys into a STAGES-deep ring of shared-memory stages. Each
+//     16-byte copy (cp.async) finds its key's block through the block table (one lane per block
+//     of the tile reads the table, the others take the id by shuffle); keys past the sequence are
+//     zero-filled, reading nothing. A stage's copies arrive on its "full" mbarrier as they land
+//     (cp.async.mbarrier.arrive.noinc); the producer refills a stage once its "empty" mbarrier
+//     says every consumer warp is done with it. K and V have their own barriers, so a K stage is
+//     refilled as soon as the scores are computed.
+//   - two consumers (warpgroups 1 and 2) own 64 packed rows each. Per key tile: S = Q K^T by
+//     wgmma m64nTILE_Nk16 with Q and K in shared memory (both K-major), the online softmax on S in
+//     fp32 (exp2 of the scores scaled by scale * log2(e)), then O += P V by wgmma m64nHEAD_DIMk16
+//     with P in registers (S's accumulator layout is the A fragment layout, rounded to T) and V in
+//     shared memory read MN-major (transposed by the descriptor). The next tile's S = Q K^T is
+//     issued before this tile's P V, so the softmax of one tile runs while the tensor cores do the
+//     other's product (FlashAttention-3's intra-warpgroup overlap); the two consumers interleave
+//     on the tensor cores by themselves.
+// Shared memory tiles use the 128-byte swizzle that wgmma reads (hopper.cuh: smem_descriptor):
+// rows of 64-element panels, chunk c of row r at c ^ (r % 8), tiles 1024-byte aligned.
+// Masking (causal aligned bottom-right, and the sequence's end) is applied only to the tiles that
+// cross some row's limit. At the end each consumer normalises its rows, stages them where its Q
+// rows were and stores them in 16-byte vectors.
+#include "common.cuh"
+#include "hopper.cuh"
+
+namespace pagedrt {
+
+// Work decomposition of one thread block; TILE_N and STAGES come from the planner
+// (pagedrt/attention/planner.py: prefill_sm90_geometry), which also sizes shared memory.
+template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
+struct PrefillSm90Shape {
+    static constexpr int kThreads = 384;               // a producer warpgroup, two consumer warpgroups
+    static constexpr int kTileM = 128;                 // packed query rows: 64 per consumer
+    static constexpr int kRowVecs = HEAD_DIM / 8;      // 16-byte chunks in a row of Q, K, V or out
+    static constexpr int kRowsPerRound = 128 / kRowVecs;  // rows one 16-byte copy per producer thread covers
+    static constexpr int kPanelBytes = 128;            // a row's 64-element panel
+    static constexpr int kQBytes = kTileM * HEAD_DIM * 2;
+    static constexpr int kStageBytes = TILE_N * HEAD_DIM * 2;  // one stage of K (and again of V)
+    static constexpr int kKOffset = kQBytes;
+    static constexpr int kVOffset = kKOffset + STAGES * kStageBytes;
+    static constexpr int kSmemBytes = kVOffset + STAGES * kStageBytes + 1024;  // + the 1024-byte alignment
+    static constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 = 384 x 168
+
+    static_assert(sizeof(T) == 2, "tensor cores: half or bfloat16");
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 128-byte panels; wgmma N <= 256");
+    static_assert(TILE_N % 16 == 0 && TILE_N >= 64 && TILE_N <= 256, "whole k-steps of keys; wgmma N <= 256");
+    static_assert(TILE_N % kRowsPerRound == 0 && kTileM % kRowsPerRound == 0, "whole copy rounds");
+    static_assert(STAGES >= 2, "the ring needs at least two stages");
+};
+
+// Byte offset of 16-byte chunk x of row r in a tile of ROWS rows stored as 128-byte panels, swizzled.
+template <int ROWS>
+__device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
+    return (chunk / 8) * (ROWS * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// Arguments as prefill.cu's, but the block size is a run-time power of two (block_shift = log2), and the
+// grid is persistent: thread block b takes units b, b + gridDim.x, ... of the num_items * num_kv_heads units
+// (unit u: work item u / num_kv_heads for KV head u % num_kv_heads).
+// q, out:       [num_tokens, num_kv_heads * group, HEAD_DIM], contiguous
+// k, v:         planes; element (block b, kv head h, slot s, dim d) at
+//               b*block_stride + ((h << block_shift) + s)*HEAD_DIM + d
+// block_tables: [batch, >= max_blocks] int32 with row stride table_stride
+// kv_lens:      [batch] int32 (keys after the step: cached and new), clamped to [0, max_blocks << block_shift]
+// items:        [num_items] (batch row, its first query token, its query count, the tile's first packed row)
+// causal:       nonzero for the bottom-right causal mask; scale_log2 > 0
+template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(384, 1)
+prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
+             const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+             const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+             float scale_log2, int block_shift, int num_items, int num_kv_heads, T* __restrict__ out) {
+    using S = PrefillSm90Shape<T, HEAD_DIM, TILE_N, STAGES>;
+    constexpr int NV = S::kRowVecs, RPR = S::kRowsPerRound, TILE_M = S::kTileM;
+
+    extern __shared__ unsigned char smem_raw[];
+    // mbarriers: Q landed, Q free; per stage: K landed, V landed, K free, V free
+    __shared__ __align__(8) unsigned long long barriers[2 + 4 * STAGES];
+    const unsigned smem = (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+    const unsigned smem_q = smem, smem_k = smem + S::kKOffset, smem_v = smem + S::kVOffset;
+    const unsigned q_full = static_cast<unsigned>(__cvta_generic_to_shared(barriers)), q_empty = q_full + 8;
+    auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
+    auto v_full = [&](int s) { return q_full + 8 * (2 + STAGES + s); };
+    auto k_empty = [&](int s) { return q_full + 8 * (2 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return q_full + 8 * (2 + 3 * STAGES + s); };
+    if (threadIdx.x == 0) {
+        sm90::mbarrier_init(q_full, 128);  // every producer thread's copies
+        sm90::mbarrier_init(q_empty, 8);   // every consumer warp
+        for (int s = 0; s < STAGES; ++s) {
+            sm90::mbarrier_init(k_full(s), 128);
+            sm90::mbarrier_init(v_full(s), 128);
+            sm90::mbarrier_init(k_empty(s), 8);
+            sm90::mbarrier_init(v_empty(s), 8);
+        }
+        sm90::mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    const int num_units = num_items * num_kv_heads, q_heads = num_kv_heads * group;
+    // One unit's work: its sequence, query tokens, packed rows [p_first, p_end), keys and key tiles.
+    struct Unit {
+        int seq, q_first, q_len, p_first, p_end, kv_head, kv_len, num_tiles, consumers;
+    };
+    auto unit_of = [&](int u) {
+        const int4 item = items[u / num_kv_heads];
+        Unit w;
+        w.seq = item.x, w.q_first = item.y, w.q_len = item.z, w.p_first = item.w;
+        w.p_end = min(w.p_first + TILE_M, w.q_len * group);
+        w.kv_head = u % num_kv_heads;
+        w.kv_len = min(max(kv_lens[w.seq], 0), max_blocks << block_shift);
+        // the tile's last row sees the most keys
+        const int tile_keys = causal ? min(w.kv_len, w.kv_len - w.q_len + (w.p_end - 1) / group + 1) : w.kv_len;
+        w.num_tiles = tile_keys > 0 ? (tile_keys + TILE_N - 1) / TILE_N : 0;
+        w.consumers = w.p_end - w.p_first > 64 ? 2 : 1;  // a consumer without a live row passes the tiles on
+        return w;
+    };
+    // Keys [0, limit) for packed row p of unit w: every key, or causal up to its query's diagonal.
+    auto limit = [&](const Unit& w, int p) {
+        return causal ? min(w.kv_len, w.kv_len - w.q_len + p / group + 1) : w.kv_len;
+    };
+    // Element offset of packed row p of unit w in q and out.
+    auto row_offset = [&](const Unit& w, int p) {
+        const int i = p / group;
+        return ((long long)(w.q_first + i) * q_heads + w.kv_head * group + (p - i * group)) * HEAD_DIM;
+    };
+
+    if (threadIdx.x < 128) {
+        // ---- producer ----
+        sm90::setmaxnreg_dec<S::kProducerRegs>();
+        const int tid = threadIdx.x, lane = tid % 32, copy_row = tid / NV, chunk = tid % NV;
+        const int block_mask = (1 << block_shift) - 1;
+        const int tile_blocks = max(1, TILE_N >> block_shift);  // blocks a tile's keys span (at most 16)
+        // K and V: this thread copies chunk `chunk` of the RPT consecutive key rows from row0 (within one
+        // block, or two when blocks are shorter than RPT), from plane (K or V) into stage.
+        constexpr int RPT = TILE_N / RPR;
+        static_assert(RPT % 8 == 0 && RPT <= 16, "a thread's rows: whole swizzle atoms, within two blocks of 8+");
+        const int row0 = copy_row * RPT;
+        const unsigned dst0 = panel_offset<TILE_N>(row0, chunk & ~7), swizzle = chunk % 8;
+        constexpr int QRPT = TILE_M / RPR;  // the same for the Q tile's rows
+        const int qrow0 = copy_row * QRPT;
+        const unsigned qdst0 = panel_offset<TILE_M>(qrow0, chunk & ~7);
+        int tiles = 0;  // tiles produced so far: stage tiles % STAGES, round tiles / STAGES
+        for (int u = blockIdx.x, n = 0; u < num_units; u += gridDim.x, ++n) {
+            const Unit w = unit_of(u);
+            // The Q tile, rows past the tile zero-filled, once the consumers are done with the last unit's.
+            // This thread copies chunk `chunk` of the packed rows [qrow0, qrow0 + QRPT), stepping through them.
+            sm90::mbarrier_wait(q_empty, (n & 1) ^ 1);
+            {
+                const int p0 = w.p_first + qrow0, live_rows = w.p_end - p0;
+                int head = p0 % group;
+                const T* from = q + row_offset(w, p0) + chunk * 8;
+#pragma unroll
+                for (int i = 0; i < QRPT; ++i) {
+                    const bool live = i < live_rows;
+                    cp_async16_shared(smem_q + qdst0 + i * 128 + ((swizzle ^ (i % 8)) << 4), live ? from : q,
+                                      live ? 16 : 0);
+                    from += ++head < group ? HEAD_DIM : (q_heads - group + 1) * HEAD_DIM;  // the next packed row
+                    head = head < group ? head : 0;
+                }
+            }
+            sm90::cp_async_arrive(q_full);
+
+            const int* const table_row = block_tables + w.seq * table_stride;
+            const long long within = ((long long)w.kv_head << block_shift) * HEAD_DIM + chunk * 8;  // in a block
+            auto issue = [&](const T* plane, unsigned stage, int first_key, int id) {
+                const int key0 = first_key + row0, slot0 = key0 & block_mask;
+                const int split = min(RPT, block_mask + 1 - slot0);  // rows [0, split) lie in key0's block
+                const int id0 = __shfl_sync(0xffffffffu, id, row0 >> block_shift);
+                const int id1 = __shfl_sync(0xffffffffu, id, (row0 + RPT - 1) >> block_shift);
+                const T* const from0 = plane + id0 * block_stride + within + slot0 * HEAD_DIM;
+                const T* const from1 = plane + id1 * block_stride + within - split * HEAD_DIM;  // row split: slot 0
+                const int live_rows = w.kv_len - key0;  // rows past the sequence are zero-filled, reading nothing
+#pragma unroll
+                for (int i = 0; i < RPT; ++i) {
+                    const bool live = i < live_rows;
+                    const T* const from = (i < split ? from0 : from1) + i * HEAD_DIM;
+                    cp_async16_shared(stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4), live ? from : q,
+                                      live ? 16 : 0);
+                }
+            };
+            for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
+                const int s = tiles % STAGES, first_key = t * TILE_N;
+                const unsigned parity = ((tiles / STAGES) & 1) ^ 1;  // the stage's previous round was released
+                // lane j: the id of the tile's j-th block (-1 past the sequence: never read)
+                const int block = (first_key >> block_shift) + lane;
+                const int id = lane < tile_blocks && (block << block_shift) < w.kv_len ? __ldg(table_row + block)
+                                                                                       : -1;
+                sm90::mbarrier_wait(k_empty(s), parity);
+                issue(k, smem_k + s * S::kStageBytes, first_key, id);
+                sm90::cp_async_arrive(k_full(s));
+                sm90::mbarrier_wait(v_empty(s), parity);
+                issue(v, smem_v + s * S::kStageBytes, first_key, id);
+                sm90::cp_async_arrive(v_full(s));
+            }
+        }
+        sm90::cp_async_wait_all();
+        return;
+    }
+
+    // ---- consumers ----
+    sm90::setmaxnreg_inc<S::kConsumerRegs>();
+    constexpr int S_REGS = TILE_N / 2, O_REGS = HEAD_DIM / 2, KSTEPS = HEAD_DIM / 16, PSTEPS = TILE_N / 16;
+    const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int quad_col = lane % 4, row_base = 64 * consumer;  // this consumer's rows of the tile
+    // This thread's rows of the accumulators: row_c and row_c + 8 (h = 0, 1).
+    const int row_c = row_base + 16 * warp + lane / 4;
+    // Descriptors: Q (this consumer's 64 rows) and K K-major, V MN-major; k-steps move along them.
+    const unsigned long long q_desc = sm90::smem_descriptor(smem_q + row_base * S::kPanelBytes, 16, 1024);
+    auto k_desc = [&](int s) { return sm90::smem_descriptor(smem_k + s * S::kStageBytes, 16, 1024); };
+    auto v_desc = [&](int s) {
+        return sm90::smem_descriptor(smem_v + s * S::kStageBytes, TILE_N * S::kPanelBytes, 1024);
+    };
+    float o[O_REGS], sc[S_REGS], m[2], l[2];
+    unsigned pa[PSTEPS][4];
+    auto scores = [&](int s) {  // issue S = Q K^T over stage s
+        const unsigned long long kd = k_desc(s);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const unsigned along = (kk % 4) * 32;  // 16 elements further in the panel
+            sm90::Wgmma<T, TILE_N>::ss(sc, sm90::advance(q_desc, (kk / 4) * TILE_M * S::kPanelBytes + along),
+                                       sm90::advance(kd, (kk / 4) * TILE_N * S::kPanelBytes + along), kk > 0);
+        }
+    };
+    auto weighted = [&](int s) {  // issue O += P V over stage s
+        const unsigned long long vd = v_desc(s);
+#pragma unroll
+        for (int kk = 0; kk < PSTEPS; ++kk)
+            sm90::Wgmma<T, HEAD_DIM>::rs(o, pa[kk], sm90::advance(vd, kk * 16 * S::kPanelBytes));
+    };
+    auto release = [&](unsigned bar) {  // this warp is done with a stage (or the Q tile)
+        __syncwarp();
+        if (lane == 0) sm90::mbarrier_arrive(bar);
+    };
+    // P as wgmma A fragments: two 8-key column blocks of S's accumulators make one 16-key k-step.
+    auto to_operand = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < PSTEPS; ++kk) {
+            pa[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
+            pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
+            pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
+            pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+        }
+    };
+
+    // Pingpong: in a unit with two live consumers they take turns issuing their wgmmas, so that one's softmax
+    // runs while the tensor cores do the other's products. Consumer c waits on barrier 1 + c and, once its
+    // wgmmas are issued, arrives on the other's; consumer 0 gets the first turn (an arrival of its own, once),
+    // consumer 1's last arrival is taken at the end. At most one arrival is ever pending on either barrier.
+    bool pinged = false;  // a pingpong unit has run
+    int tiles = 0;        // tiles consumed so far, as the producer counts them
+    for (int u = blockIdx.x, n = 0; u < num_units; u += gridDim.x, ++n) {
+        const Unit w = unit_of(u);
+        const int num_tiles = w.num_tiles, first = tiles;
+        tiles += num_tiles;
+        auto stage = [&](int t) { return (first + t) % STAGES; };
+        auto round = [&](int t) { return unsigned((first + t) / STAGES) & 1; };
+        sm90::mbarrier_wait(q_full, n & 1);
+        if (consumer >= w.consumers) {  // no live row: pass the unit's stages on
+            release(q_empty);
+            for (int t = 0; t < num_tiles; ++t) {
+                sm90::mbarrier_wait(k_full(stage(t)), round(t));
+                release(k_empty(stage(t)));
+                sm90::mbarrier_wait(v_full(stage(t)), round(t));
+                release(v_empty(stage(t)));
+            }
+            continue;
+        }
+        const bool pingpong = w.consumers == 2;
+        auto turn = [&]() {
+            if (pingpong) sm90::named_barrier_sync(1 + consumer, 256);
+        };
+        auto pass_turn = [&]() {
+            if (pingpong) sm90::named_barrier_arrive(2 - consumer, 256);
+        };
+        if (pingpong && !pinged && consumer == 0) sm90::named_barrier_arrive(1, 256);
+        pinged |= pingpong;
+
+        const int shared_keys = limit(w, w.p_first + row_base);  // every row of this consumer sees these
+        int row_keys[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row_keys[h] = limit(w, w.p_first + row_c + 8 * h);
+            m[h] = neg_inf();
+            l[h] = 0.f;  // this lane's part of the row's sum; the quad's parts are added at the end
+        }
+#pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+        // The online softmax of tile t's scores (in sc): the running max and sum, sc becomes the
+        // probabilities; returns (through alpha) the factor the output rows must be rescaled by. MASK:
+        // some key of the tile lies past some row's limit, so those scores become -inf. The scale is
+        // positive (the plan sends other scales to prefill.cu), so the max is taken over the raw scores
+        // and the scale folds into the exponent: exp2(s * scale_log2 - m * scale_log2), one FFMA.
+        auto softmax = [&](int t, float (&alpha)[2], auto mask) {
+            constexpr bool MASK = decltype(mask)::value;
+            // sc[4j + e]: row row_c + 8 * (e / 2), key t * TILE_N + 8 * j + 2 * quad_col + e % 2
+            float top[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (int j = 0; j < TILE_N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (MASK && t * TILE_N + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
+                        sc[4 * j + e] = neg_inf();
+                    top[e / 2] = fmaxf(top[e / 2], sc[4 * j + e]);
+                }
+            float shift[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
+                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
+                const float m_new = fmaxf(m[h], top[h]);
+                // m_new = -inf: the row has seen no key yet (its o and l are 0); m = -inf: exp2f gives 0
+                alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * scale_log2);
+                shift[h] = m_new == neg_inf() ? 0.f : m_new * scale_log2;
+                m[h] = m_new;
+                l[h] *= alpha[h];
+            }
+#pragma unroll
+            for (int j = 0; j < TILE_N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], scale_log2, -shift[e / 2]));
+                    l[e / 2] += sc[4 * j + e];
+                }
+        };
+        auto softmax_of = [&](int t, float (&alpha)[2]) {
+            if ((t + 1) * TILE_N <= shared_keys) softmax(t, alpha, integral_constant<bool, false>());
+            else softmax(t, alpha, integral_constant<bool, true>());
+        };
+
+        if (num_tiles == 0) release(q_empty);
+        if (num_tiles > 0) {
+            float alpha[2];
+            sm90::mbarrier_wait(k_full(stage(0)), round(0));
+            turn();
+            sm90::wgmma_fence();
+            scores(stage(0));
+            sm90::wgmma_commit();
+            pass_turn();
+            sm90::wgmma_wait<0>();
+            sm90::fence_registers(sc);
+            release(k_empty(stage(0)));
+            if (num_tiles == 1) release(q_empty);
+            softmax_of(0, alpha);
+            to_operand();
+            for (int t = 1; t < num_tiles; ++t) {
+                sm90::mbarrier_wait(k_full(stage(t)), round(t));
+                sm90::mbarrier_wait(v_full(stage(t - 1)), round(t - 1));
+                turn();
+                sm90::fence_registers(sc);
+                sm90::fence_registers(o);
+                sm90::wgmma_fence();
+                scores(stage(t));
+                sm90::wgmma_commit();
+                weighted(stage(t - 1));
+                sm90::wgmma_commit();
+                pass_turn();
+                sm90::wgmma_wait<1>();  // the scores have landed; P V of the previous tile may still run
+                sm90::fence_registers(sc);
+                release(k_empty(stage(t)));
+                if (t == num_tiles - 1) release(q_empty);  // the unit's last use of its Q tile
+                softmax_of(t, alpha);
+                sm90::wgmma_wait<0>();
+                sm90::fence_registers(o);
+                sm90::fence_registers(pa);
+                release(v_empty(stage(t - 1)));
+#pragma unroll
+                for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i / 2) % 2];
+                to_operand();
+            }
+            sm90::mbarrier_wait(v_full(stage(num_tiles - 1)), round(num_tiles - 1));
+            turn();
+            sm90::fence_registers(o);
+            sm90::wgmma_fence();
+            weighted(stage(num_tiles - 1));
+            sm90::wgmma_commit();
+            pass_turn();
+            sm90::wgmma_wait<0>();
+            sm90::fence_registers(o);
+            release(v_empty(stage(num_tiles - 1)));
+        }
+
+        // Normalise and store this thread's two rows straight from the accumulators (4 bytes a column pair).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // 0: a row that saw no key (not validated): zeros
+            const int p = w.p_first + row_c + 8 * h;
+            if (p < w.p_end) {
+                T* const row = out + row_offset(w, p) + 2 * quad_col;
+#pragma unroll
+                for (int j = 0; j < HEAD_DIM / 8; ++j)  // o[4j + 2h + e]: column 8j + 2 * quad_col + e
+                    *reinterpret_cast<unsigned*>(row + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv,
+                                                                         o[4 * j + 2 * h + 1] * inv);
+            }
+        }
+    }
+    if (pinged && consumer == 0) sm90::named_barrier_sync(1, 256);
+}
+
+}  // namespace pagedrt

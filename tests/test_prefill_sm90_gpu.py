@@ -1,0 +1,103 @@
+"""The sm_90a prefill kernel (cuda_src/prefill_sm90.cu) against the float64 reference, on a device of compute
+capability 9.0 (skipped elsewhere).
+
+A plan there picks the sm_90a kernel; this module checks that, then the whole matrix:
+every dtype x head_dim x block size, causal and not, each over groups 1, 4 and 8 (two KV
+heads) and 48 (MQA: one KV head, a group that cuts the 128-row tiles mid-token), on the
+ragged batch of test_prefill_gpu (prefixes 0, 1, block - 1, block, block + 1 and long;
+rows of no query and of one: at groups up to 8 the decode kernel takes those), plus one
+long prompt beside long prefixes, so that key tiles wrap the stage ring many times.
+Inputs are fresh random data, unowned slots hold NaN and outputs are poisoned before each
+launch (test_prefill_gpu's helpers). The mma.sync kernel, which every other GPU (and a
+scale of 0 or below) runs, is checked here too, by a plan that is told the device is not
+9.0.
+"""
+
+import numpy as np
+import pytest
+
+from helpers import compile_all
+from kernel_cases import PrefillCase
+from pagedrt.attention import PrefillPlan, decode, prefill, reference
+from pagedrt.kernels.configs import Config
+from test_prefill_gpu import OnDevice, case_of, expected, poisoned, ragged, row_errors, run
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+GROUPS = ((2, 1), (2, 4), (2, 8), (1, 48))  # (kv_heads, group)
+FALLBACK_CONFIGS = [Config("float16", 128, 16, 4), Config("bfloat16", 256, 32, 8), Config("float16", 64, 128, 1),
+                    Config("bfloat16", 128, 32, 4)]  # the mma.sync kernel's tests here (the last: scale <= 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hopper():
+    """Skip unless the device is compute capability 9.0; then compile the module's kernels up front: the sm_90a
+    prefill, the mma.sync one of the fallback tests, and the (indexed) decode kernels that the one-token rows at
+    groups up to 8 run."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != prefill.SM90:
+        pytest.skip("the sm_90a kernel needs compute capability 9.0")
+    configs = [Config(d, h, b, g) for d in DTYPES for h in HEAD_DIMS for b in BLOCK_SIZES for g in (1, 4, 8)]
+    names = [decode.kernel_name(c, True, "standard", indexed=True) for c in configs]
+    fallback = {prefill.FILE: [prefill.kernel_name(c) for c in FALLBACK_CONFIGS]}
+    compile_all(prefill.instances(configs, prefill.SM90), fallback, {decode.FILE: names})
+
+
+def test_the_plan_picks_the_sm90a_kernel():
+    case = case_of(Config("float16", 128, 16, 4), [(3, 20)])
+    dev = OnDevice(case)
+    plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
+    assert plan.kernel == prefill.sm90_kernel_name(case.cfg) and plan.kernel.startswith("pagedrt::prefill_sm90<")
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sm90_matches_the_reference_row_by_row(dtype, head_dim, block_size, causal):
+    failures = []
+    for kv_heads, group in GROUPS:
+        cfg = Config(dtype, head_dim, block_size, group)
+        case = case_of(cfg, ragged(block_size), kv_heads=kv_heads, seed=head_dim + block_size + group)
+        bad = row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+        failures += [f"group {group}: row {b} prefix {p} queries {n}: error {e:.2e}" for b, p, n, e in bad]
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("cfg", [Config("float16", 128, 16, 4), Config("bfloat16", 64, 8, 8),
+                                 Config("float16", 256, 128, 1)], ids=str)
+def test_sm90_long_prompts_wrap_the_stage_ring(cfg):
+    case = PrefillCase(cfg, [3000, 0, 700], [900, 1500, 1], kv_heads=2, seed=5)
+    for causal in (True, False):
+        assert not row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+
+
+def test_a_scale_of_zero_or_below_takes_the_mma_sync_kernel():
+    """The sm_90a kernel takes the max over unscaled scores (the scale folded into exp2), so it needs scale > 0."""
+    cfg = FALLBACK_CONFIGS[-1]
+    case = case_of(cfg, ragged(32), seed=7)
+    dev = OnDevice(case)
+    for scale in (-0.2, 0.0):
+        plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens, scale=scale)
+        assert plan.kernel == prefill.kernel_name(cfg)
+        out = poisoned(case.q.shape, case.q.dtype)
+        plan.run(dev.q, dev.k, dev.v, out)
+        ref = reference.prefill(case.q.astype(np.float64), case.k, case.v, case.table, case.lens, case.qo_indptr,
+                                scale)
+        assert not row_errors(out.get(), ref, case)
+
+
+@pytest.mark.parametrize("cfg", FALLBACK_CONFIGS, ids=str)
+def test_the_mma_sync_kernel_still_runs_where_the_device_is_not_9_0(cfg, monkeypatch):
+    monkeypatch.setattr(prefill, "_sm90", lambda device_id: False)
+    case = case_of(cfg, ragged(cfg.block_size), seed=11)
+    dev = OnDevice(case)
+    plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
+    assert plan.kernel == prefill.kernel_name(cfg)
+    out = poisoned(case.q.shape, case.q.dtype)
+    plan.run(dev.q, dev.k, dev.v, out)
+    assert not row_errors(out.get(), expected(case), case)
+    assert np.isfinite(out.get().astype(np.float32)).all()
