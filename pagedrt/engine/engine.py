@@ -145,6 +145,8 @@ class Engine:
         (ChatML, with its default system prompt) when its template is ChatML."""
         if not isinstance(prompt, str):
             return np.asarray(prompt, np.int64)
+        if not prompt:
+            raise RequestError("the prompt is empty: give it some text")
         template = self.tokenizer.vocab.chat_template
         if chat and "<|im_start|>" in template:
             from .chat import chatml

@@ -21,6 +21,7 @@ when it was captured; replays trust the tables and slots ``cache.step()`` wrote 
 
 import contextlib
 from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 
@@ -83,11 +84,11 @@ class LlamaModel:
             if self._last_decode == batch:
                 return self._capture(step, ids)
         self._last_decode = batch if decode else 0
-        buffers = self._buffers(n, batch)
-        self._run(step, ids, buffers, *self._plans(step, buffers, decode))
+        buffers = self.buffers(n, batch)
+        self._run(step, ids, buffers, *self.plans(step, buffers, decode))
         return buffers["logits"]
 
-    def _buffers(self, n, batch):
+    def buffers(self, n, batch):
         """Every activation of a step of ``n`` tokens in ``batch`` rows."""
         c, xp, act, kv = self.config, self.xp, self.act_dtype, self.kv_dtype
         d = c.head_dim
@@ -98,7 +99,7 @@ class LlamaModel:
                   "last": ((batch, c.hidden), act), "logits": ((batch, c.vocab_size), np.float32)}
         return {name: xp.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
-    def _plans(self, step, buffers, decode):
+    def plans(self, step, buffers, decode):
         """The step's attention plan and K/V write plan (checked once, run per layer)."""
         q, k0 = buffers["q"], self.cache.k(0)
         if decode:
@@ -110,34 +111,42 @@ class LlamaModel:
 
     def _run(self, step, ids, b, plan, writer):
         """Every layer of one step; allocates nothing (a CUDA graph can capture it)."""
+        for _, launch in self.launches(step, ids, b, plan, writer):
+            launch()
+
+    def launches(self, step, ids, b, plan, writer):
+        """The step's launches in order, as (kind, call) pairs: what :meth:`forward` runs, and what the benchmark
+        times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and write plans."""
         c, cache = self.config, self.cache
         n, eps = step.num_tokens, c.rms_eps
         attn = b["attn"].reshape(n, c.hidden)
-        ops.embed(ids, self.embedding, b["residual"])
+        yield "embed", partial(ops.embed, ids, self.embedding, b["residual"])
         delta = None
         for layer, w in enumerate(self.layers):
-            ops.add_rms_norm(b["residual"], delta, w["attn_norm"], b["h"], eps)
-            ops.gemm(b["h"], w["qkv"], b["qkv"])
-            ops.rope_split(b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens, self.inv_freq)
             k, v = cache.k(layer), cache.v(layer)
-            writer.run(b["k"], b["v"], k, v)
-            plan.run(b["q"], k, v, out=b["attn"])
-            ops.gemm(attn, w["o"], b["delta"])
-            ops.add_rms_norm(b["residual"], b["delta"], w["ffn_norm"], b["h"], eps)
-            ops.gemm(b["h"], w["gate_up"], b["gate_up"])
-            ops.silu_mul(b["gate_up"], b["mlp"])
-            ops.gemm(b["mlp"], w["down"], b["delta"])
+            yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
+            yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
+            yield "rope", partial(ops.rope_split, b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens,
+                                  self.inv_freq)
+            yield "write_kv", partial(writer.run, b["k"], b["v"], k, v)
+            yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"])
+            yield "gemm_o", partial(ops.gemm, attn, w["o"], b["delta"])
+            yield "rms_norm", partial(ops.add_rms_norm, b["residual"], b["delta"], w["ffn_norm"], b["h"], eps)
+            yield "gemm_gate_up", partial(ops.gemm, b["h"], w["gate_up"], b["gate_up"])
+            yield "silu_mul", partial(ops.silu_mul, b["gate_up"], b["mlp"])
+            yield "gemm_down", partial(ops.gemm, b["mlp"], w["down"], b["delta"])
             delta = b["delta"]
-        ops.add_rms_norm(b["residual"], delta, self.output_norm, b["last"], eps, rows=step.qo_indptr)
-        ops.gemm(b["last"], self.output, b["logits"])
+        yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, self.output_norm, b["last"], eps,
+                                  rows=step.qo_indptr)
+        yield "gemm_logits", partial(ops.gemm, b["last"], self.output, b["logits"])
 
     def _capture(self, step, ids):
         """Run this decode step, then capture it as the graph of its batch size; returns its logits."""
         batch = step.num_tokens
-        buffers = self._buffers(batch, batch)
+        buffers = self.buffers(batch, batch)
         fixed_ids = self.xp.empty(batch, np.int64)
         fixed_ids[...] = ids
-        plans = self._plans(step, buffers, True)
+        plans = self.plans(step, buffers, True)
         self._run(step, fixed_ids, buffers, *plans)
         stream = self.xp.cuda.get_current_stream()
         stream.begin_capture()
