@@ -97,7 +97,7 @@ def run(cp, timer, gguf, batch, context, steps, ceilings):
             last = []
             for lo in range(0, batch, per_step):
                 chunk = prompts[lo:lo + per_step]
-                step = cache.step(arrivals=list(chunk))
+                step = cache.step([], arrivals=list(chunk))
                 logits = model.forward(step, cp.asarray(chunk.reshape(-1)))
                 last.append(cp.argmax(logits, axis=1).get())
             tokens = np.concatenate(last)

@@ -17,10 +17,12 @@ tests compare the kernels with.
 """
 
 import functools
+import re
 
 import numpy as np
 
 from .. import source
+from ..errors import CudaError
 from ..kernels.args import NULL, ptr
 from ..kernels.configs import CUDA_TYPES
 from ..supported import dtype_name
@@ -30,6 +32,7 @@ THREADS = 256
 KERNELS = ("embed", "add_rms_norm", "rope_split", "silu_mul")
 CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType
 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N = 68, -1, 0
+WORKSPACE_BYTES = 32 << 20  # cuBLAS's workspace (Hopper's recommendation)
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read by cuBLAS from the host
 
 
@@ -121,6 +124,31 @@ def silu_mul(gate_up, out):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _cublas(device_id):
+    """(cuBLAS, CuPy's handle on this device, a workspace for it). cuBLAS is the library CuPy loaded, called
+    through ctypes: CuPy's own wrappers refuse to run while a stream is being captured, which cuBLAS supports
+    when the handle has a workspace of its own (so nothing is allocated during the capture)."""
+    import ctypes
+    import cupy
+    handle = cupy.cuda.device.get_cublas_handle()  # loads the library
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if re.search(r"/libcublas\.so[.0-9]*$", line.strip())), None)
+    if path is None:
+        raise CudaError("dlopen", "NOT_FOUND", "libcublas is not loaded in this process")
+    lib = ctypes.CDLL(path)
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasSetStream_v2.argtypes = [p, p]
+    lib.cublasSetWorkspace_v2.argtypes = [p, p, ctypes.c_size_t]
+    lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+    return lib, handle, cupy.empty(WORKSPACE_BYTES, np.uint8)
+
+
+def _check(call, status):
+    if status:
+        raise CudaError(call, f"cublasStatus_t {status}", "see cublas_api.h")
+
+
 def gemm(a, b, out):
     """``out = a @ b``: a [m, k], b [k, n], out [m, n], all C-contiguous. On the device a and b share a dtype and
     out has it or float32; cuBLAS accumulates in float32. On the host, float32 (or float64 if out is)."""
@@ -129,13 +157,15 @@ def gemm(a, b, out):
         np.matmul(a.astype(compute, copy=False), b.astype(compute, copy=False), out=out, casting="unsafe")
         return out
     import cupy
-    from cupy_backends.cuda.libs import cublas
     m, k = a.shape
     n = b.shape[1]
     if m:
+        lib, handle, workspace = _cublas(cupy.cuda.Device().id)
+        _check("cublasSetStream", lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr))
+        _check("cublasSetWorkspace", lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, workspace.nbytes))
         # Row-major out = a @ b is column-major out^T = b^T @ a^T: b is cuBLAS's first matrix.
-        cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, _ONE.ctypes.data,
-                      b.data.ptr, CUDA_R[dtype_name(b.dtype)], n, a.data.ptr, CUDA_R[dtype_name(a.dtype)], k,
-                      _ZERO.ctypes.data, out.data.ptr, CUDA_R[dtype_name(out.dtype)], n, CUBLAS_COMPUTE_32F,
-                      CUBLAS_GEMM_DEFAULT)
+        _check("cublasGemmEx", lib.cublasGemmEx(
+            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, b.data.ptr, CUDA_R[dtype_name(b.dtype)], n,
+            a.data.ptr, CUDA_R[dtype_name(a.dtype)], k, _ZERO.ctypes.data, out.data.ptr,
+            CUDA_R[dtype_name(out.dtype)], n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
     return out
