@@ -40,8 +40,9 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 template <typename T>
-__global__ void add_rms_norm(float* __restrict__ residual, const T* __restrict__ delta, const float* __restrict__ weight,
-                             T* __restrict__ out, const int* __restrict__ rows, int hidden, float eps) {
+__global__ void add_rms_norm(float* __restrict__ residual, const T* __restrict__ delta,
+                             const float* __restrict__ weight, T* __restrict__ out, const int* __restrict__ rows,
+                             int hidden, float eps) {
     const int r = blockIdx.x;
     const long long i = rows ? rows[r + 1] - 1 : r;
     float* x = residual + i * hidden;

@@ -387,7 +387,8 @@ def show_snapshot(path, snap, style, as_json, clear):
 @click.argument("prompt", required=False)
 @click.option("--n", "n", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Samples of the prompt; they share its blocks (fork, then copy-on-write).")
-@click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True, help="Tokens to generate, at most.")
+@click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True,
+              help="Tokens to generate, at most.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
@@ -419,6 +420,7 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
         click.echo(f"model    {path.name}: {c.num_layers} layers, {c.q_heads} query / {c.kv_heads} KV heads x "
                    f"{c.head_dim}, vocabulary {c.vocab_size}; {engine.cache.dtype.name} on the "
                    f"{engine.cache.pool.backend} backend", err=True)
+        engine.warm_up()
         if batch_file:
             prompts = [line.strip() for line in open(batch_file, encoding="utf-8") if line.strip()]
             if not prompts:

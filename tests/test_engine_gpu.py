@@ -34,7 +34,8 @@ def test_ops_match_references():
     ops.embed(cp.asarray(ids), cp.asarray(table), dev)
     assert np.array_equal(to_host(dev), host)
 
-    residual, weight, delta = rng.standard_normal((n, hidden)).astype(np.float32), f16(hidden).astype(np.float32), f16(n, hidden)
+    residual, weight = rng.standard_normal((n, hidden)).astype(np.float32), f16(hidden).astype(np.float32)
+    delta = f16(n, hidden)
     qo = np.array([0, 5, 6, 37], np.int32)
     for rows, out_rows in ((None, n), (qo, 3)):
         (rh, rd), (dh, dd) = both(residual), both(delta)
@@ -98,8 +99,8 @@ def drive(gguf, backend, graphs, fed=None, steps=6):
             tokens = forward(step, np.concatenate([a[40:], b[32:]]))
             step = cache.step(None, 1, tokens, forks=[0])
             greedy = forward(step, tokens)
-            tokens = greedy if fed is not None else np.concatenate([greedy, tokens[:1]])  # the child starts as its
-            # parent did
+            # the child's first token is its parent's last one
+            tokens = greedy if fed is not None else np.concatenate([greedy, tokens[:1]])
             for _ in range(steps):
                 step = cache.step(None, 1, tokens)
                 tokens = forward(step, tokens)

@@ -121,8 +121,8 @@ def test_tiny_quantized_model_equals_llama_cpp(tiny_files):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.sampled_from(list("abcdefghij ABC   \n\t01239.,;'!?-éü日本語🙂\u00a0") + ["'s", "'ll", "the", " fox"]),
-                max_size=40).map("".join))
+@given(st.lists(st.sampled_from(list("abcdefghij ABC   \n\t01239.,;'!?-éü日本語🙂\u00a0")
+                                + ["'s", "'ll", "the", " fox"]), max_size=40).map("".join))
 def test_tokenizer_equals_llama_cpp(tiny_vocab, text):
     tokenizer, llm = tiny_vocab
     assert tokenizer.encode(text).tolist() == llm.tokenize(text.encode(), add_bos=False, special=False)

@@ -116,7 +116,7 @@ def run(cp, timer, gguf, batch, context, steps, ceilings):
             for _ in range(steps):
                 step = decode()
             e2e = (time.perf_counter() - start) / steps
-            graph = model._graphs[batch]
+            graph = model.graph(batch)
             step_us = timer.gpu_us(lambda: graph.graph.launch(graph.stream), 50)
             kinds = breakdown(cp, timer, model, step, graph)
         lengths = cache.lengths(cache.sequences)

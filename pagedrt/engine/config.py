@@ -56,14 +56,15 @@ def read_config(fields, vocab_size):
     """The checked :class:`ModelConfig` of a GGUF file's metadata ``fields`` (``GGUFReader.fields``)."""
     arch = field(fields, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"architecture {arch!r} is not supported: the engine runs {', '.join(ARCHITECTURES)}")
+        raise UnsupportedModelError(f"architecture {arch!r} is not supported: the engine runs "
+                                    f"{', '.join(ARCHITECTURES)}")
     get = lambda key, default=None: field(fields, f"{arch}.{key}", default)  # noqa: E731
     hidden, q_heads = int(get("embedding_length")), int(get("attention.head_count"))
     kv_heads = int(get("attention.head_count_kv", q_heads))
     head_dim = int(get("attention.key_length", hidden // q_heads if q_heads else 0))
     if q_heads <= 0 or kv_heads <= 0 or q_heads % kv_heads or head_dim * q_heads != hidden:
-        raise UnsupportedModelError(f"{q_heads} query heads, {kv_heads} KV heads of {head_dim} for a width of {hidden}: "
-                                    f"the heads must divide the width and the KV heads the query heads")
+        raise UnsupportedModelError(f"{q_heads} query heads, {kv_heads} KV heads of {head_dim} for a width of "
+                                    f"{hidden}: the heads must divide the width and the KV heads the query heads")
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModelError("keys and values of different head sizes are not supported")
     if head_dim not in PREFILL_HEAD_DIMS:

@@ -362,6 +362,18 @@ class Engine:
             s.decode_seconds += seconds
             s.decode_tokens += decode_tokens
 
+    def warm_up(self):
+        """Run a prompt step and a decode step of one short sequence through the model, then free it: every kernel
+        is compiled or loaded (on first use, by CuPy) before the steps that are timed."""
+        ids = np.zeros(2, np.int64)
+        with self.model.stream:
+            step = self.cache.step([], arrivals=[ids])
+            self.model.forward(step, self.cache.xp.asarray(ids))
+            seq = step.arrived.tolist()
+            step = self.cache.step(seq, 1, ids[:1])
+            self.model.forward(step, self.cache.xp.asarray(ids[:1]))
+            self.cache.step([], frees=seq)
+
     def close(self):
         self.cache.close()
 

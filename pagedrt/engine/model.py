@@ -65,6 +65,11 @@ class LlamaModel:
         arrays = [self.output, self.output_norm] + [a for layer in self.layers for a in layer.values()]
         return sum(int(a.nbytes) for a in arrays)
 
+    def graph(self, batch):
+        """The captured decode step of batch size ``batch`` (its ``graph``, ``stream``, input ``ids``, ``buffers``
+        and ``plans``), or None."""
+        return None if self._graphs is None else self._graphs.get(batch)
+
     def forward(self, step, ids):
         """Logits (float32 [batch, vocab], valid until the next call) of each batch row's last new token.
 
