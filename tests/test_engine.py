@@ -212,6 +212,13 @@ def test_a_prompt_sharing_a_system_prompt_finds_it_cached(tiny):
         assert greedy(other, [COMMON + "house."], 8)[0] == hit  # the same tokens as computing it all
 
 
+def test_prompts_sharing_a_first_block_wait_one_step_then_arrive_together(tiny):
+    with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14) as fresh:
+        results = fresh.generate([COMMON + f"{i} woods." for i in range(5)], SamplingParams(max_tokens=4))
+        assert [r.cached_tokens > 0 for r in results] == [False] + [True] * 4
+        assert fresh.stats.prefill_steps == 2  # the first prompt alone, then the four others at once
+
+
 def test_the_stop_token_ends_a_sample(tiny):
     with Engine(tiny, backend="host", max_seqs=4, kv_tokens=1 << 12) as e:
         e.stop_tokens = np.arange(e.config.vocab_size)  # every token stops

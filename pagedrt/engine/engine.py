@@ -11,8 +11,8 @@ One :meth:`Engine.step` is one ``cache.step()`` and one model forward:
 - **prefill**: the token budget left (``step_tokens`` less the decode tokens) goes to prompt chunks, sequences
   already prefilling first, then new arrivals in order. ``cache.step()`` starts each arrival holding the cached
   blocks its prompt begins with (the prefix cache), so only the rest is computed. An arrival whose first
-  block equals that of another arrival in the same step waits one step, so that it finds the other's
-  blocks cached;
+  block equals that of another arrival in the same step, and of none in an earlier step, waits one step, so
+  that it finds the other's blocks cached;
 - an arrival is admitted only while the blocks every live sequence may still need, counted as if none were
   shared, fit in the blocks available: no step runs out of blocks.
 
@@ -202,6 +202,7 @@ class Engine:
         self._prefilling = {}     # handle -> its prompt tokens in the cache, in arrival order
         self._forks = []          # (parent handle, first tokens of its children): forked next step
         self._to_free = []
+        self._firsts = set()      # the first blocks of the prompts that arrived in earlier steps
         self._snapshot, self._on_token = snapshot, on_token
         with self.model.stream:
             while self._waiting or self._prefilling or self._decoding.any() or self._forks or self._to_free:
@@ -256,7 +257,8 @@ class Engine:
     def _admit(self, budget, more_rows):
         """(request, prompt tokens it may append now) of the requests that arrive this step, in order: while the
         budget, the block table's rows and the blocks every live sequence may still need allow, and while no two
-        begin with the same block (the later one waits a step, to find the earlier one's blocks cached)."""
+        begin with the same block that no earlier step's arrival began with (the later one waits a step, to find
+        the earlier one's blocks cached; once one arrived, the others that begin alike arrive together)."""
         if not self._waiting or budget <= 0:
             return []
         live = np.flatnonzero(self._request_of >= 0)
@@ -269,12 +271,14 @@ class Engine:
             req = self._requests[self._waiting[0]]
             first = req.prompt[:self.cache.block_size].tobytes()
             blocks = req.params.n * int(self._blocks(req.prompt.size + req.params.max_tokens))
-            if rows_free < req.params.n or need + blocks > available or first in firsts:
+            repeated = first in firsts and first not in self._firsts
+            if rows_free < req.params.n or need + blocks > available or repeated:
                 break
             chunk = min(req.prompt.size, budget)
             admitted.append((self._waiting.popleft(), chunk))
             firsts.add(first)
             need, rows_free, budget = need + blocks, rows_free - req.params.n, budget - chunk
+        self._firsts |= firsts
         return admitted
 
     def _start_children(self, children):
