@@ -367,15 +367,17 @@ class Engine:
             s.decode_tokens += decode_tokens
 
     def warm_up(self):
-        """Run a prompt step and a decode step of one short sequence through the model, then free it: every kernel
-        is compiled or loaded (on first use, by CuPy) before the steps that are timed."""
-        ids = np.zeros(2, np.int64)
+        """Run a prompt step and two decode steps of one short sequence through the model, then free it: the
+        kernels of one sequence are compiled or loaded (on first use, by CuPy) and its decode step captured as a
+        graph before the steps that are timed. Other batch sizes may still compile kernels of their own."""
+        ids = np.zeros(4, np.int64)
         with self.model.stream:
-            step = self.cache.step([], arrivals=[ids])
-            self.model.forward(step, self.cache.xp.asarray(ids))
+            step = self.cache.step([], arrivals=[ids[:2]])  # two prompt tokens: the prefill path
+            self.model.forward(step, self.cache.xp.asarray(ids[:2]))
             seq = step.arrived.tolist()
-            step = self.cache.step(seq, 1, ids[:1])
-            self.model.forward(step, self.cache.xp.asarray(ids[:1]))
+            for token in (ids[2:3], ids[3:4]):  # an eager decode step, then one captured
+                step = self.cache.step(seq, 1, token)
+                self.model.forward(step, self.cache.xp.asarray(token))
             self.cache.step([], frees=seq)
 
     def close(self):
