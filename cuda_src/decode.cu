@@ -28,6 +28,10 @@
 // PAGED=false is the contiguous baseline: block id = seq * max_blocks + logical
 // block, no table read; the rest of the code is shared.
 //
+// INDEXED: item i is the decode row rows[i] = (table row, query token) of a batch that
+// also holds prompt rows (a mixed step, attention/prefill.py): one more load at the start;
+// the split workspace stays indexed by item.
+//
 // Block ids: IDS_WINDOW table entries at a time are staged in shared memory
 // after the pipeline's stages, read by the whole thread block with coalesced loads.
 //
@@ -220,13 +224,14 @@ __device__ __forceinline__ int add_acq_rel(int* count, int value) {
 // head_row .. head_row + GROUP - 1: count the segment in; the last of the item's LIVE
 // segments (the first LIVE of the NUM_SPLITS: those holding tokens, at least 2) to
 // arrive combines them exactly: m = max m_i, l = sum l_i 2^(m_i - m),
-// out = sum o_i 2^(m_i - m) / l. Each thread merges 4 dims of one query head, loading
-// 8 segments at a time so that their loads are in flight together. `last` is one int
-// of the block's dynamic shared memory, free at this point.
+// out = sum o_i 2^(m_i - m) / l, into output rows out_shift further on (0 but for an
+// INDEXED item). Each thread merges 4 dims of one query head, loading 8 segments at a
+// time so that their loads are in flight together. `last` is one int of the block's
+// dynamic shared memory, free at this point.
 template <typename T, int GROUP, int HEAD_DIM, int NT>
 __device__ __forceinline__ void arrive_and_merge(const float* part_o, const float2* part_ml, int* arrivals,
-                                                 long long head_row, int live, int num_splits, T* out,
-                                                 int* last) {
+                                                 long long head_row, long long out_shift, int live, int num_splits,
+                                                 T* out, int* last) {
     __syncthreads();  // the block's partials are written
     const long long item = head_row / GROUP;
     if (threadIdx.x == 0) {
@@ -270,13 +275,13 @@ __device__ __forceinline__ void arrive_and_merge(const float* part_o, const floa
             m_run = top;
         }
         const float inv = l_run > 0.f ? 1.f / l_run : 0.f;
-        T* const dst = out + row * HEAD_DIM + 4 * (c % QUADS);
+        T* const dst = out + (row + out_shift) * HEAD_DIM + 4 * (c % QUADS);
         dst[0] = from_float<T>(acc.x * inv), dst[1] = from_float<T>(acc.y * inv);
         dst[2] = from_float<T>(acc.z * inv), dst[3] = from_float<T>(acc.w * inv);
     }
 }
 
-// q, out:       [batch, num_kv_heads * GROUP, HEAD_DIM], contiguous
+// q, out:       [batch, num_kv_heads * GROUP, HEAD_DIM], contiguous ([tokens, ...] when INDEXED)
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at b*block_stride + (h*BLOCK_SIZE + s)*HEAD_DIM + d
 // block_tables: [batch, >= max_blocks] int32 with row stride table_stride (unused when !PAGED)
 // seq_lens:     [batch] int32, clamped to [0, max_blocks*BLOCK_SIZE]
@@ -287,13 +292,17 @@ __device__ __forceinline__ void arrive_and_merge(const float* part_o, const floa
 //               [batch*q_heads, num_splits, HEAD_DIM] floats, [batch*q_heads, num_splits] (m, l)
 //               and [batch*num_kv_heads] int32 arrival counts, zero before the launch (and after it:
 //               the merging block resets its count)
+// rows:         INDEXED only (a mixed step's decode rows): [batch] of (table row, query token); item
+//               blockIdx.y reads block_tables and seq_lens at the first and q and out at the second.
+//               Otherwise item i reads row i of each.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int THREADS, int LANES, int TILE, int STAGES,
-          bool MMA, int IDS_WINDOW>
+          bool MMA, int IDS_WINDOW, bool INDEXED>
 __global__ void __launch_bounds__(THREADS)
 decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
        const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
-       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals) {
+       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+       const int2* __restrict__ rows) {
     using S = DecodeShape<T, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES, IDS_WINDOW>;
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
@@ -304,9 +313,12 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     T* const smem_k = reinterpret_cast<T*>(smem_raw);
     T* const smem_v = smem_k + STAGES * S::kTileElems;
 
-    const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+    const int kv_head = blockIdx.x, item = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
     const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
-    const long long head_row = ((long long)seq * gridDim.x + kv_head) * GROUP;  // row of query head g=0
+    const int2 pick = INDEXED ? __ldg(rows + item) : make_int2(item, item);  // (table row, query token)
+    const int seq = pick.x;
+    const long long head_row = ((long long)item * gridDim.x + kv_head) * GROUP;  // query head g=0's split row
+    const long long q_row = INDEXED ? ((long long)pick.y * gridDim.x + kv_head) * GROUP : head_row;  // of q, out
 
     // Every load the start needs is issued before any of them is used (the length, the
     // first window of block ids, q), so their latencies overlap instead of adding up at
@@ -332,7 +344,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     const int warp = tid / 32, quad_row = (tid % 32) / 4, quad_col = tid % 4;
     unsigned qa[MMA ? HEAD_DIM / 16 : 1][2];
     if constexpr (MMA) {
-        const T* const row = q + (head_row + quad_row) * HEAD_DIM;
+        const T* const row = q + (q_row + quad_row) * HEAD_DIM;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
 #pragma unroll
@@ -345,7 +357,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     } else {
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            load_row<T, NV, LANES, LV>(q + (head_row + g) * HEAD_DIM, lane, qf[g]);
+            load_row<T, NV, LANES, LV>(q + (q_row + g) * HEAD_DIM, lane, qf[g]);
 #pragma unroll
             for (int j = 0; j < LV; ++j)
 #pragma unroll
@@ -361,7 +373,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     if (split >= live) return;
     const bool merged = part_o != nullptr && live > 1;
     if (begin >= end) {  // an empty sequence: its output is zero
-        for (int i = tid; i < GROUP * HEAD_DIM; i += NT) out[head_row * HEAD_DIM + i] = from_float<T>(0.f);
+        for (int i = tid; i < GROUP * HEAD_DIM; i += NT) out[q_row * HEAD_DIM + i] = from_float<T>(0.f);
         return;
     }
 
@@ -630,12 +642,12 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
             const float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma unroll
             for (int e = 0; e < V; ++e) sum[e] *= inv;
-            *reinterpret_cast<uint4*>(out + row * HEAD_DIM + d0) = pack16<T>(sum);
+            *reinterpret_cast<uint4*>(out + (q_row + g) * HEAD_DIM + d0) = pack16<T>(sum);
         }
     }
     if (merged)  // the staged ids' space is free now (the merge above used the pipeline's)
-        arrive_and_merge<T, GROUP, HEAD_DIM, NT>(part_o, part_ml, arrivals, head_row, live, num_splits, out,
-                                                 smem_ids);
+        arrive_and_merge<T, GROUP, HEAD_DIM, NT>(part_o, part_ml, arrivals, head_row, q_row - head_row, live,
+                                                 num_splits, out, smem_ids);
 }
 
 }  // namespace pagedrt

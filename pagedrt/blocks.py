@@ -18,6 +18,18 @@ would map more while it holds data nobody may ask for again. Since a cached-free
 block is not free, :meth:`~BlockAllocator.trim` leaves its chunk mapped; evicting it
 is the allocator's job, when blocks are needed.
 
+The host tier, when the cache has one, is the allocator's last ``host_chunks`` chunks:
+block ids ``[device_blocks, max_blocks)`` in pinned host memory, mapped once at the
+start (:meth:`~BlockAllocator.map_host`) and never released before the pool closes.
+The tiers are kept apart: :meth:`~BlockAllocator.allocate`, ``grow`` and ``trim`` see
+device chunks only; :meth:`~BlockAllocator.allocate_host` hands out host-tier blocks
+(for swap-outs), and :meth:`~BlockAllocator.transfer` moves a block's references to
+its copy in the other tier. While :attr:`~BlockAllocator.moves` is a list (a step or
+a swap running), evicting a cached-free block *offloads* it instead when the host tier
+has room: it is copied to a host-tier block that takes its name, cached-free there
+(``host_evictable``, least recently used first), and every copy is recorded, in order,
+in that list for the caller to make before anything writes into the blocks it reads.
+
 Chunks may also be mapped ahead of demand, off the step's critical path
 (:mod:`pagedrt.growth`): such chunks are *in flight* (``in_flight``) from the moment
 their places are claimed until they are adopted as free blocks or given up;
@@ -38,6 +50,16 @@ leading tokens have known ids, the ids of its partly filled last block and the n
 of its last full block; when a block whose ids are all known fills, it is named and
 registered in the allocator's prefix index. :meth:`BlockTables.add` with a prompt
 starts the sequence holding the longest chain of cached blocks the prompt begins with.
+
+A sequence can be *swapped out* (:meth:`BlockTables.swap_out`): its device blocks move to
+host-tier blocks (copies the caller makes, in the order given) and its row points at
+them; :meth:`BlockTables.swap_in` moves them back. A block moves when every sequence
+holding it is swapped out (copying a block another sequence keeps on the device would
+free nothing), and every holder's row follows it, so a block is never in both tiers and
+reference counts move with it. A swapped-out sequence is left out of "every live
+sequence" (``seqs=None``), is never forked, and holds the only host-tier blocks that
+sequences hold; given tokens explicitly, it appends (to device blocks) and attention
+reads its host-tier blocks through the same pointers.
 """
 
 from collections import OrderedDict
@@ -46,8 +68,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import prefix
-from .errors import (DoubleFreeError, DuplicateSequenceError, InvalidTokenCountError, PoolExhaustedError,
-                     PoolSizeError, SequenceFullError, TooManySequencesError, UnknownSequenceError)
+from .errors import (DoubleFreeError, DuplicateSequenceError, HostTierExhaustedError, InvalidTokenCountError,
+                     PoolExhaustedError, PoolSizeError, SequenceFullError, SwapStateError, TooManySequencesError,
+                     UnknownSequenceError)
 
 
 def ceil_div(a, b):
@@ -57,14 +80,20 @@ def ceil_div(a, b):
 class BlockAllocator:
     """Reference-counted block ids over a :class:`~pagedrt.memory.Pool`'s chunks."""
 
-    def __init__(self, pool, blocks_per_chunk, num_planes=1):
+    def __init__(self, pool, blocks_per_chunk, num_planes=1, host_chunks=0):
         if pool.num_chunks % num_planes:
             raise PoolSizeError(f"the pool's {pool.num_chunks} chunks do not split into {num_planes} planes")
         self.pool = pool
         self.num_planes = num_planes
         self.blocks_per_chunk = blocks_per_chunk
-        self.num_chunks = pool.num_chunks // num_planes    # allocator chunks (rows of pool chunks)
-        self.max_blocks = self.num_chunks * blocks_per_chunk
+        self.num_chunks = pool.num_chunks // num_planes    # allocator chunks (rows of pool chunks), both tiers
+        if not 0 <= host_chunks < self.num_chunks:
+            raise PoolSizeError(f"host_chunks={host_chunks} must leave at least one of {self.num_chunks} chunks to the "
+                                f"device")
+        self.device_chunks = self.num_chunks - host_chunks  # the device's chunks come first, the host tier's last
+        self.max_blocks = self.num_chunks * blocks_per_chunk  # block ids of both tiers
+        self.device_blocks = self.device_chunks * blocks_per_chunk
+        self.host_blocks = host_chunks * blocks_per_chunk
         self.ref_count = np.zeros(self.max_blocks, np.int32)
         self.is_free = np.zeros(self.max_blocks, bool)
         self.free_in_chunk = np.zeros(self.num_chunks, np.int64)
@@ -76,6 +105,10 @@ class BlockAllocator:
         self.index = prefix.PrefixIndex(self.max_blocks)  # names of cached blocks
         self.evictable = OrderedDict()  # cached-free blocks (named, reference count 0), oldest first
         self.evictions = 0
+        self._host_free = 0  # free host-tier blocks
+        self.host_evictable = OrderedDict()  # offloaded cached-free blocks in the host tier, oldest first
+        self.offloads = self.reloads = self.host_evictions = 0
+        self.moves = None  # while a list: offload on eviction, and record every tier copy (src, dst) in order
         self.in_flight = np.zeros(self.num_chunks, bool)  # chunks being mapped ahead: not mapped yet, grow skips them
         self.wait_in_flight = None  # set with in_flight: returns once no chunk is in flight (adopted or given up)
         self.sync_grows = 0  # times allocate mapped chunks itself
@@ -88,24 +121,41 @@ class BlockAllocator:
 
     @property
     def num_free(self):
+        """Free device blocks."""
         return self._free
 
     @property
     def num_mapped_blocks(self):
+        """Device blocks in mapped chunks."""
         return self._mapped_chunks * self.blocks_per_chunk
 
     @property
     def num_held(self):
+        """Device blocks held by sequences."""
         return self.num_mapped_blocks - self.num_free - len(self.evictable)
 
     @property
     def num_available(self):
-        """Blocks :meth:`allocate` can still hand out: free, cached-free (evictable) and every block of unmapped
-        chunks."""
-        return self.max_blocks - self.num_held
+        """Device blocks :meth:`allocate` can still hand out: free, cached-free (evictable) and every block of
+        unmapped chunks."""
+        return self.device_blocks - self.num_held
+
+    @property
+    def num_host_free(self):
+        return self._host_free
+
+    @property
+    def num_host_available(self):
+        """Host-tier blocks :meth:`allocate_host` can hand out: free, and those of offloaded cached blocks."""
+        return self._host_free + len(self.host_evictable)
+
+    @property
+    def num_host_held(self):
+        """Host-tier blocks held by (swapped-out) sequences."""
+        return self.host_blocks - self._host_free - len(self.host_evictable)
 
     def usable_mask(self):
-        """Per block: True where its chunk is mapped (free or held)."""
+        """Per block id of both tiers: True where its chunk is mapped (free or held)."""
         return np.repeat(self.chunk_mapped, self.blocks_per_chunk)
 
     # --- allocation -------------------------------------------------------------------
@@ -127,7 +177,7 @@ class BlockAllocator:
         if not self.can_allocate(n):
             raise PoolExhaustedError(
                 f"asked for {n} blocks but only {self.num_free} are free and the reservation holds at most "
-                f"{self.max_blocks} ({self.num_held} held): free sequences, or reserve a larger cache")
+                f"{self.device_blocks} ({self.num_held} held): free sequences, or reserve a larger cache")
         short = n - self.num_free
         if short > len(self.evictable) and self.in_flight.any():
             self.wait_in_flight()
@@ -139,7 +189,7 @@ class BlockAllocator:
                 self.grow(ceil_div(short - evict, self.blocks_per_chunk))
             if evict:
                 self._evict(evict)
-        free, bpc = self.free_in_chunk, self.blocks_per_chunk
+        free, bpc = self.free_in_chunk[:self.device_chunks], self.blocks_per_chunk  # a view: the device's chunks
         fullest = int(np.where(free > 0, free, bpc + 1).argmin())
         if free[fullest] >= n:  # the common case: one chunk has enough
             ids = (np.flatnonzero(self.is_free[fullest * bpc:(fullest + 1) * bpc])[:n]
@@ -158,16 +208,83 @@ class BlockAllocator:
         return ids
 
     def _evict(self, n):
-        """Make the ``n`` least recently freed cached blocks free, forgetting their names."""
-        ids = np.empty(n, np.int64)
-        for i in range(n):
-            block = self.evictable.popitem(last=False)[0]
+        """Make the ``n`` least recently freed cached blocks free: offloaded to the host tier (the most recent of
+        them, as many as it has room for) while :attr:`moves` is a list, else forgetting their names."""
+        ids = np.array([self.evictable.popitem(last=False)[0] for _ in range(n)], np.int64)
+        kept = min(n, self.num_host_available) if self.moves is not None else 0
+        for block in ids[:n - kept].tolist():
             self.index.forget(block)
-            ids[i] = block
+        if kept:
+            src = ids[n - kept:]
+            dst = self.allocate_host(kept)
+            self.ref_count[dst] = 0
+            for d, h in zip(src.tolist(), dst.tolist()):
+                self.index.move(d, h)
+                self.host_evictable[h] = None
+            self.moves.append((src, dst))
+            self.offloads += kept
         self.is_free[ids] = True
         np.add.at(self.free_in_chunk, ids // self.blocks_per_chunk, 1)
         self._free += n
         self.evictions += n
+
+    def allocate_host(self, n):
+        """``n`` host-tier block ids with reference count 1: free ones first, then those of offloaded cached blocks
+        (least recently used first, forgetting their names). HostTierExhaustedError, changing nothing, when short."""
+        if n > self.num_host_available:
+            raise HostTierExhaustedError(
+                f"asked for {n} host-tier blocks but {self._host_free} are free and {len(self.host_evictable)} hold "
+                f"offloaded cache blocks, of {self.host_blocks} ({self.num_host_held} held by swapped-out "
+                f"sequences): swap fewer sequences out, free some, or make the cache with a larger host tier")
+        if n > self._host_free:
+            self._drop_host(n - self._host_free)
+        ids = (np.flatnonzero(self.is_free[self.device_blocks:])[:n] + self.device_blocks).astype(np.int32)
+        self.is_free[ids] = False
+        np.subtract.at(self.free_in_chunk, ids // self.blocks_per_chunk, 1)
+        self._host_free -= n
+        self.ref_count[ids] = 1
+        return ids
+
+    def _drop_host(self, n):
+        """Make the ``n`` least recently offloaded cached blocks free, forgetting their names."""
+        ids = np.array([self.host_evictable.popitem(last=False)[0] for _ in range(n)], np.int64)
+        for block in ids.tolist():
+            self.index.forget(block)
+        self.is_free[ids] = True
+        np.add.at(self.free_in_chunk, ids // self.blocks_per_chunk, 1)
+        self._host_free += n
+        self.host_evictions += n
+
+    def transfer(self, src, dst):
+        """Move every reference of blocks ``src`` to their copies ``dst`` (just allocated, in the other tier): the
+        sources are released (free, or cached-free when named: the name stays with them)."""
+        refs = self.ref_count[src].astype(np.int64)
+        self.ref_count[dst] = refs
+        self.num_shared += int((refs > 1).sum())
+        self.free(np.repeat(np.asarray(src, np.int64), refs))
+
+    def reserve_offloaded(self, block_ids):
+        """Take these offloaded cached blocks out of the host tier's LRU, so nothing drops them (a step's prefix
+        hits on them, about to be reloaded)."""
+        for block in block_ids:
+            del self.host_evictable[block]
+
+    def reload(self, host_ids, holders):
+        """Bring reserved offloaded blocks back to the device: a new device block each, with ``holders`` references
+        and the name; the host-tier blocks go free. Records the copies in :attr:`moves`; returns the device ids."""
+        host_ids = np.asarray(host_ids, np.int64)
+        dst = self.allocate(host_ids.size).astype(np.int64)
+        holders = np.asarray(holders, np.int32)
+        self.ref_count[dst] = holders
+        self.num_shared += int((holders > 1).sum())
+        for h, d in zip(host_ids.tolist(), dst.tolist()):
+            self.index.move(h, d)
+        self.is_free[host_ids] = True
+        np.add.at(self.free_in_chunk, host_ids // self.blocks_per_chunk, 1)
+        self._host_free += host_ids.size
+        self.moves.append((host_ids, dst))
+        self.reloads += host_ids.size
+        return dst
 
     def claim_cached(self, block_ids):
         """One more reference to each of these cached blocks (a prefix hit); cached-free ones stop being evictable."""
@@ -208,11 +325,14 @@ class BlockAllocator:
             released = released[~cached]
             kept = order[self.index.cached[order] & (self.ref_count[order] == 0)]
             for block in kept[::-1].tolist():
-                self.evictable[block] = None
-                self.evictable.move_to_end(block)
+                lru = self.evictable if block < self.device_blocks else self.host_evictable
+                lru[block] = None
+                lru.move_to_end(block)
         self.is_free[released] = True
         np.add.at(self.free_in_chunk, released // self.blocks_per_chunk, 1)
-        self._free += released.size
+        host = int(np.count_nonzero(released >= self.device_blocks)) if self.host_blocks else 0
+        self._free += released.size - host
+        self._host_free += host
 
     def _check_held(self, ids, counts, what):
         bad = (ids < 0) | (ids >= self.max_blocks)
@@ -239,8 +359,21 @@ class BlockAllocator:
         return chunks
 
     def unmapped_chunks(self, n_chunks):
-        """The ``n_chunks`` lowest chunks (or fewer, all there are) that are neither mapped nor in flight."""
-        return [int(k) for k in np.flatnonzero(~(self.chunk_mapped | self.in_flight))[:n_chunks]]
+        """The ``n_chunks`` lowest device chunks (or fewer, all there are) that are neither mapped nor in flight."""
+        idle = ~(self.chunk_mapped | self.in_flight)[:self.device_chunks]
+        return [int(k) for k in np.flatnonzero(idle)[:n_chunks]]
+
+    def map_host(self):
+        """Map the host tier's chunks (pinned host memory; slow, so once, ahead of need): all or none."""
+        chunks = list(range(self.device_chunks, self.num_chunks))
+        if not chunks:
+            return
+        self.pool.map([c for k in chunks for c in self.pool_chunks(k)], "host")
+        self.is_free[self.device_blocks:] = True
+        self.chunk_mapped[chunks] = True
+        self.free_in_chunk[chunks] = self.blocks_per_chunk
+        self._host_free = self.host_blocks
+        self.version += 1
 
     def adopt(self, chunks):
         """Make newly mapped chunks' blocks free."""
@@ -253,8 +386,8 @@ class BlockAllocator:
         self.version += 1
 
     def trim(self):
-        """Release every mapped chunk whose blocks are all free; return their indices."""
-        empty = np.flatnonzero(self.chunk_mapped & (self.free_in_chunk == self.blocks_per_chunk))
+        """Release every mapped device chunk whose blocks are all free; return their indices."""
+        empty = np.flatnonzero((self.chunk_mapped & (self.free_in_chunk == self.blocks_per_chunk))[:self.device_chunks])
         if empty.size == 0:
             return []
         chunks = [int(k) for k in empty]
@@ -287,10 +420,11 @@ class BlockTables:
         self.table = np.full((max_seqs, max_blocks_per_seq), -1, np.int32)
         self.lens = np.zeros(max_seqs, np.int32)
         self.live = np.zeros(max_seqs, bool)
+        self.swapped = np.zeros(max_seqs, bool)  # live sequences swapped out to the host tier
         self._shift = block_size.bit_length() - 1  # block sizes are powers of two
         self._iota = np.arange(max_seqs)
         self._mark = np.zeros(max_seqs, np.int64)  # scratch for the duplicate check
-        self._live_cache = None                    # np.flatnonzero(live), until add or free
+        self._live_cache = None                    # np.flatnonzero(live & ~swapped), until that changes
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self.known = np.zeros(max_seqs, np.int64)              # leading tokens whose ids are known
         self.tail = np.zeros((max_seqs, block_size), np.int32)  # the ids in the partly filled last block
@@ -304,6 +438,10 @@ class BlockTables:
     @property
     def sequences(self):
         return np.flatnonzero(self.live)
+
+    @property
+    def swapped_sequences(self):
+        return np.flatnonzero(self.swapped)
 
     def blocks(self, seq):
         """The block ids of one sequence, in logical order."""
@@ -348,7 +486,8 @@ class BlockTables:
         With ``prompt`` (token ids), the sequence starts holding the longest chain of
         cached blocks equal to the prompt's leading full blocks, but never the whole
         prompt (at least its last token is left to compute), and its length is the
-        tokens those blocks hold. Without, it starts empty.
+        tokens those blocks hold. Without, it starts empty. The chain stops at the first
+        block offloaded to the host tier: only :meth:`step` brings such blocks back.
         """
         if prompt is not None:
             prompt = prefix.check_token_ids(prompt, None, "prefix")
@@ -358,17 +497,26 @@ class BlockTables:
             self._start(row, prompt, self.match(prompt))
         return row
 
-    def match(self, prompt):
+    def match(self, prompt, reload=False):
         """(block ids, name of the last): the cached blocks a sequence for ``prompt`` would start with.
 
         The longest chain of cached blocks equal to the prompt's leading full blocks,
-        never the whole prompt (its last token is left to compute). Changes nothing.
+        never the whole prompt (its last token is left to compute); with ``reload``
+        offloaded (host-tier) blocks count too, else the chain stops at the first.
+        Changes nothing.
         """
         most = min(max(prompt.size - 1, 0) >> self._shift, self.max_blocks_per_seq)
-        return self.allocator.index.match(prompt, self.block_size, most)
+        blocks, name = self.allocator.index.match(prompt, self.block_size, most)
+        if not reload:
+            host = np.flatnonzero(blocks >= self.allocator.device_blocks)
+            if host.size:
+                blocks = blocks[:host[0]]
+                name = int(self.allocator.index.name[blocks[-1]]) if blocks.size else prefix.ROOT
+        return blocks, name
 
-    def _start(self, row, prompt, match):
-        """Start new row ``row`` holding the cached blocks of ``match``; count the lookup."""
+    def _start(self, row, prompt, match, claim=True):
+        """Start new row ``row`` holding the cached blocks of ``match`` (claimed here, unless the caller did);
+        count the lookup."""
         blocks, name = match
         index = self.allocator.index
         index.lookups += 1
@@ -376,7 +524,8 @@ class BlockTables:
         index.hit_blocks += blocks.size
         index.hit_tokens += blocks.size * self.block_size
         if blocks.size:
-            self.allocator.claim_cached(blocks)
+            if claim:
+                self.allocator.claim_cached(blocks)
             self._set_entries(np.full(blocks.size, row), np.arange(blocks.size), blocks)
             self._set_lens(np.array([row]), blocks.size * self.block_size)
             self.known[row], self.chain[row] = blocks.size * self.block_size, name
@@ -424,47 +573,166 @@ class BlockTables:
             self._record_tokens(rows, before, np.broadcast_to(step, rows.shape).astype(np.int64), token_ids)
         return result
 
-    def step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens):
-        """One engine step's decisions, all or nothing: frees, then forks, then arrivals, then the appends.
+    def step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens, swap_out=(),
+             swap_in=()):
+        """One engine step's decisions, all or nothing: frees, forks, arrivals' prefix hits, swap-outs, swap-ins,
+        then the appends.
 
         ``seqs``/``counts``/``token_ids`` are as for :meth:`append` (``seqs=None``: every
-        live sequence not freed now). ``arrivals`` are new sequences' prompts (token ids);
-        each starts holding the cached blocks its prompt begins with and appends
+        live sequence not freed now and not swapped out after the swaps). ``arrivals`` are
+        new sequences' prompts (token ids); each starts holding the cached blocks its prompt
+        begins with (offloaded ones are brought back to the device) and appends
         ``arrival_tokens`` more of the prompt (one int for all, one per arrival, or None for
         the whole uncached rest). ``forks`` are parent handles, one child each (a parent may
-        repeat); a child shares its parent's blocks as they were before this step's tokens.
-        ``frees`` are handles to free. At most ``max_tokens`` new tokens in all.
+        repeat; never a swapped-out one); a child shares its parent's blocks as they were
+        before this step's tokens. ``frees`` are handles to free. ``swap_out`` and ``swap_in``
+        are handles to move to the host tier and back (:meth:`swap_out`). At most
+        ``max_tokens`` new tokens in all.
 
-        Every check runs before anything changes, including whether the blocks suffice
-        (with those the frees give back and without cached-free blocks an arrival takes), so
-        an error leaves the tables and the allocator exactly as they were. Returns a
-        :class:`StepResult`; the batch is ``seqs`` in order, then the arrivals.
+        Every check runs before anything changes, including whether the device's blocks and
+        the host tier's suffice (with those the frees and swap-outs give back and without
+        cached-free blocks an arrival takes), so an error leaves the tables and the allocator
+        exactly as they were. Returns a :class:`StepResult`; the batch is ``seqs`` in order,
+        then the arrivals; its ``swaps`` are the tier copies to make first, in order.
         """
-        if not (len(arrivals) or len(forks) or len(frees)):  # append alone is all or nothing
-            rows, step = self._request(seqs, counts)
+        if not (len(arrivals) or len(forks) or len(frees) or len(swap_out) or len(swap_in)):
+            rows, step = self._request(seqs, counts)  # append alone is all or nothing
             self._check_step_tokens(rows, step, 0, max_tokens)
             slots, copies = self._append_rows(rows, step, token_ids)
-            return StepResult(rows, step, slots, copies, _NO_ROWS, _NO_ROWS, _NO_ROWS)
-        plan = self._plan_step(seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens)
-        rows, step, prompts, matches, chunk, parents, freed, unmapped = plan
+            return StepResult(rows, step, slots, copies, _NO_ROWS, _NO_ROWS, _NO_ROWS, _NO_COPIES)
+        plan = self._plan_step(seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens,
+                               swap_out, swap_in)
+        rows, step, prompts, matches, chunk, parents, freed, unmapped, out_rows, in_rows = plan
         if unmapped > 0:  # map before anything changes: a mapping that fails leaves the step undone
             self._map_ahead(unmapped)
-        if freed.size:
-            self.free(freed)
-        forked = np.array([self.fork(int(p)) for p in parents], np.int64)
-        arrived = np.empty(len(prompts), np.int64)
-        for i, (prompt, match) in enumerate(zip(prompts, matches)):
-            arrived[i] = row = self._add_row()
-            self.known[row], self.chain[row] = 0, prefix.ROOT
-            self._start(row, prompt, match)
-        cached = self.lens[arrived].astype(np.int64)
-        slots, copies = self._append_rows(rows, step, token_ids)
-        if arrived.size:
-            ids = np.concatenate([p[c:c + n] for p, c, n in zip(prompts, cached.tolist(), chunk.tolist())])
-            new_slots, new_copies = self._append_rows(arrived, chunk, ids)
-            slots, copies = np.concatenate([slots, new_slots]), np.concatenate([copies, new_copies])
-            rows, step = np.concatenate([rows, arrived]), np.concatenate([np.broadcast_to(step, rows.shape), chunk])
-        return StepResult(rows, step, slots, copies, arrived, cached, forked)
+        a = self.allocator
+        a.moves = moves = []
+        try:
+            if freed.size:
+                self.free(freed)
+            forked = np.array([self.fork(int(p)) for p in parents], np.int64)
+            arrived = np.empty(len(prompts), np.int64)
+            for i, (blocks, _) in enumerate(matches):  # claimed now, so that no swap or reload evicts them
+                arrived[i] = row = self._add_row()
+                self.known[row], self.chain[row] = 0, prefix.ROOT
+                a.claim_cached(blocks[blocks < a.device_blocks])
+            offloaded, holders = _offloaded_hits(matches, a.device_blocks)
+            a.reserve_offloaded(offloaded.tolist())
+            if out_rows.size:
+                self._swap_out(out_rows)
+            if in_rows.size:
+                self._swap_in(in_rows)
+            reloaded = a.reload(offloaded, holders) if offloaded.size else _NO_ROWS
+            for row, prompt, (blocks, name) in zip(arrived.tolist(), prompts, matches):
+                self._start(row, prompt, (_translate(blocks, offloaded, reloaded), name), claim=False)
+            cached = self.lens[arrived].astype(np.int64)
+            slots, copies = self._append_rows(rows, step, token_ids)
+            if arrived.size:
+                ids = np.concatenate([p[c:c + n] for p, c, n in zip(prompts, cached.tolist(), chunk.tolist())])
+                new_slots, new_copies = self._append_rows(arrived, chunk, ids)
+                slots, copies = np.concatenate([slots, new_slots]), np.concatenate([copies, new_copies])
+                rows, step = (np.concatenate([rows, arrived]),
+                              np.concatenate([np.broadcast_to(step, rows.shape), chunk]))
+        finally:
+            a.moves = None
+        return StepResult(rows, step, slots, copies, arrived, cached, forked, _pairs(moves))
+
+    # --- the host tier: swapping sequences out and in ---------------------------------------
+
+    def swap_out(self, seqs):
+        """Move the device blocks of ``seqs`` (live, not swapped out, each once) to the host tier.
+
+        A block moves when every sequence holding it is swapped out once this is done, and
+        every holder's row then points at its host-tier copy; blocks that sequences still on
+        the device hold stay. Returns the int32 ``[n, 2]`` (src, dst) block pairs to copy, in
+        order (``kernels.swap_blocks``), before anything writes into the device blocks they
+        free. All or nothing: HostTierExhaustedError when the host tier is short.
+        """
+        rows = self._swap_rows(seqs, "swap_out", False)
+        return self._recorded(lambda: self._swap_out(rows))
+
+    def swap_in(self, seqs):
+        """Move every host-tier block of ``seqs`` (swapped out, each once) back to the device; the pairs to copy
+        first, in order, as for :meth:`swap_out`. All or nothing: PoolExhaustedError when the device is short."""
+        rows = self._swap_rows(seqs, "swap_in", True)
+        return self._recorded(lambda: self._swap_in(rows))
+
+    def can_swap_out(self, seqs):
+        """Whether :meth:`swap_out` of ``seqs`` would succeed now: the host tier holds the blocks it moves."""
+        rows = self._swap_rows(seqs, "swap_out", False)
+        return self._out_blocks(rows, self.swapped_sequences).size <= self.allocator.num_host_available
+
+    def can_swap_in(self, seqs):
+        """Whether :meth:`swap_in` of ``seqs`` would succeed now: the device has room for their host-tier blocks."""
+        rows = self._swap_rows(seqs, "swap_in", True)
+        return self.allocator.can_allocate(self._in_blocks(rows).size)
+
+    def _swap_rows(self, seqs, what, swapped):
+        rows = self._distinct(self.rows(seqs), what, f"{what} each sequence once")
+        wrong = self.swapped[rows] != swapped
+        if wrong.any():
+            state = "already swapped out" if not swapped else "not swapped out"
+            raise SwapStateError(f"{what}: sequence {rows[wrong][0]} is {state}")
+        return rows
+
+    def _recorded(self, move):
+        """Run ``move()`` with the allocator recording its tier copies; return them as pairs, in order."""
+        a = self.allocator
+        a.moves = moves = []
+        try:
+            move()
+        finally:
+            a.moves = None
+        return _pairs(moves)
+
+    def _swap_out(self, rows):
+        swapped = self.swapped_sequences
+        src = self._out_blocks(rows, swapped)
+        dst = self.allocator.allocate_host(src.size)  # the last step that can fail
+        self._move(np.union1d(rows, swapped), src, dst)
+        self.swapped[rows] = True
+        self._live_cache = None
+
+    def _swap_in(self, rows):
+        src = self._in_blocks(rows)
+        dst = self.allocator.allocate(src.size)  # the last step that can fail
+        self._move(self.swapped_sequences, src, dst)
+        self.swapped[rows] = False
+        self._live_cache = None
+
+    def _out_blocks(self, rows, swapped, dropped=None, claimed=None):
+        """The device blocks a swap-out of ``rows`` moves (sorted): those they hold whose every holder is in
+        ``rows`` or ``swapped``. ``dropped``/``claimed``: references a step's frees drop and its prefix hits add
+        first (for its plan)."""
+        holders = np.union1d(rows, swapped)
+        held = self._held_blocks(holders)
+        held = held[held < self.allocator.device_blocks]
+        blocks, occurrences = np.unique(held, return_counts=True)
+        refs = self.allocator.ref_count[blocks].astype(np.int64)
+        if dropped is not None:
+            refs += _occurrences(blocks, claimed) - _occurrences(blocks, dropped)
+        mine = np.isin(blocks, self._held_blocks(rows))
+        return blocks[mine & (refs == occurrences)]
+
+    def _in_blocks(self, rows):
+        """The host-tier blocks ``rows`` hold (sorted)."""
+        held = self._held_blocks(rows)
+        return np.unique(held[held >= self.allocator.device_blocks])
+
+    def _move(self, holders, src, dst):
+        """Point every entry of ``holders`` that holds a block of ``src`` (sorted) at its copy in ``dst``; move the
+        references; record the copies."""
+        if not src.size:
+            return
+        nb = ceil_div(self.lens[holders].astype(np.int64), self.block_size)
+        held_rows, held_cols = np.repeat(holders, nb), ranks(nb)
+        ids = self.table[held_rows, held_cols]
+        at = np.minimum(np.searchsorted(src, ids), src.size - 1)
+        hit = src[at] == ids
+        self._set_entries(held_rows[hit], held_cols[hit], dst[at[hit]])
+        a = self.allocator
+        a.transfer(src, dst)
+        a.moves.append((src, dst))
 
     def _map_ahead(self, blocks):
         """Make ``blocks`` more blocks usable without mapping: chunks in flight first (waited for), then mapped."""
@@ -477,7 +745,8 @@ class BlockTables:
             a.sync_grows += 1
             a.grow(ceil_div(blocks, a.blocks_per_chunk))
 
-    def _plan_step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens):
+    def _plan_step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens, swap_out,
+                   swap_in):
         """Every check of :meth:`step`, changing nothing; the validated decisions."""
         freed = np.sort(self._distinct(self.rows(frees), "step's frees", "free each sequence once"))
         parents = self.rows(forks)
@@ -485,8 +754,19 @@ class BlockTables:
         if gone.any():
             raise UnknownSequenceError(f"sequence {parents[gone][0]} is forked and freed in one step: fork it, or "
                                        f"free it")
+        out_rows, in_rows = self._swap_rows(swap_out, "swap_out", False), self._swap_rows(swap_in, "swap_in", True)
+        for moved in (out_rows, in_rows):
+            gone = np.isin(moved, freed)
+            if gone.any():
+                raise UnknownSequenceError(f"sequence {moved[gone][0]} is swapped and freed in one step")
+        swapped = self.swapped.copy()
+        swapped[out_rows] = True
+        away = swapped[parents]
+        if away.any():
+            raise SwapStateError(f"sequence {parents[away][0]} is forked but swapped out: swap it in first")
+        swapped[in_rows] = False
         if seqs is None:
-            rows = self._live_rows()
+            rows = np.flatnonzero(self.live & ~swapped)
             rows = rows[~np.isin(rows, freed)]
         else:
             rows = self._distinct(self.rows(seqs), "step", "sum its counts instead")
@@ -503,7 +783,7 @@ class BlockTables:
             raise TooManySequencesError(
                 f"the step would leave {rows_after} live sequences but the block table has {self.max_seqs} rows: "
                 f"free some first, or make the cache with a larger max_seqs")
-        matches = [self.match(p) for p in prompts]
+        matches = [self.match(p, reload=True) for p in prompts]
         cached = np.array([m[0].size for m in matches], np.int64) << self._shift
         rest = np.array([p.size for p in prompts], np.int64) - cached
         chunk = self._arrival_chunks(arrival_tokens, rest, len(prompts))
@@ -515,15 +795,29 @@ class BlockTables:
         need = int((new_nb - old_nb).sum()) + int((ceil_div(cached + chunk, self.block_size) -
                                                    (cached >> self._shift)).sum())
         need += self._step_copies(rows, step, old, old_nb, freed, parents)
-        released = self._step_released(freed, matches)
-        available = self.allocator.num_available + released
+        a = self.allocator
+        hits = [m[0][m[0] < a.device_blocks] for m in matches]
+        offloaded = _offloaded_hits(matches, a.device_blocks)[0]
+        need += offloaded.size + self._in_blocks(in_rows).size  # reloads and swap-ins take device blocks
+        released = self._step_released(freed, hits)
+        dropped = self._held_blocks(freed)
+        out_blocks = self._out_blocks(out_rows, np.setdiff1d(self.swapped_sequences, freed), dropped,
+                                      np.concatenate([_NO_ROWS] + [h.astype(np.int64) for h in hits]))
+        released += out_blocks.size
+        available = a.num_available + released
         if need > available:
             raise PoolExhaustedError(
                 f"the step needs {need} blocks but {available} would be available: free sequences, schedule fewer "
-                f"tokens, or reserve a larger cache")
-        a = self.allocator
+                f"tokens, swap some out, or reserve a larger cache")
+        host_dropped, drops = np.unique(dropped[dropped >= a.device_blocks], return_counts=True)
+        host_available = (a.num_host_available - offloaded.size
+                          + int((a.ref_count[host_dropped] == drops).sum()))
+        if out_blocks.size > host_available:
+            raise HostTierExhaustedError(
+                f"the step swaps out {out_blocks.size} blocks but the host tier would have {host_available}: swap "
+                f"fewer sequences out, free swapped-out ones, or make the cache with a larger host tier")
         unmapped = need - a.num_free - len(a.evictable) - released  # blocks to map, after all this step frees
-        return rows, step, prompts, matches, chunk, parents, freed, unmapped
+        return rows, step, prompts, matches, chunk, parents, freed, unmapped, out_rows, in_rows
 
     def _arrival_chunks(self, arrival_tokens, rest, n):
         """How many prompt tokens each arrival appends now: at least one, at most its uncached rest."""
@@ -567,12 +861,14 @@ class BlockTables:
         refs += _occurrences(blocks, self._held_blocks(parents))
         return int(np.where(refs > holders, holders, holders - 1).sum())
 
-    def _step_released(self, freed, matches):
-        """Blocks this step's frees make available, less the cached-free ones its arrivals take."""
+    def _step_released(self, freed, hits):
+        """Device blocks this step's frees make available, less the cached-free ones its arrivals' ``hits`` (device
+        block ids, per arrival) take."""
         dropped = self._held_blocks(freed)
+        dropped = dropped[dropped < self.allocator.device_blocks]
         blocks, drops = np.unique(dropped, return_counts=True)
         released = int((self.allocator.ref_count[blocks] == drops).sum())
-        claimed = np.unique(np.concatenate([_NO_ROWS] + [m[0].astype(np.int64) for m in matches]))
+        claimed = np.unique(np.concatenate([_NO_ROWS] + [h.astype(np.int64) for h in hits]))
         if claimed.size:
             refs = self.allocator.ref_count[claimed] - _occurrences(claimed, dropped)
             released -= int((refs == 0).sum())
@@ -618,10 +914,11 @@ class BlockTables:
         block_rows = np.repeat(rows, full)
         blocks = self.table[block_rows, np.repeat(old >> shift, full) + k]
         filled = ids[(np.repeat(run_start, full) + (k << shift))[:, None] + np.arange(self.block_size)]
-        index, chain = self.allocator.index, self.chain
+        index, chain, device = self.allocator.index, self.chain, self.allocator.device_blocks
         for row, block, tokens in zip(block_rows.tolist(), blocks.tolist(), filled):
             chain[row] = prefix.chain_hash(chain[row], tokens)
-            index.register(block, chain[row], tokens)
+            if block < device:  # a swapped-out sequence's host-tier block stays unnamed: only offloads name those
+                index.register(block, chain[row], tokens)
 
     def can_append(self, seqs, counts):
         """Whether ``append(seqs, counts)`` would succeed now.
@@ -789,15 +1086,18 @@ class BlockTables:
         return rows
 
     def _live_rows(self):
+        """Every live sequence not swapped out: the batch of ``seqs=None``."""
         if self._live_cache is None:
-            self._live_cache = np.flatnonzero(self.live)
+            self._live_cache = np.flatnonzero(self.live & ~self.swapped)
         return self._live_cache
 
     # --- forks and frees ---------------------------------------------------------------------
 
     def fork(self, seq):
-        """A new sequence sharing every block of ``seq`` (parallel sampling, beam search)."""
+        """A new sequence sharing every block of ``seq`` (parallel sampling, beam search); never a swapped-out one."""
         parent = self.row(seq)
+        if self.swapped[parent]:
+            raise SwapStateError(f"sequence {parent} is forked but swapped out: swap it in first")
         blocks = self.blocks(parent)
         child = self._add_row()
         self.known[child], self.chain[child] = self.known[parent], self.chain[parent]
@@ -816,6 +1116,7 @@ class BlockTables:
         self._set_entries(held_rows, held_cols, -1)
         self._set_lens(rows, 0)
         self.live[rows] = False
+        self.swapped[rows] = False
         self._live_cache = None
         self._free_rows.extend(int(r) for r in rows[::-1])
 
@@ -850,6 +1151,34 @@ class StepResult(NamedTuple):
     arrived: np.ndarray  # int64: the arrivals' handles, in the order given
     cached: np.ndarray   # int64: per arrival, its leading tokens found in the prefix cache
     forked: np.ndarray   # int64: the children's handles, one per fork, in the order given
+    swaps: np.ndarray    # int32 [n, 2]: (src, dst) tier copies (swaps, offloads, reloads) to make first, in order
+
+
+def _pairs(moves):
+    """A list of (src, dst) id arrays as one int32 ``[n, 2]`` array of pairs, in order."""
+    if not moves:
+        return _NO_COPIES
+    return np.stack([np.concatenate([m[0] for m in moves]), np.concatenate([m[1] for m in moves])],
+                    axis=1).astype(np.int32)
+
+
+def _offloaded_hits(matches, device_blocks):
+    """The host-tier (offloaded) blocks in the arrivals' matches, each once in order of first appearance, and how
+    many arrivals hit each."""
+    hits = np.concatenate([_NO_ROWS] + [m[0][m[0] >= device_blocks].astype(np.int64) for m in matches])
+    blocks, first, counts = np.unique(hits, return_index=True, return_counts=True)
+    order = np.argsort(first)
+    return blocks[order], counts[order]
+
+
+def _translate(blocks, src, dst):
+    """``blocks`` with each id found in ``src`` replaced by its ``dst``."""
+    if not src.size:
+        return blocks
+    out = blocks.astype(np.int64)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        out[out == s] = d
+    return out.astype(np.int32)
 
 
 def _joined(arrays):

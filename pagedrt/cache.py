@@ -107,6 +107,14 @@ class PagedKVCache:
     sequence) sizes the step's slot buffer, the most new tokens one :meth:`step` takes.
     ``backend`` is a name or a backend made by :func:`pagedrt.memory.select_backend`.
 
+    ``host_tokens`` or ``host_bytes`` (at most one; default none) gives the cache a host
+    tier of that capacity (rounded up to whole chunks): pinned host memory mapped into the
+    same range after the device's blocks, created here, ahead of need, since pinning is
+    slow (:class:`~pagedrt.errors.HostOutOfMemoryError` if the host refuses, and nothing is
+    left). Sequences swap out to it and back (:meth:`step`'s ``swap_out``/``swap_in``, or
+    :meth:`swap_out`/:meth:`swap_in`), and the prefix cache offloads the blocks it would
+    evict to it, bringing them back on a later hit (inside :meth:`step`).
+
     ``growth`` maps chunks ahead of demand, on a worker thread (:mod:`pagedrt.growth`).
     None or False (the default): chunks are mapped only when an append needs them.
     True: one to two chunks' blocks are kept spare (``low_blocks`` one chunk's blocks,
@@ -124,7 +132,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
                  max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None, max_step_tokens=None,
-                 placement="plane", chunk_bytes=None, backend="auto", growth=None):
+                 placement="plane", chunk_bytes=None, backend="auto", growth=None, host_tokens=None, host_bytes=None):
         num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
                                                                                                 num_kv_heads)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
@@ -134,22 +142,28 @@ class PagedKVCache:
         self.dtype = numpy_dtype(dtype)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
+        token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize
         if max_bytes is None:
             max_blocks = ceil_div(_check_positive("max_tokens", max_tokens), block_size)
         else:
-            token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize
             max_blocks = max(_check_positive("max_bytes", max_bytes) // (token_bytes * block_size), 1)
-        if max_blocks > MAX_BLOCKS:
+        if host_tokens is not None and host_bytes is not None:
+            raise UnsupportedConfigError("give the host tier's capacity as at most one of host_tokens or host_bytes")
+        host_blocks = (0 if host_tokens is None and host_bytes is None else
+                       ceil_div(_check_positive("host_tokens", host_tokens), block_size) if host_bytes is None else
+                       max(_check_positive("host_bytes", host_bytes) // (token_bytes * block_size), 1))
+        if max_blocks + host_blocks > MAX_BLOCKS:
             raise UnsupportedConfigError(
-                f"a capacity of {max_blocks} blocks is more than block ids (int32) can name: at most {MAX_BLOCKS}")
+                f"a capacity of {max_blocks + host_blocks} blocks is more than block ids (int32) can name: at most "
+                f"{MAX_BLOCKS}")
         if isinstance(backend, str):
             backend = select_backend(backend)
         elif not is_int(getattr(backend, "page_bytes", None)):
             raise UnsupportedConfigError(f"backend={backend!r:.80} must be a name or a backend from select_backend()")
         self.layout = Layout.plan(num_layers, num_kv_heads, head_dim, block_size, dtype, placement,
-                                  backend.page_bytes, max_blocks, chunk_bytes)
+                                  backend.page_bytes, max_blocks, chunk_bytes, host_blocks)
         if max_seq_len is None:
-            max_seq_len = min(self.layout.max_blocks * block_size, 32768)
+            max_seq_len = min(self.layout.device_blocks * block_size, 32768)
         max_seq_len = _check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
         if max_step_tokens is None:
             max_step_tokens = max_seq_len + max_seqs
@@ -158,8 +172,10 @@ class PagedKVCache:
         _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
         growth = _growth_keywords(growth, self.layout.blocks_per_chunk)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
-        self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes)
+        self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes,
+                                        self.layout.host_chunks)
         try:
+            self.allocator.map_host()
             self.growth = None if growth is None else Growth(self.allocator, **growth)
         except BaseException:
             self.pool.close()
@@ -207,32 +223,78 @@ class PagedKVCache:
         return self.tables.append(seqs, counts, token_ids)
 
     @_exclusive
-    def step(self, seqs=None, counts=1, token_ids=None, *, arrivals=(), arrival_tokens=None, forks=(), frees=()):
+    def step(self, seqs=None, counts=1, token_ids=None, *, arrivals=(), arrival_tokens=None, forks=(), frees=(),
+             swap_out=(), swap_in=()):
         """One engine step in one call: the scheduler's decisions in, the step's kernel metadata out.
 
         In order: ``frees`` (handles) are freed; each of ``forks`` (parent handles; one
-        child each, a parent may repeat) gets a child sharing its blocks as they are before
-        this step's tokens; each of ``arrivals`` (prompts, as token ids) becomes a new
-        sequence holding the cached blocks its prompt begins with, and appends
-        ``arrival_tokens`` more of the prompt (one int, one per arrival, or None: the whole
-        uncached rest; a chunked prefill appends the rest in later steps, with its ids); then
-        ``seqs`` (None: every live sequence not freed now, before the arrivals and forks) get
-        ``counts`` new tokens each (``token_ids``: their ids, optional, as for :meth:`append`).
-        With ``growth``, the step ends with its :meth:`~pagedrt.growth.Growth.tick`.
+        child each, a parent may repeat; never a swapped-out one) gets a child sharing its
+        blocks as they are before this step's tokens; each of ``arrivals`` (prompts, as token
+        ids) becomes a new sequence holding the cached blocks its prompt begins with (blocks
+        offloaded to the host tier are brought back), and appends ``arrival_tokens`` more of
+        the prompt (one int, one per arrival, or None: the whole uncached rest; a chunked
+        prefill appends the rest in later steps, with its ids); ``swap_out`` (handles) move to
+        the host tier and ``swap_in`` (swapped-out handles) back (:meth:`swap_out`); then
+        ``seqs`` (None: every live sequence not freed now and not swapped out after the swaps,
+        before the arrivals and forks) get ``counts`` new tokens each (``token_ids``: their
+        ids, optional, as for :meth:`append`). With ``growth``, the step ends with its
+        :meth:`~pagedrt.growth.Growth.tick`.
+
+        Preempting: by swap, ``swap_out=[seq]`` now and ``swap_in=[seq]`` when there is room
+        (:meth:`can_swap_in`); by recompute, ``frees=[seq]`` now and its tokens so far as an
+        arrival later (with their ids, its full blocks stay in the prefix cache meanwhile,
+        offloaded to the host tier if evicted, so the arrival recomputes what was lost).
 
         Returns a :class:`~pagedrt.step.Step`: the slot mapping, the batch's block tables,
-        KV lengths and query offsets on the device (one pinned upload), the copy-on-write
-        pairs to copy first, and the arrivals' handles and cached tokens and the children's
-        handles. All or nothing: a step that cannot be satisfied (an unknown, finished or
-        repeated sequence, ids of the wrong length, more tokens than ``max_step_tokens``
-        or than the cache holds) raises a named error and changes nothing.
+        KV lengths and query offsets on the device (one pinned upload), the tier copies and
+        then the copy-on-write pairs to copy first, and the arrivals' handles and cached
+        tokens and the children's handles. All or nothing: a step that cannot be satisfied
+        (an unknown, finished or repeated sequence, ids of the wrong length, more tokens than
+        ``max_step_tokens`` or than the cache holds, a swap-out the host tier cannot hold)
+        raises a named error and changes nothing.
         """
         result = self.tables.step(seqs, counts, token_ids, list(arrivals), arrival_tokens, forks, frees,
-                                  self.metadata.max_step_tokens)
+                                  self.metadata.max_step_tokens, swap_out, swap_in)
         step = self.metadata.build(result)
         if self.growth is not None:  # for the next step: chunks mapped meanwhile adopted, more asked for
             self.growth.tick()
         return step
+
+    @_exclusive
+    def swap_out(self, seqs):
+        """Move the device blocks of ``seqs`` (live, not swapped out) to the host tier; they are left out of
+        ``step()``'s default batch until :meth:`swap_in`.
+
+        Returns int32 ``[n, 2]`` (src, dst) block pairs: copy them in order
+        (``kernels.swap_blocks(cache.planes, pairs, stream)``) before anything writes into
+        the device blocks they free. A block moves once every sequence holding it is swapped
+        out (forks swap out together to free their shared blocks). All or nothing:
+        :class:`~pagedrt.errors.HostTierExhaustedError` when the host tier is short.
+        """
+        return self.tables.swap_out(seqs)
+
+    @_exclusive
+    def swap_in(self, seqs):
+        """Move the host-tier blocks of ``seqs`` (swapped out) back to the device: the pairs to copy first, in
+        order, as for :meth:`swap_out`. All or nothing: :class:`~pagedrt.errors.PoolExhaustedError` when the
+        device is short."""
+        return self.tables.swap_in(seqs)
+
+    @_exclusive
+    def can_swap_out(self, seqs):
+        """Whether :meth:`swap_out` of ``seqs`` would succeed now."""
+        return self.tables.can_swap_out(seqs)
+
+    @_exclusive
+    def can_swap_in(self, seqs):
+        """Whether :meth:`swap_in` of ``seqs`` would succeed now."""
+        return self.tables.can_swap_in(seqs)
+
+    @property
+    @_exclusive
+    def swapped(self):
+        """The handles of the sequences swapped out to the host tier."""
+        return [int(s) for s in self.tables.swapped_sequences]
 
     @_exclusive
     def fork(self, seq):
@@ -269,9 +331,12 @@ class PagedKVCache:
     @_exclusive
     def prefix_stats(self):
         """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable,
-        evictions."""
+        evictions; with a host tier, offloaded (cached blocks in it now), offloads, reloads and host_evictions
+        (offloaded blocks dropped)."""
         a = self.allocator
-        return {**a.index.stats(), "evictable": len(a.evictable), "evictions": a.evictions}
+        return {**a.index.stats(), "evictable": len(a.evictable), "evictions": a.evictions,
+                "offloaded": len(a.host_evictable), "offloads": a.offloads, "reloads": a.reloads,
+                "host_evictions": a.host_evictions}
 
     @_exclusive
     def trim(self):
@@ -387,8 +452,9 @@ class PagedKVCache:
             "sequences": int(rows.size), "tokens": int(lens.sum()), "stored_tokens": stored,
             "token_bytes": stored * lay.bytes_per_token,
             "held_blocks": a.num_held, "free_blocks": a.num_free, "mapped_blocks": a.num_mapped_blocks,
-            "max_blocks": a.max_blocks, "mapped_bytes": self.pool.mapped_bytes,
-            "reserved_bytes": self.pool.max_bytes,
+            "max_blocks": a.device_blocks, "mapped_bytes": self.pool.mapped_bytes,
+            "reserved_bytes": self.pool.max_bytes, "swapped_sequences": int(t.swapped_sequences.size),
+            "host_blocks": a.host_blocks, "host_held_blocks": a.num_host_held, "host_free_blocks": a.num_host_free,
         }
 
     @_exclusive

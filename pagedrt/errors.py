@@ -28,6 +28,10 @@ class DeviceOutOfMemoryError(CudaError, MemoryError):
     """The device refused to allocate physical memory."""
 
 
+class HostOutOfMemoryError(PagedRTError, MemoryError):
+    """The host refused pinned memory for a host-tier chunk (``cuMemCreate`` at a host location)."""
+
+
 # --- the pool (hardware layer) -----------------------------------------------
 
 class PoolSizeError(PagedRTError, ValueError):
@@ -63,6 +67,14 @@ class MappingLimitError(PagedRTError, MemoryError):
 
 class PoolExhaustedError(PagedRTError, MemoryError):
     """Not enough free blocks even after growing the pool to its reservation."""
+
+
+class HostTierExhaustedError(PagedRTError, MemoryError):
+    """A swap-out needs more host-tier blocks than are free or hold only offloaded (evictable) cache blocks."""
+
+
+class SwapStateError(PagedRTError, ValueError):
+    """A sequence swapped out where it must be on the device (a fork, a second swap-out), or the reverse."""
 
 
 class UnknownSequenceError(PagedRTError, KeyError):

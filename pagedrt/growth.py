@@ -78,7 +78,7 @@ class Growth:
         self.background = bool(background)
         self.last_error = None  # the exception of the last failed preparation
         self.chunks_ahead = self.chunks_released = self.waits = self.failures = 0
-        self._idle = np.zeros(allocator.num_chunks, np.int64)  # per chunk: consecutive ticks all free
+        self._idle = np.zeros(allocator.device_chunks, np.int64)  # per device chunk: consecutive ticks all free
         self._paused = None   # the allocator's version at the last failure: no requests until it changes
         self._pending = 0     # requests handed to the worker and not taken back yet
         self._todo, self._done = queue.SimpleQueue(), queue.SimpleQueue()
@@ -115,7 +115,7 @@ class Growth:
         if self._pending:
             self._collect(block=False)
         a = self.allocator
-        empty = a.free_in_chunk == a.blocks_per_chunk  # all free (only a mapped chunk has free blocks)
+        empty = a.free_in_chunk[:a.device_chunks] == a.blocks_per_chunk  # all free (only mapped chunks hold free ones)
         np.multiply(self._idle + 1, empty, out=self._idle)
         spare = self.spare_blocks
         if spare < self.low_blocks:

@@ -10,6 +10,11 @@ Layout (see docs/ARCHITECTURE.md for why):
   puts all layers' K and V of a block together (``[layer][K|V][head][slot][dim]``),
   so one chunk holds whole blocks of every layer.
 
+The host tier, when there is one, is more allocator chunks after the device's:
+block ids ``[device_blocks, max_blocks)`` lie in chunks of pinned host memory mapped
+into the same range (:mod:`pagedrt.memory`), so a kernel reads a host-tier block
+through the same plane pointer and block stride as any other.
+
 Either way a kernel sees, per layer and K|V, a base pointer and one block stride.
 :func:`translate` follows one token from its position to its chunk and page, from
 a block-table row alone, so it works on a snapshot as on a live cache.
@@ -42,12 +47,14 @@ class Layout:
     placement: str
     page_bytes: int
     chunk_bytes: int       # one physical chunk
-    chunks_per_plane: int  # allocator chunks
+    chunks_per_plane: int  # allocator chunks, the device's then the host tier's
+    host_chunks: int = 0   # the last chunks_per_plane chunks that are the host tier's
 
     @classmethod
     def plan(cls, num_layers, num_kv_heads, head_dim, block_size, dtype, placement, page_bytes,
-             max_blocks, chunk_bytes=None):
-        """Choose the chunk size (a whole number of pages and of blocks) and the range's size."""
+             max_blocks, chunk_bytes=None, host_blocks=0):
+        """Choose the chunk size (a whole number of pages and of blocks) and the range's size: ``max_blocks``
+        device blocks, then ``host_blocks`` host-tier blocks, each rounded up to whole chunks."""
         dtype = numpy_dtype(dtype)
         shape = cls(num_layers, num_kv_heads, head_dim, block_size, dtype.name, dtype.itemsize, placement,
                     page_bytes, 0, 0)
@@ -61,7 +68,9 @@ class Layout:
         wanted = (int(chunk_bytes) if chunk_bytes is not None
                   else min(max(64 * MiB // shape.num_planes, 16 * MiB), max_blocks * unit))
         chunk = ceil_div(wanted, step) * step
-        return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit))
+        host = ceil_div(host_blocks, chunk // unit)
+        return replace(shape, chunk_bytes=chunk, chunks_per_plane=ceil_div(max_blocks, chunk // unit) + host,
+                       host_chunks=host)
 
     # --- derived sizes ----------------------------------------------------------------
 
@@ -99,7 +108,17 @@ class Layout:
 
     @property
     def max_blocks(self):
+        """Block ids of both tiers."""
         return self.chunks_per_plane * self.blocks_per_chunk
+
+    @property
+    def device_blocks(self):
+        """Block ids ``[0, device_blocks)`` are the device's; the rest the host tier's."""
+        return (self.chunks_per_plane - self.host_chunks) * self.blocks_per_chunk
+
+    def location(self, block_id):
+        """Where a block lives: "device" or "host"."""
+        return "host" if block_id >= self.device_blocks else "device"
 
     @property
     def pool_bytes(self):
@@ -157,6 +176,7 @@ class Translation:
     page: int             # page index inside the chunk
     nbytes: int           # contiguous bytes of this token's head_dim values
     cached: bool = False  # the block is in the prefix cache (named by its tokens' hash chain)
+    location: str = "device"  # the block's tier: "device", or "host" (pinned host memory, same pointers)
 
     def as_dict(self):
         return asdict(self)
@@ -177,4 +197,5 @@ def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0
     chunk, within, page = layout.locate(offset)
     return Translation(seq, pos, layer, kv, head, logical, slot, block_id, offset, base + offset,
                        chunk, within, page, layout.head_dim * layout.itemsize,
-                       bool(cached[block_id]) if isinstance(cached, np.ndarray) else block_id in cached)
+                       bool(cached[block_id]) if isinstance(cached, np.ndarray) else block_id in cached,
+                       layout.location(block_id))

@@ -80,6 +80,14 @@ class PrefixIndex:
         self.cached[block] = False
         self.name[block] = 0
 
+    def move(self, src, dst):
+        """Give ``src``'s name and token ids to ``dst`` (its copy in the other tier); ``src`` is unnamed after."""
+        name = int(self.name[src])
+        self.block_of[name] = dst
+        self.name[dst], self.cached[dst] = name, True
+        self.tokens[dst] = self.tokens.pop(src)
+        self.cached[src], self.name[src] = False, 0
+
     def match(self, prompt, block_size, most):
         """(block ids, last name): the longest chain of cached blocks equal to ``prompt``'s first ``most`` blocks."""
         parent, found = ROOT, []

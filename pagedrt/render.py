@@ -31,8 +31,17 @@ def seq_symbol(seq, style=plain):
     return style(SYMBOLS[seq % len(SYMBOLS)], fg=COLOURS[seq % len(COLOURS)], bold=True)
 
 
+def where(record):
+    """Where a chunk record's memory lives, in words: "device 0", "host node 1", or the bare tier."""
+    location, node = record["location"], record["location_id"]
+    if node is None:
+        return location
+    return f"device {node}" if location == "device" else f"host node {node}"
+
+
 def chunk_table(snap, style=plain):
-    """One line per allocator chunk ever mapped: place, VA range, size, state, blocks held."""
+    """One line per allocator chunk ever mapped: place, VA range, size, state, (with a host tier) where its memory
+    lives, blocks held."""
     lay, pool, blocks = Layout(**snap["layout"]), snap["pool"], snap["blocks"]
     planes, per_plane = lay.num_planes, blocks["num_chunks"]
     records = {c["chunk"]: c for c in pool["chunks"]}
@@ -46,7 +55,10 @@ def chunk_table(snap, style=plain):
     if planes > 1:
         lines.append(f"       plane-major: {planes} planes (K and V of {lay.num_layers} layers), "
                      f"{size(per_plane * pool['chunk_bytes'])} each; chunk k of the table is chunk k of every plane")
-    lines.append(f"{'chunk':>5}  {'virtual range (plane 0)':<33} {'size':>12}  {'state':<8}  blocks held/total")
+    tiers = lay.host_chunks > 0  # the column only where there are two tiers to tell apart
+    column = f"{'where':<12}  " if tiers else ""
+    lines.append(f"{'chunk':>5}  {'virtual range (plane 0)':<33} {'size':>12}  {'state':<8}  {column}"
+                 f"blocks held/total")
     for k in range(per_plane):
         record = records.get(k)
         if record is None:
@@ -56,8 +68,9 @@ def chunk_table(snap, style=plain):
         span = f"{record['va_start']:#x}-{record['va_end']:#x}"
         total = size(record["size"]) + (f" x{planes}" if planes > 1 else "")
         state = style(record["state"], fg="green" if mapped else "bright_black")
-        lines.append(f"{k:>5}  {span:<33} {total:>12}  {state:<8}  {n_held}/{bpc}" if mapped
-                     else f"{k:>5}  {span:<33} {total:>12}  {state:<8}  (hole: no physical memory)")
+        place = f"{where(record):<12}  " if tiers else ""
+        lines.append(f"{k:>5}  {span:<33} {total:>12}  {state:<8}  {place}{n_held}/{bpc}" if mapped
+                     else f"{k:>5}  {span:<33} {total:>12}  {state:<8}  {place}(hole: no physical memory)")
     return lines
 
 
@@ -94,6 +107,7 @@ def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
     cell = math.ceil(row_blocks / width)
     owners = _block_owners(snap)
     idle = set(blocks["cached"]) - owners.keys()  # cached-free: kept for prompts that begin alike
+    host_from = blocks["num_chunks"] - snap["layout"]["host_chunks"]  # the host tier's first chunk
     lines = [f"pool map: {frontier} chunks of {bpc} blocks; one cell = {cell} block{'s' if cell > 1 else ''}, "
              f"one row = {chunks_per_row} chunk{'s' if chunks_per_row > 1 else ''}",
              "  letters: owning sequence, *: shared (copy-on-write or a cached prefix), +: cached, held by no "
@@ -105,7 +119,8 @@ def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
             if cell <= bpc and (start + cell) % bpc == 0 and start + cell < (first + chunks_per_row) * bpc:
                 cells.append("|")
         label = f"{first}" if chunks_per_row == 1 else f"{first}-{min(frontier, first + chunks_per_row) - 1}"
-        lines.append(f"chunk {label:>7} [{''.join(cells)}]")
+        tier = "  host tier" if first + chunks_per_row > host_from else ""
+        lines.append(f"chunk {label:>7} [{''.join(cells)}]{tier}")
     return lines
 
 
@@ -143,6 +158,8 @@ def chain_lines(snap, tr, style=plain):
     lay = Layout(**snap["layout"])
     gpu = snap["pool"]["backend"] == "cuda"
     mapper, memory = ("the GPU MMU", "HBM") if gpu else ("the OS page tables", "host memory")
+    if gpu and tr.location == "host":
+        memory = "pinned host memory (host tier)"
     bold = lambda text: style(str(text), bold=True)
     plane = lay.plane_offset(tr.layer, tr.kv)
     inner = tr.pool_offset - plane - tr.block_id * lay.block_stride_bytes
@@ -161,6 +178,6 @@ def chain_lines(snap, tr, style=plain):
         f"address  virtual address {bold(hex(tr.virtual_address))} = base {snap['pool']['base']:#x} + offset",
         f"MMU      pool chunk {bold(tr.chunk)}{where}, offset {tr.chunk_offset} in it, page {bold(tr.page)} of "
         f"{size(lay.page_bytes)}   (hardware layer: {mapper} map{'s' if gpu else ''} it)",
-        f"{'HBM' if gpu else 'memory':<8} {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in chunk "
-        f"{tr.chunk}'s physical {memory}",
+        f"{'HBM' if memory == 'HBM' else 'memory':<8} {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in "
+        f"chunk {tr.chunk}'s physical {memory}",
     ]

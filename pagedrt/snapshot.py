@@ -44,12 +44,13 @@ def build_snapshot(layout, pool, allocator, tables):
                  "chunk_bytes": pool.chunk_bytes, "page_bytes": pool.page_bytes,
                  "num_chunks": pool.num_chunks, "chunks": [r.as_dict() for r in pool.mappings()]},
         "blocks": {"blocks_per_chunk": a.blocks_per_chunk, "num_planes": a.num_planes, "num_chunks": a.num_chunks,
-                   "max_blocks": a.max_blocks, "free": a.num_free, "held": a.num_held,
+                   "max_blocks": a.max_blocks, "free": a.num_free + a.num_host_free,
+                   "held": a.num_held + a.num_host_held,
                    "chunk_mapped": a.chunk_mapped.tolist(), "free_in_chunk": a.free_in_chunk.tolist(),
                    "ref_counts": a.ref_count[:frontier * a.blocks_per_chunk].tolist(),
                    "cached": np.flatnonzero(a.index.cached).tolist()},
-        "sequences": [{"seq": int(s), "length": int(t.lens[s]), "blocks": t.blocks(s).tolist()}
-                      for s in t.sequences],
+        "sequences": [{"seq": int(s), "length": int(t.lens[s]), "blocks": t.blocks(s).tolist(),
+                       "swapped": bool(t.swapped[s])} for s in t.sequences],
         "max_seqs": t.max_seqs, "max_blocks_per_seq": t.max_blocks_per_seq,
     }
 
@@ -229,6 +230,8 @@ def _check_layout(snap):
     fields = {}
     for key in ("num_layers", "num_kv_heads", "chunks_per_plane"):
         fields[key] = _int(_get(raw, key, where), f"{where}.{key}", 1, MAX_INDEX)
+    fields["host_chunks"] = _int(_get(raw, "host_chunks", where), f"{where}.host_chunks", 0,
+                                 fields["chunks_per_plane"] - 1)
     for key in ("page_bytes", "chunk_bytes"):
         fields[key] = _int(_get(raw, key, where), f"{where}.{key}", 1)
     fields["head_dim"] = _choice(_get(raw, "head_dim", where), f"{where}.head_dim", HEAD_DIMS)
@@ -272,6 +275,12 @@ def _check_pool(snap, lay):
         state = _choice(_get(record, "state", at), f"{at}.state", ("mapped", "released"))
         live = state == "mapped"
         _equal(_get(record, "access", at), "rw" if live else "none", f"{at}.access", f"a {state} chunk must")
+        location = _choice(_get(record, "location", at), f"{at}.location", ("device", "host"))
+        tier = "host" if chunk % lay.chunks_per_plane >= lay.chunks_per_plane - lay.host_chunks else "device"
+        _equal(location, tier, f"{at}.location", f"chunk {chunk}'s place in the layout's tiers must")
+        location_id = _get(record, "location_id", at)
+        if location_id is not None:
+            _int(location_id, f"{at}.location_id", 0, MAX_INDEX)
         handle = _get(record, "handle", at)
         if live:
             _int(handle, f"{at}.handle")
@@ -353,6 +362,13 @@ def _check_sequences(snap, lay, mapped, refs):
             j = unmapped[0]
             _fail(f"{at}.blocks[{j}]", f"block {ids[j]} lies in chunk {ids[j] // lay.blocks_per_chunk}, "
                                        f"which is not mapped")
+        swapped = _get(entry, "swapped", at)
+        if not isinstance(swapped, bool):
+            _fail(f"{at}.swapped", f"must be true or false, got {_kind(swapped)}")
+        host = np.flatnonzero(ids >= lay.device_blocks)
+        if host.size and not swapped:
+            _fail(f"{at}.blocks[{host[0]}]", f"block {ids[host[0]]} is in the host tier but the sequence is not "
+                                             f"swapped out")
         holders[ids] += 1
     for b in np.flatnonzero(holders != refs)[:1]:
         _fail(f"blocks.ref_counts[{b}]", f"is {refs[b]} but {holders[b]} sequences hold block {b}")

@@ -40,8 +40,10 @@ class Step(NamedTuple):
     tokens and new ones: a prefill chunk attends to ``seq_lens[b]`` keys with the last
     ``query_lens[b]`` as its queries). The arrays hold until the next step rewrites them
     in place (fixed buffers; on the host backend, possibly views of the host table). Copy
-    ``copies`` before writing the new tokens (``kernels.copy_blocks(cache.planes,
-    step.copies)``, a no-op for none).
+    ``swaps`` first, in order (``kernels.swap_blocks(cache.planes, step.swaps)``: swap-outs,
+    swap-ins, offloads and reloads between the tiers), then ``copies``
+    (``kernels.copy_blocks(cache.planes, step.copies)``), then write the new tokens; each is a
+    no-op for none.
     """
 
     seqs: np.ndarray        # int64 [batch], host: the sequences, in batch order
@@ -55,6 +57,7 @@ class Step(NamedTuple):
     arrived: np.ndarray     # int64, host: the arrivals' handles, in the order given
     cached: np.ndarray      # int64, host: per arrival, its leading tokens found in the prefix cache
     forked: np.ndarray      # int64, host: one child's handle per fork, in the order given
+    swaps: np.ndarray       # int32 [n, 2], host: the (src, dst) tier copies to make first, in order
 
 
 class StepMetadata:
@@ -104,7 +107,7 @@ class StepMetadata:
         query_lens, qo = self._query_offsets(rows.size, counts)
         n_tokens, batch = int(qo[-1]), int(rows.size)
         common = dict(seqs=rows, query_lens=query_lens, num_tokens=n_tokens, copies=result.copies,
-                      arrived=result.arrived, cached=result.cached, forked=result.forked)
+                      arrived=result.arrived, cached=result.cached, forked=result.forked, swaps=result.swaps)
         if self._staging is None:
             t = self.tables
             first = int(rows[0]) if batch else 0

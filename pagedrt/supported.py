@@ -15,6 +15,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GROUPS = tuple(range(1, 9))  # query heads per KV head
+PREFILL_GROUPS = tuple(range(1, 65))  # prefill packs a group's heads into its tile's rows, so any group fits
 
 # The largest cache the bookkeeping can describe. Block ids, lengths and positions are
 # int32 in the tables kernels read; a sequence's length plus any count checked against

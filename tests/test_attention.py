@@ -290,17 +290,21 @@ def test_every_supported_config_meets_the_kernel_static_asserts(geometry_name):
 
 def test_instances_name_every_swept_kernel_with_its_geometry():
     names = decode.instances()["decode.cu"]
+    with_indexed = decode.instances(indexed=(False, True))["decode.cu"]
+    assert len(names) == 2 * len(configs.sweep()) * len(planner.GEOMETRIES)
+    assert len(with_indexed) == 3 * len(configs.sweep()) * len(planner.GEOMETRIES)  # no indexed contiguous twin
     for cfg in configs.sweep():
-        for paged in (True, False):
+        for paged, indexed in ((True, False), (False, False), (True, True)):
             for geometry_name in planner.GEOMETRIES:
                 geo = planner.geometry(cfg, geometry_name)
-                name = decode.kernel_name(cfg, paged, geometry_name)
-                assert name in names
+                name = decode.kernel_name(cfg, paged, geometry_name, indexed)
+                assert name in with_indexed and (indexed or name in names)
                 args = name[name.index("<") + 1:-1].split(", ")
                 assert args == [cfg.cuda_type, *map(str, (cfg.head_dim, cfg.block_size, cfg.group)),
                                 "true" if paged else "false", *map(str, (geo.threads, geo.lanes, geo.tile,
                                                                           geo.stages)),
-                                "true" if geo.mma else "false", str(geo.ids_window)]
+                                "true" if geo.mma else "false", str(geo.ids_window),
+                                "true" if indexed else "false"]
 
 
 # --- launcher checks ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from pagedrt.bench import cases, harness, prefix, step
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("decode", "generate", "launch", "layers", "pool", "prefill", "prefix", "step")
+BENCHMARKS = ("decode", "generate", "launch", "layers", "pool", "prefill", "prefix", "step", "swap")
 
 
 class FakeCuda:

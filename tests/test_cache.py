@@ -66,18 +66,26 @@ def check_allocator(cache):
     mapped = a.usable_mask()
     index = a.index
     idle = np.zeros(a.max_blocks, bool)
-    idle[list(a.evictable)] = True
-    assert len(a.evictable) == int(idle.sum())
+    idle[list(a.evictable) + list(a.host_evictable)] = True
+    assert len(a.evictable) + len(a.host_evictable) == int(idle.sum())
+    assert all(b < a.device_blocks for b in a.evictable) and all(b >= a.device_blocks for b in a.host_evictable)
     assert np.array_equal(idle, index.cached & (a.ref_count == 0))  # cached-free = named and held by none
     assert (a.is_free.astype(int) + (a.ref_count > 0) + idle <= 1).all()
     assert np.array_equal(a.is_free | (a.ref_count > 0) | idle, mapped)  # released chunks hold nothing
-    assert a.num_free + a.num_held + len(a.evictable) == a.num_mapped_blocks == int(mapped.sum())
+    device = a.device_blocks
+    assert a.num_free + a.num_held + len(a.evictable) == a.num_mapped_blocks == int(mapped[:device].sum())
     assert sorted(index.block_of.values()) == np.flatnonzero(index.cached).tolist() == sorted(index.tokens)
     assert all(int(index.name[b]) == name for name, b in index.block_of.items())
-    assert cache.num_available_blocks == a.max_blocks - a.num_held
+    assert cache.num_available_blocks == device - a.num_held
     assert np.array_equal(a.free_in_chunk, a.is_free.reshape(a.num_chunks, -1).sum(1))
-    assert a.num_free == int(a.free_in_chunk.sum())
-    assert a.num_mapped_blocks == int(a.chunk_mapped.sum()) * a.blocks_per_chunk
+    assert a.num_free == int(a.free_in_chunk[:a.device_chunks].sum())
+    assert a.num_mapped_blocks == int(a.chunk_mapped[:a.device_chunks].sum()) * a.blocks_per_chunk
+    assert a.chunk_mapped[a.device_chunks:].all() and a.num_host_free == int(a.is_free[device:].sum())
+    assert a.num_host_held == int((a.ref_count[device:] > 0).sum())
+    assert not (index.cached[device:] & (a.ref_count[device:] > 0)).any()  # offloaded blocks are cached-free
+    assert not (t.swapped & ~t.live).any()
+    for seq in t.sequences:  # only a swapped-out sequence holds host-tier blocks
+        assert t.swapped[seq] or (t.blocks(seq) < device).all()
     assert a.num_shared == int((a.ref_count > 1).sum())
     pool_mapped = {r.chunk for r in cache.pool.mappings() if r.state == "mapped"}
     assert pool_mapped == {c for k in np.flatnonzero(a.chunk_mapped) for c in a.pool_chunks(int(k))}
@@ -517,7 +525,7 @@ def test_snapshot_round_trip_and_bad_files(tmp_path):
         cache.write_snapshot(path)
         snap = load_snapshot(path)
         assert snap["version"] == 1 and snap["sequences"] == [
-            {"seq": s, "length": 20, "blocks": cache.tables.blocks(s).tolist()}]
+            {"seq": s, "length": 20, "blocks": cache.tables.blocks(s).tolist(), "swapped": False}]
         assert snap["pool"]["base"] == cache.pool.base
         assert [c["chunk"] for c in snap["pool"]["chunks"]] == [r.chunk for r in cache.pool.mappings()]
         assert not list(tmp_path.glob(".snapshot-*"))  # the temp file was renamed, not left

@@ -100,10 +100,10 @@ def gated_create(monkeypatch, backend):
     """Make ``backend.create`` wait for ``go`` after setting ``started``: a preparation held mid-way."""
     started, go = threading.Event(), threading.Event()
 
-    def create(size, real=backend.create):
+    def create(*args, real=backend.create):
         started.set()
         assert go.wait(10)
-        return real(size)
+        return real(*args)
     monkeypatch.setattr(backend, "create", create)
     return started, go
 

@@ -182,7 +182,8 @@ HOSTILE = st.one_of(
     st.lists(st.integers(0, 7), max_size=4),  # live or not, duplicates likely
     hnp.arrays(st.sampled_from(INT_DTYPES + (np.float64, np.bool_)), hnp.array_shapes(min_dims=0, max_dims=3,
                                                                                       max_side=3)))
-READS = ("can_append", "translate", "length", "block_tables", "seq_lens", "stats", "snapshot")
+READS = ("can_append", "translate", "length", "block_tables", "seq_lens", "stats", "snapshot", "can_swap_out",
+         "can_swap_in")
 
 
 class HostileMachine(RuleBasedStateMachine):
@@ -190,7 +191,7 @@ class HostileMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = small_cache(max_tokens=32 * BS, max_seqs=6, max_seq_len=8 * BS)
+        self.cache = small_cache(max_tokens=32 * BS, max_seqs=6, max_seq_len=8 * BS, host_tokens=8 * BS)
 
     def teardown(self):
         self.cache.close()
@@ -233,8 +234,13 @@ class HostileMachine(RuleBasedStateMachine):
     def trim(self):
         self.call("trim")
 
+    @rule(pick=st.integers(0, 50))
+    def swap(self, pick):
+        seq = self.live(pick)
+        self.call("swap_in" if seq in self.cache.swapped else "swap_out", [seq])
+
     @rule(data=st.data(), name=st.sampled_from(
-        ("add_sequence", "append", "can_append", "fork", "free", "trim") + READS),
+        ("add_sequence", "append", "can_append", "fork", "free", "trim", "swap_out", "swap_in") + READS),
         pick=st.integers(0, 50), hostile=st.lists(st.booleans(), min_size=5, max_size=5))
     def hostile_call(self, data, name, pick, hostile):
         """A call whose arguments are each a live handle / small valid value, or something hostile."""
@@ -248,6 +254,8 @@ class HostileMachine(RuleBasedStateMachine):
             "fork": (arg(0, seq),), "free": (arg(0, [seq, seq]),), "length": (arg(0, seq),),
             "translate": (arg(0, seq), arg(1, 0), arg(2, 0), arg(3, "k"), arg(4, 0)),
             "block_tables": (arg(0, [seq]),), "seq_lens": (arg(0, None),),
+            "swap_out": (arg(0, [seq]),), "swap_in": (arg(0, [seq]),), "can_swap_out": (arg(0, [seq]),),
+            "can_swap_in": (arg(0, [seq]),),
         }[name]
         self.call(name, *args)
 

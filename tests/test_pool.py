@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pagedrt import Pool
-from pagedrt.errors import (BackendUnavailableError, ChunkStateError, MappingLimitError, PoolClosedError,
-                            PoolSizeError, ReservationExceededError, UnknownChunkError,
+from pagedrt.errors import (BackendUnavailableError, ChunkStateError, HostOutOfMemoryError, MappingLimitError,
+                            PoolClosedError, PoolSizeError, ReservationExceededError, UnknownChunkError,
                             UnmappedRangeError)
 from pagedrt.memory import find_pool, host
 from helpers import to_host
@@ -481,3 +481,56 @@ def test_views_after_close_read_zeros_on_the_host():
     del view
     gc.collect()
     assert host_mappings(base, base + size) == [] and find_pool(base) is None
+
+
+# --- the host tier: host-located chunks in the same range ----------------------------------------------------
+
+def test_host_chunks_map_beside_device_chunks_and_say_where_they_live(backend):
+    with make_pool(backend, chunks=8) as pool:
+        pool.grow(2)
+        assert pool.map([4, 5], "host") == [4, 5]
+        records = {r.chunk: r for r in pool.mappings()}
+        assert [records[c].location for c in (0, 1, 4, 5)] == ["device", "device", "host", "host"]
+        if backend == "cuda":
+            assert records[0].location_id == pool._backend.device.ordinal
+            assert records[4].location_id is None or records[4].location_id >= 0
+        else:
+            assert all(r.location_id is None for r in records.values())
+            assert_consistent(pool)
+        data = fill(pool, 4, seed=11)  # written and read through the same kind of view
+        assert np.array_equal(read(pool, 4), data)
+        assert pool.mapped_mask().tolist() == [True, True, False, False, True, True, False, False]
+        pool.release(4)
+        assert {r.chunk: (r.state, r.location) for r in pool.mappings()}[4] == ("released", "host")
+        assert pool.location(5) == "host" and pool.grow() == [6]  # grow maps device chunks
+        with pytest.raises(PoolSizeError, match="location"):
+            pool.map(7, "disk")
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_pinned_memory_refused_is_named_and_undoes_the_map(backend, fail_at, monkeypatch):
+    with make_pool(backend, chunks=8) as pool:
+        pool.grow(1)
+        pool.map(3, "host")
+        before = state(pool)
+        b = pool._backend
+        if backend == "cuda":  # the driver refuses: cuMemCreate of a host-located chunk, out of memory
+            from pagedrt.errors import DeviceOutOfMemoryError
+            real, creates = b._call, []
+
+            def call(fn, *args):
+                if fn == "cuMemCreate" and args[1] is not b._prop:
+                    creates.append(fn)
+                    if len(creates) == fail_at:
+                        raise DeviceOutOfMemoryError(fn, "CUDA_ERROR_OUT_OF_MEMORY", "injected")
+                return real(fn, *args)
+            monkeypatch.setattr(b, "_call", call)
+        else:
+            monkeypatch.setattr(b, "create", FailingCall(b.create, fail_at, HostOutOfMemoryError("injected")))
+        with pytest.raises(HostOutOfMemoryError, match="pinned memory|injected"):
+            pool.map([4, 5], "host")
+        assert state(pool) == before
+        monkeypatch.undo()
+        if backend == "host":
+            assert_consistent(pool)
+        assert pool.map([4, 5], "host") == [4, 5]

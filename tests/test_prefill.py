@@ -36,7 +36,7 @@ def naive(case, causal=True, scale=None):
 # --- the reference ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [8, 16, 128])
-@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("group", [1, 3, 8, 40])
 @pytest.mark.parametrize("causal", [True, False])
 def test_reference_matches_a_naive_loop(block_size, group, causal):
     case = case_of(Config("float32", 64, block_size, group), rows(block_size), seed=block_size + group)
@@ -90,7 +90,7 @@ def test_plan_runs_each_layer():
 
 @settings(max_examples=30, deadline=None)
 @given(spec=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40)), min_size=1, max_size=5),
-       block_size=st.sampled_from([8, 32]), group=st.sampled_from([1, 2, 5, 8]), causal=st.booleans(),
+       block_size=st.sampled_from([8, 32]), group=st.sampled_from([1, 2, 5, 8, 24, 64]), causal=st.booleans(),
        seed=st.integers(0, 100))
 def test_ragged_batches_property(spec, block_size, group, causal, seed):
     spec = [(p + (p + n == 0), n) for p, n in spec]  # every sequence holds a key
@@ -124,10 +124,60 @@ def test_a_cache_step_then_write_kv_then_a_plan_per_layer():
                 assert rel_error(out, ref) < TOLERANCE["float16"]
 
 
+# --- a mixed step: which rows the decode kernel takes ----------------------------------------------------
+
+PLACEMENTS = {  # (prefix, new) per sequence: a mixed step's decode rows (one new token) placed among prompts
+    "decodes first": [(40, 1), (17, 1), (0, 30), (5, 9)],
+    "decodes last": [(0, 30), (5, 9), (40, 1), (17, 1)],
+    "interleaved": [(40, 1), (0, 30), (17, 1), (3, 0), (5, 9), (2, 1)],
+    "all decodes": [(40, 1), (17, 1), (0, 1)],
+    "no decodes": [(0, 30), (5, 9), (3, 0)],
+}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("group", [1, 4, 8, 9, 40])
+def test_the_decode_kernel_takes_the_one_token_rows_when_it_takes_the_group(placement, group):
+    spec = PLACEMENTS[placement]
+    case = case_of(Config("float16", 64, 16, group), spec, kv_heads=1, seed=group)
+    plan = PrefillPlan(case.q, case.k, case.table, case.lens, case.qo_indptr, query_lens=case.query_lens)
+    ones = [b for b, (_, n) in enumerate(spec) if n == 1]
+    assert plan.decode_rows.dtype == np.int64
+    assert plan.decode_rows.tolist() == (ones if group <= 8 else [])
+    assert planner.decode_rows(case.query_lens, group).tolist() == plan.decode_rows.tolist()
+    out = plan.run(case.q, case.k, case.v)
+    assert np.array_equal(out, reference.prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr))
+
+
+def test_decode_rows_fill_at_most_one_grid_dimension():
+    rows = planner.decode_rows(np.ones(planner.MAX_DECODE_ROWS + 5, np.int64), 4)
+    assert rows.tolist() == list(range(planner.MAX_DECODE_ROWS))
+    assert planner.decode_rows(np.array([], np.int64), 4).size == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(counts=st.lists(st.integers(0, 3), max_size=10), group=st.integers(1, 12))
+def test_the_prefill_items_leave_out_exactly_the_decode_rows(counts, group):
+    """Every packed row of a row the decode kernel does not take is in one item; those it takes are in none."""
+    decoded = planner.decode_rows(np.array(counts, np.int64), group)
+    items = planner.prefill_items(np.array(counts, np.int64), group, 16, skip=decoded)
+    assert set(items[:, 0].tolist()) == {b for b, n in enumerate(counts) if n and b not in decoded.tolist()}
+    full = planner.prefill_items(np.array(counts, np.int64), group, 16)
+    kept = full[~np.isin(full[:, 0], decoded)]
+    assert np.array_equal(items, kept)  # the same items, starts and order as without the decode rows
+
+
+def test_workspace_errors(case):
+    with pytest.raises(LaunchArgumentError, match="workspace must be a contiguous 1-D uint8"):
+        PrefillPlan(case.q, case.k, case.table, case.lens, case.qo_indptr, workspace=np.zeros(8, np.float32))
+    with pytest.raises(LaunchArgumentError, match="NumPy or CuPy"):
+        PrefillPlan(case.q, case.k, case.table, case.lens, case.qo_indptr, workspace=[0] * 8)
+
+
 # --- work items, instances, geometry -------------------------------------------------------------------
 
 @settings(max_examples=100, deadline=None)
-@given(counts=st.lists(st.integers(0, 300), max_size=8), group=st.integers(1, 8),
+@given(counts=st.lists(st.integers(0, 300), max_size=8), group=st.integers(1, 64),
        tile=st.sampled_from([16, 64]))
 def test_work_items_cover_every_packed_row_once(counts, group, tile):
     items = planner.prefill_items(np.array(counts, np.int64), group, tile)
@@ -184,7 +234,7 @@ def offsets(*values):
     (lambda c: dict(q=c.q.astype(np.float32)), LaunchArgumentError, "must match"),
     (lambda c: dict(q=c.q[:, :, :64].copy()), LaunchArgumentError, "head_dim"),
     (lambda c: dict(q=c.q[:, :7].copy()), LaunchArgumentError, "multiple"),
-    (lambda c: dict(q=np.concatenate([c.q, c.q, c.q], axis=1)), UnsupportedConfigError, "group"),
+    (lambda c: dict(q=np.concatenate([c.q] * 17, axis=1)), UnsupportedConfigError, "group.*64"),
     (lambda c: dict(k_cache=c.k[..., None]), LaunchArgumentError, "4-D"),
     (lambda c: dict(v_cache=c.v[:-1]), LaunchArgumentError, "same shape and block stride"),
     (lambda c: dict(block_tables=c.table.astype(np.int64)), LaunchArgumentError, "int32"),

@@ -3,10 +3,13 @@
 Every input is fresh random data; every output is poisoned with NaN before a launch;
 every slot a kernel must not read holds NaN (see kernel_cases.Case). The matrix: each
 dtype x head_dim at block size 16, and block sizes 8, 32 and 128 at one dtype per
-head_dim, each causal and not, each over three groups (1 and 4 with two KV heads, 8 with
-one: MQA at the largest group) and one ragged batch whose prefixes are 0, 1, block - 1,
-block, block + 1 and long, with rows of no query and of one. Every row is compared on its
-own. All kernels are compiled up front in one NVRTC call.
+head_dim, each causal and not, each over four groups (1 and 4 with two KV heads, 8 and 48
+with one: MQA, and a group that cuts the 64-row tiles mid-token) and one ragged batch
+whose prefixes are 0, 1, block - 1, block, block + 1 and long, with rows of no query and
+of one (at groups up to 8 the decode kernel takes the one-token rows). Mixed steps: decode
+rows first, last, interleaved with prompt rows, alone and absent, at groups 1, 4, 8 and 12,
+in each dtype and at block sizes 8, 16 and 128, split and in a CUDA graph. Every row is
+compared on its own. All kernels are compiled up front (helpers.compile_all).
 """
 
 import math
@@ -14,10 +17,10 @@ import math
 import numpy as np
 import pytest
 
-from helpers import to_host
+from helpers import compile_all, to_host
 from kernel_cases import PrefillCase, rel_error
-from pagedrt import PagedKVCache, source
-from pagedrt.attention import PrefillPlan, paged_prefill, prefill, reference
+from pagedrt import PagedKVCache
+from pagedrt.attention import PrefillPlan, decode, paged_prefill, prefill, reference, workspace_bytes
 from pagedrt.errors import BlockTableError, LaunchArgumentError
 from pagedrt.kernels import validate, write_kv
 from pagedrt.kernels.configs import Config
@@ -30,15 +33,18 @@ CONFIGS = list(dict.fromkeys(
     [Config(d, h, 16, 4) for d in TOLERANCE for h in (64, 128, 256)]
     + [Config(d, h, b, 4) for b in (8, 32, 128) for d, h in (("bfloat16", 64), ("float16", 128),
                                                                    ("bfloat16", 256))]))
-GROUPS = ((2, 1), (2, 4), (1, 8))  # (kv_heads, group)
+GROUPS = ((2, 1), (2, 4), (1, 8), (1, 48))  # (kv_heads, group)
+MIXED_CONFIGS = [Config("bfloat16", 64, 8, 4), Config("float16", 128, 128, 4), Config("bfloat16", 256, 16, 4)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """Every kernel of this module, compiled up front: one NVRTC call per source file."""
-    for part in (prefill.instances(CONFIGS), validate.instances()):
-        for file, names in part.items():
-            source.preload(file, names)
+    """Every kernel of this module, compiled up front: the prefill kernels, and the (indexed) decode kernels a
+    mixed step's decode rows run, in the standard geometry: these batches are too small for the short one."""
+    mixed = [Config(c.dtype, c.head_dim, c.block_size, g) for c in CONFIGS for g in (1, 4, 8)]
+    mixed += [Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2)]  # test_long_prefixes_and_long_prompts
+    names = [decode.kernel_name(c, True, "standard", indexed=True) for c in mixed]
+    compile_all(prefill.instances(CONFIGS), {decode.FILE: names}, validate.instances())
 
 
 def ragged(bs, long=300):
@@ -103,7 +109,8 @@ def test_prefill_matches_the_reference_row_by_row(cfg, causal):
     assert not failures, "; ".join(failures)
 
 
-@pytest.mark.parametrize("cfg", [BASE, Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2)], ids=str)
+@pytest.mark.parametrize("cfg", [BASE, Config("bfloat16", 256, 16, 8), Config("float16", 64, 128, 2),
+                                 Config("float16", 128, 16, 64), Config("bfloat16", 64, 32, 17)], ids=str)
 def test_long_prefixes_and_long_prompts(cfg):
     case = case_of(cfg, [(4000, 300), (0, 1000), (2500, 1)], kv_heads=1, seed=3)
     bad = row_errors(run(OnDevice(case), case), expected(case), case)
@@ -199,3 +206,86 @@ def test_a_cuda_cache_step_then_write_kv_then_the_plan():
         ref = reference.prefill(host[0].astype(np.float64), *host[1:], 1 / math.sqrt(128))
         assert to_host(step.seq_lens).tolist() == [101, 200]
         assert rel_error(to_host(out), ref) <= TOLERANCE["float16"]
+
+
+# --- mixed steps: the decode kernel takes the one-token rows --------------------------------------------
+
+def placements(bs):
+    """(prefix, new) per sequence: decode rows (one new token after bs - 1, bs and 300 cached ones) beside a
+    prompt and a chunk after cached tokens, placed as an engine may batch them."""
+    d, p = [(bs - 1, 1), (bs, 1), (300, 1)], [(0, 70), (bs + 1, 40)]
+    return {"decodes first": d + p, "decodes last": p + d, "interleaved": [d[0], p[0], d[1], (5, 0), p[1], d[2]],
+            "all decodes": d, "no decodes": p}
+
+
+def mixed_errors(cfg, spec, kv_heads, causal=True, seed=0, **kwargs):
+    """Run a mixed step once (validated, NaN-poisoned out) and return (decode rows, rows over tolerance)."""
+    case = case_of(cfg, spec, kv_heads=kv_heads, seed=seed)
+    dev = OnDevice(case)
+    plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens, causal=causal,
+                       **kwargs)
+    out = poisoned(case.q.shape, case.q.dtype)
+    assert plan.run(dev.q, dev.k, dev.v, out=out) is out
+    return plan.decode_rows.tolist(), row_errors(to_host(out), expected(case, causal), case)
+
+
+@pytest.mark.parametrize("placement", list(placements(16)))
+@pytest.mark.parametrize("kv_heads, group", [(2, 1), (2, 4), (1, 8), (1, 12)])
+def test_mixed_steps_match_the_reference_row_by_row(placement, kv_heads, group):
+    """Decode rows wherever they sit; at group 12 the decode kernel does not run and the prefill kernel takes
+    every row."""
+    spec = placements(16)[placement]
+    rows, bad = mixed_errors(Config("float16", 128, 16, group), spec, kv_heads, seed=group)
+    assert rows == ([b for b, (_, n) in enumerate(spec) if n == 1] if group <= 8 else [])
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("cfg", MIXED_CONFIGS, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_mixed_steps_in_each_dtype_and_block_size(cfg, causal):
+    failures = []
+    for placement in ("interleaved", "decodes last"):
+        for kv_heads, group in ((2, 4), (1, 8)):
+            _, bad = mixed_errors(Config(cfg.dtype, cfg.head_dim, cfg.block_size, group),
+                                  placements(cfg.block_size)[placement], kv_heads, causal, seed=group)
+            failures += [f"{placement}, group {group}: {b}" for b in bad]
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("placement", ["interleaved", "decodes last", "all decodes"])
+def test_split_decode_rows_over_a_callers_workspace_in_a_cuda_graph(placement):
+    """Long decode rows split (partials in the caller's workspace, merged by the last segment), the plan made
+    before capture on the capturing stream, its runs over two layers captured and replayed twice."""
+    import cupy
+    spec = {"interleaved": [(4000, 1), (0, 90), (2999, 1)], "decodes last": [(0, 90), (4000, 1), (2999, 1)],
+            "all decodes": [(4000, 1), (2999, 1)]}[placement]
+    case = case_of(BASE, spec, kv_heads=2, seed=21)
+    case.buffer[:, :, 0] = (case.buffer[:, :, 1].astype(np.float32) * -0.5).astype(case.buffer.dtype)
+    dev = OnDevice(case)
+    planes = [(dev.buffer[:, 0, layer], dev.buffer[:, 1, layer]) for layer in (0, 1)]
+    refs = [expected(case, True, case.buffer[:, 0, layer], case.buffer[:, 1, layer]) for layer in (0, 1)]
+    workspace = cupy.empty(workspace_bytes(2, 8, 128, 64), np.uint8)
+    outs = [poisoned(case.q.shape, case.q.dtype) for _ in planes]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan = PrefillPlan(dev.q, planes[0][0], dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens,
+                           workspace=workspace)
+        assert plan._decode.launch.grid[2] > 1  # the decode rows are split
+        stream.synchronize()
+        stream.begin_capture()
+        for (k, v), out in zip(planes, outs):
+            plan.run(dev.q, k, v, out=out)
+        graph = stream.end_capture()
+        for _ in range(2):
+            for out in outs:
+                out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            for out, ref in zip(outs, refs):
+                assert not row_errors(to_host(out), ref, case)
+    with pytest.raises(LaunchArgumentError, match="stream it was made on"):
+        plan.run(dev.q, *planes[0])  # the current stream is not the plan's
+    with pytest.raises(LaunchArgumentError, match="workspace holds 16 bytes"):
+        PrefillPlan(dev.q, planes[0][0], dev.table, dev.lens, dev.qo_indptr, workspace=workspace[:16])
+    own = PrefillPlan(dev.q, planes[0][0], dev.table, dev.lens, dev.qo_indptr)  # a split workspace of its own
+    assert not row_errors(to_host(own.run(dev.q, *planes[1])), refs[1], case)

@@ -27,12 +27,14 @@ FAST = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCh
 
 
 def make_valid():
-    """A snapshot with mapped and released chunks, a fork sharing blocks, an empty sequence, cached blocks."""
-    with PagedKVCache(2, 2, 64, 16, max_tokens=2048, chunk_bytes=32768, backend="host") as cache:
+    """A snapshot with mapped and released chunks, a fork sharing blocks, an empty sequence, cached blocks, a host
+    tier holding the fork's own block (swapped out)."""
+    with PagedKVCache(2, 2, 64, 16, max_tokens=2048, chunk_bytes=32768, backend="host", host_tokens=512) as cache:
         a, gone = cache.add_sequence(), cache.add_sequence()
         cache.append([a, gone], [40, 200])
         b = cache.fork(a)
         cache.append(b, 3)
+        cache.swap_out([b])
         cache.free([gone])
         cache.trim()
         cache.add_sequence()
@@ -44,6 +46,8 @@ def make_valid():
 
 
 VALID = make_valid()
+DEVICE_BLOCKS = ((VALID["layout"]["chunks_per_plane"] - VALID["layout"]["host_chunks"])
+                 * VALID["blocks"]["blocks_per_chunk"])
 
 
 def test_the_valid_snapshot_covers_the_cases():
@@ -52,6 +56,7 @@ def test_the_valid_snapshot_covers_the_cases():
     assert max(VALID["blocks"]["ref_counts"]) == 2 and any(s["length"] == 0 for s in seqs)
     refs = VALID["blocks"]["ref_counts"]
     assert sorted({refs[b] for b in VALID["blocks"]["cached"]}) == [0, 1]  # held and cached-free
+    assert {c["location"] for c in chunks} == {"device", "host"} and any(s["swapped"] for s in seqs)
     assert validate_snapshot(copy.deepcopy(VALID)) == VALID
 
 
@@ -121,7 +126,8 @@ HOSTILE = {
     "huge int": ('{"schema": "pagedrt-snapshot", "version": ' + "9" * 5000 + "}", "cannot read snapshot"),
     "length past blocks": (with_value(("sequences", 0, "length"), VALID["sequences"][0]["length"] + 16),
                            "sequences[0].blocks: has"),
-    "block in a hole": (with_value(SEQ_BLOCKS + (0,), VALID["blocks"]["max_blocks"] - 1), "which is not mapped"),
+    "block in a hole": (with_value(SEQ_BLOCKS + (0,), DEVICE_BLOCKS - 1), "which is not mapped"),
+    "host block, not swapped": (with_value(SEQ_BLOCKS + (0,), DEVICE_BLOCKS), "not swapped out"),
     "block held twice": (with_value(SEQ_BLOCKS + (1,), VALID["sequences"][0]["blocks"][0]), "holds a block twice"),
     "ref count off": (with_value(("blocks", "ref_counts", VALID["sequences"][0]["blocks"][0]), 7),
                       "blocks.ref_counts["),

@@ -33,9 +33,9 @@ NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with N
 
 
 def instances():
-    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels', pagedrt.attention's (decode and
-    prefill) and the engine's (pagedrt.engine.ops)."""
-    return {**kernels.instances(), **decode.instances(), **prefill.instances(), **ops.instances()}
+    """{cuda_src file: name expressions} of every launcher: pagedrt.kernels', pagedrt.attention's (decode with
+    its indexed variant, and prefill) and the engine's (pagedrt.engine.ops)."""
+    return {**kernels.instances(), **decode.instances(indexed=(False, True)), **prefill.instances(), **ops.instances()}
 
 
 def units(tmp):

@@ -9,8 +9,9 @@ errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
 (with empty segments), each in both geometries, the contiguous baseline, prefill (causal and
-not, over a ragged batch with a one-token row), block copy, and validation (a good table, then
-a bad one refused), on the base configuration. Then the
+not, over a ragged batch with a one-token row), mixed steps (decode rows split, around a
+prompt chunk and after it), block copy, and validation (a good table, then a bad one
+refused), on the base configuration. Then the
 refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
 decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
 given twice and the planes of a closed cache, each refused, with good launches after
@@ -74,8 +75,8 @@ def run():
     """Every kernel and refusal; returns the names of the checks that failed."""
     import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
-    for part in (decode.instances([base]), prefill.instances([base]), write.instances([base]), copy.instances(),
-                 validate.instances()):
+    for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
+                 prefill.instances([base]), write.instances([base]), copy.instances(), validate.instances()):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -129,6 +130,8 @@ def run():
         ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
         expect(f"paged_prefill, {'causal' if causal else 'not causal'}", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
+    mixed(expect, rng)
+
     pairs = np.array([[int(perm[0]), int(perm[-1])], [int(perm[1]), int(perm[-2])]])
     copy_blocks([k, v], cupy.asarray(pairs))
     copy_blocks_reference([host_k, host_v], pairs)
@@ -143,6 +146,28 @@ def run():
         expect("validation refuses a bad block id", True)
     cupy.cuda.Device().synchronize()
     return failures
+
+
+def mixed(expect, rng):
+    """Mixed steps: two decode rows long enough to be split, around a prompt chunk, then the same rows reordered
+    so that the decode rows come last."""
+    import cupy
+    lens, queries = np.array([1100, 40, 1500], np.int32), np.array([1, 20, 1])
+    used = [-(-int(n) // BLOCK) for n in lens]
+    planes = [rng.standard_normal((sum(used) + 1, KV_HEADS, BLOCK, DIM)).astype(np.float16) for _ in "kv"]
+    ids = rng.permutation(sum(used) + 1).astype(np.int32)
+    table = np.zeros((3, max(used)), np.int32)
+    for i, nb in enumerate(used):
+        table[i, :nb] = ids[sum(used[:i]):sum(used[:i]) + nb]
+    k, v = (cupy.asarray(x) for x in planes)
+    for order, placement in (([0, 1, 2], "around a prompt chunk"), ([1, 0, 2], "last")):
+        qo = np.concatenate([[0], np.cumsum(queries[order])]).astype(np.int32)
+        q = rng.standard_normal((int(qo[-1]), KV_HEADS * GROUP, DIM)).astype(np.float16)
+        out = paged_prefill(cupy.asarray(q), k, v, cupy.asarray(table[order]), cupy.asarray(lens[order]),
+                            cupy.asarray(qo), query_lens=queries[order])
+        ref = reference.prefill(q.astype(np.float64), *planes, table[order], lens[order], qo)
+        expect(f"paged_prefill, a mixed step with its decode rows {placement}",
+               rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
 
 def refused(expect, name, error, call):

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import source
 from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
-                            multiprocessors, plane, positive_int, ptr, same_layout)
+                            multiprocessors, plane, positive_int, ptr, RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
@@ -39,17 +39,21 @@ _layout_owner = {}
 _plan_ids = itertools.count()
 
 
-def kernel_name(cfg, paged, geometry_name):
-    """The decode kernel's name expression for configuration ``cfg`` in geometry ``geometry_name``."""
+def kernel_name(cfg, paged, geometry_name, indexed=False):
+    """The decode kernel's name expression for configuration ``cfg`` in geometry ``geometry_name``; ``indexed``:
+    the variant that reads each item's table row and query token from a rows array (a mixed step's decode rows)."""
     geo = geometry(cfg, geometry_name)
-    return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, "
-            f"{'true' if paged else 'false'}, {geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, "
-            f"{'true' if geo.mma else 'false'}, {geo.ids_window}>")
+    flag = lambda b: "true" if b else "false"  # noqa: E731
+    return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, {flag(paged)}, "
+            f"{geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, {flag(geo.mma)}, {geo.ids_window}, "
+            f"{flag(indexed)}>")
 
 
-def instances(configs=None, paged=(True, False)):
-    """{file: name expressions} for ``configs`` (default: the representative sweep), in every geometry."""
-    names = [kernel_name(c, p, name) for c in (configs or sweep()) for p in paged for name in GEOMETRIES]
+def instances(configs=None, paged=(True, False), indexed=(False,)):
+    """{file: name expressions} for ``configs`` (default: the representative sweep), in every geometry;
+    ``indexed=(False, True)`` adds the paged kernels' row-indexed variants (a mixed step's decode rows)."""
+    names = [kernel_name(c, p, name, i) for c in (configs or sweep()) for p in paged for i in indexed if p or not i
+             for name in GEOMETRIES]
     return {FILE: tuple(dict.fromkeys(names))}
 
 
@@ -61,10 +65,10 @@ class _Kernel:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg, paged, geometry_name, device_id):
+def _kernel(cfg, paged, geometry_name, device_id, indexed=False):
     """The compiled kernel of a configuration and geometry, and its occupancy, per device."""
     from cupy_backends.cuda.api import driver
-    fn = source.function(FILE, kernel_name(cfg, paged, geometry_name))
+    fn = source.function(FILE, kernel_name(cfg, paged, geometry_name, indexed))
     geo = geometry(cfg, geometry_name)
     fn.max_dynamic_shared_size_bytes = geo.smem_bytes
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, geo.threads, geo.smem_bytes)
@@ -89,13 +93,36 @@ class _Launch:
     threads: tuple
     smem: int
     middle: tuple  # the arguments between v and out: block stride ... segment_tokens
-    tail: tuple    # pointers to the split partials in the workspace (part_o, part_ml, arrivals), or nulls
+    tail: tuple    # the split partials in the workspace (part_o, part_ml, arrivals) or nulls, then the rows or null
 
     def __call__(self, q, k, v, out):
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail), shared_mem=self.smem)
 
 
-def _check_workspace(workspace):
+@dataclass(frozen=True)
+class _Bound:
+    """A prepared decode launch and what it runs over: its split workspace (the plan's or the caller's), the
+    stream a split launch belongs to, the plan's claim on a caller's workspace, and the device arrays its
+    pointers name besides the per-layer ones (a mixed step's rows)."""
+    launch: _Launch
+    workspace: object
+    stream: object  # the stream's pointer when split, else None (any stream)
+    claim: object   # (workspace address, plan id) on a caller's split workspace, else None
+    keep: object = None
+
+    def check(self):
+        """Raise LaunchArgumentError unless the launch may run now: on the plan's stream when split, over a
+        caller's workspace still laid out for this plan."""
+        import cupy
+        check(self.stream is None or self.stream == cupy.cuda.get_current_stream().ptr,
+              lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
+                      "run it on that stream, or make a plan per stream")
+        check(self.claim is None or _layout_owner.get(self.claim[0]) == self.claim[1],
+              "a later plan was made on this plan's workspace and laid it out for itself: a workspace holds one "
+              "plan at a time; run the latest plan, or give each live plan its own workspace")
+
+
+def check_workspace(workspace):
     """A caller's workspace: a contiguous 1-D uint8 array (device arrays also 16-byte aligned)."""
     if workspace is None:
         return
@@ -126,19 +153,46 @@ def _bind_workspace(workspace, layout, rows):
     return workspace, tuple(np.uint64(base + offset) for offset in layout[:3])
 
 
-def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, seq_lens, scale, split, layout,
-             workspace):
-    """The launch of a checked decode (on the current device and stream); returns (launch, workspace held)."""
+def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, lens, scale, split, layout,
+             workspace, rows=None):
+    """The :class:`_Bound` launch of a checked decode (on the current device and stream). ``lens``: the lengths'
+    pointer; ``rows``: a device int32 [batch, 2] of (table row, query token) for the indexed kernel."""
     import cupy
-    kern = _kernel(cfg, paged, split.geometry, cupy.cuda.Device().id)
-    tail = (NULL, NULL, NULL)
+    kern = _kernel(cfg, paged, split.geometry, cupy.cuda.Device().id, rows is not None)
+    parts, stream, claim = (NULL, NULL, NULL), None, None
     if split.num_splits > 1:
-        workspace, tail = _bind_workspace(workspace, layout, batch * q_heads)
-    middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), ptr(seq_lens),
-              np.float32(scale * LOG2E), np.int32(split.segment_tokens))
+        stream = cupy.cuda.get_current_stream().ptr
+        if workspace is not None:
+            claim = (workspace.data.ptr, next(_plan_ids))
+            _layout_owner[claim[0]] = claim[1]
+        workspace, parts = _bind_workspace(workspace, layout, batch * q_heads)
+    middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), lens, np.float32(scale * LOG2E),
+              np.int32(split.segment_tokens))
+    tail = (*parts, NULL if rows is None else ptr(rows))
     launch = _Launch(kern.function, (q_heads // cfg.group, batch, split.num_splits), (kern.geometry.threads,),
                      kern.geometry.smem_bytes, middle, tail)
-    return launch, workspace
+    return _Bound(launch, workspace, stream, claim, rows)
+
+
+def rows_launch(cfg, q_heads, block_stride, block_tables, kv_lens, rows, tokens, scale, max_seq_len, mean_seq_len,
+                workspace):
+    """The launch (a :class:`_Bound`: :meth:`~_Bound.check`, then ``.launch(q, k, v, out)``) of a mixed step's
+    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host ints, one query
+    token each, at most MAX_GRID_YZ), row ``rows[i]`` of ``block_tables`` and ``kv_lens`` with query token
+    ``tokens[i]`` of q and out. Arguments are checked (``workspace`` as for :class:`DecodePlan`, holding
+    ``len(rows)`` rows' partials); ``max_seq_len`` and ``mean_seq_len`` size the split plan.
+
+    Every placement of the rows runs the indexed variant of :class:`DecodePlan`'s kernel over the (row, token)
+    pairs, uploaded here: it costs one load per thread block more, and rows that follow one another gain
+    nothing measurable from the plain kernel over moved pointers (docs/KERNELS.md)."""
+    import cupy
+    n = len(rows)
+    split = _device_split(cfg, n, q_heads // cfg.group, max_seq_len, None, mean_seq_len, None)
+    layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
+    pairs = cupy.asarray(np.stack([rows, tokens], axis=1).astype(np.int32))
+    table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4))
+    return _prepare(cfg, n, q_heads, True, block_stride, table_args, int(block_tables.shape[1]), ptr(kv_lens), scale,
+                    split, layout, workspace, rows=pairs)
 
 
 def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, geometry_name,
@@ -159,7 +213,7 @@ def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, ca
     positive_int("num_splits", num_splits, MAX_GRID_YZ)
     max_seq_len = positive_int("max_seq_len", max_seq_len, capacity) or capacity
     check_geometry(geometry_name)
-    _check_workspace(workspace)
+    check_workspace(workspace)
     return cfg, scale, max_seq_len
 
 
@@ -183,25 +237,17 @@ class _Plan:
     def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, paged,
               block_stride, table_args, width, seq_lens, spans):
         """Keep what :meth:`run` checks against, and prepare the launch (device arrays only)."""
-        self._spans = spans
         self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
-        self._array_type, self._q = type(q), (q.shape, q.dtype)
-        self._layout = (k.shape, k.strides, k.dtype)
-        self._what = "K plane" if paged else "k"
+        self._arrays = RunArrays(type(q), q.shape, q.dtype, (k.shape, k.strides, k.dtype),
+                                 "K plane" if paged else "k", spans)
         self._reference = reference_run
-        self._launch, self._workspace, self._stream, self._claim = None, workspace, None, None
+        self._bound = None
         if xp is np:
             return
-        import cupy
         self._device = q.device.id
         if q.shape[0]:
-            self._launch, self._workspace = _prepare(cfg, q.shape[0], q.shape[1], paged, block_stride, table_args,
-                                                     width, seq_lens, scale, split, layout, workspace)
-            if split.num_splits > 1:
-                self._stream = cupy.cuda.get_current_stream().ptr
-                if workspace is not None:
-                    self._claim = (workspace.data.ptr, next(_plan_ids))
-                    _layout_owner[self._claim[0]] = self._claim[1]
+            self._bound = _prepare(cfg, q.shape[0], q.shape[1], paged, block_stride, table_args, width,
+                                   ptr(seq_lens), scale, split, layout, workspace)
 
     @property
     def split(self):
@@ -211,34 +257,16 @@ class _Plan:
     def run(self, q, k_cache, v_cache, out=None):
         """Attention of ``q`` over one layer's K and V; returns ``out``."""
         k, v = k_cache, v_cache
-        array_type = self._array_type
-        check(type(q) is array_type and type(k) is array_type and type(v) is array_type
-              and (out is None or type(out) is array_type),
-              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
-                      "the plan's: NumPy or CuPy arrays, not a mix")
-        if self._spans.pools:
-            self._spans.check_open()
-        shape, dtype = self._q
-        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
-              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
-        same_layout("k_cache", k, self._layout, self._what)
-        same_layout("v_cache", v, self._layout, self._what)
-        if out is not None:
-            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
-                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
-        if array_type is np.ndarray:
-            return _store(self._reference(q, k, v), out)
+        self._arrays.check(q, k, v, out)
+        if self._arrays.array_type is np.ndarray:
+            return store(self._reference(q, k, v), out)
         import cupy
-        check(self._stream is None or self._stream == cupy.cuda.get_current_stream().ptr,
-              lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
-                      "run it on that stream, or make a plan per stream")
-        check(self._claim is None or _layout_owner.get(self._claim[0]) == self._claim[1],
-              "a later plan was made on this plan's workspace and laid it out for itself: a workspace holds one "
-              "plan at a time; run the latest plan, or give each live plan its own workspace")
+        if self._bound is not None:
+            self._bound.check()
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
-        if self._launch is not None:
-            self._launch(*pointers)
+        if self._bound is not None:
+            self._bound.launch(*pointers)
         return out
 
 
@@ -382,10 +410,3 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=Non
     plan = ContiguousDecodePlan(q, k, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                                 mean_seq_len=mean_seq_len, validate=validate, geometry=geometry, workspace=workspace)
     return plan.run(q, k, v, out)
-
-
-def _store(result, out):
-    if out is None:
-        return result
-    out[...] = result
-    return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels.args import check
+from ..supported import GROUPS
 
 GEOMETRIES = ("standard", "short")
 
@@ -35,6 +36,7 @@ PREFILL_HEAD_DIMS = (64, 128, 256)        # whole groups of 8 16-byte chunks per
 PREFILL_THREADS = 128           # four warps, 16 packed query rows each
 PREFILL_TILE_M = 64             # packed query rows (query token x query head of the group) per work item
 PREFILL_STAGES = 2              # the key pipeline's depth
+MAX_DECODE_ROWS = 65535         # a mixed step's decode rows are the decode kernel's grid dimension y
 
 
 def _unknown(name):
@@ -122,23 +124,39 @@ def prefill_geometry(cfg):
                            (PREFILL_STAGES * 2 * tile_n + PREFILL_TILE_M) * row)
 
 
-def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M):
+def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):
     """The work items of a prefill: int32 [n, 4] rows (batch row, its first query token, its query count,
     the item's first packed row), from the host's per-row query counts.
 
     Sequence b's packed rows are its query tokens times the group's query heads
     (``query_lens[b] * group``), cut into items of ``tile_m``; rows without queries
-    have none. Items later in their sequence come first (stable within a position):
-    under a causal mask they see the most keys, and the long items then start in the
-    first wave rather than run alone at the end.
+    have none, nor have the rows in ``skip`` (a mixed step's decode rows, which the
+    decode kernel takes). Items later in their sequence come first (stable within a
+    position): under a causal mask they see the most keys, and the long items then
+    start in the first wave rather than run alone at the end.
     """
     counts = np.asarray(query_lens, np.int64)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])) if counts.size else counts
     tiles = -(-counts * group // tile_m)
+    tiles[np.asarray(skip, np.int64)] = 0
     rows = np.repeat(np.arange(counts.size), tiles)
     index = np.arange(rows.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)  # item's tile in its sequence
     items = np.stack([rows, starts[rows], counts[rows], index * tile_m], axis=1).astype(np.int32)
     return items[np.argsort(-index, kind="stable")]
+
+
+def decode_rows(query_lens, group):
+    """The rows of a prefill batch the decode kernel attends for (int64, ascending): a mixed step's decode rows.
+
+    Those of one query token, when the decode kernel takes the group (``supported.GROUPS``),
+    the first MAX_DECODE_ROWS of them; the prefill kernel takes the others. The decode kernel
+    streams a row's K/V at memory speed, where the prefill kernel gives the row a tile of its own
+    (``group`` of its 64 packed rows). A one-token row sees every key of its sequence, causal or
+    not, so the two kernels compute the same thing.
+    """
+    if group not in GROUPS:
+        return np.zeros(0, np.int64)
+    return np.flatnonzero(np.asarray(query_lens) == 1)[:MAX_DECODE_ROWS].astype(np.int64)
 
 
 @dataclass(frozen=True)

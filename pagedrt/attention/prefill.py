@@ -15,6 +15,13 @@ float16 and bfloat16 at head_dim 64, 128 and 256; other configurations raise
 neither. The work items (query tiles of each sequence,
 :func:`~pagedrt.attention.planner.prefill_items`) are cut on the host from the query
 counts, which a :class:`~pagedrt.step.Step` carries on the host (``query_lens``).
+
+A mixed step's decode rows (one query token each, at a group the decode kernel takes:
+:func:`~pagedrt.attention.planner.decode_rows`) go to the decode kernel
+(``cuda_src/decode.cu``, through :func:`pagedrt.attention.decode.rows_launch`), which
+streams their K/V at memory speed; the prefill kernel takes the other rows. With both,
+a run launches the decode rows on a side stream beside the prompt rows on the current
+one (an event each way, so a CUDA graph captures both).
 """
 
 import functools
@@ -26,12 +33,13 @@ import numpy as np
 from .. import source
 from ..errors import BlockTableError
 from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, plane, ptr,
-                            same_layout)
+                            RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
+from ..supported import PREFILL_GROUPS
 from ..supported import check as check_supported
-from . import reference
-from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, prefill_geometry, prefill_items
+from . import decode, reference
+from .planner import PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items
 
 FILE = "prefill.cu"
 LOG2E = 1.4426950408889634
@@ -78,6 +86,25 @@ class _Launch:
 
     def __call__(self, q, k, v, out):
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out), shared_mem=self.smem)
+
+
+def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device):
+    """The prefill kernel's :class:`_Launch` over the work ``items`` (a device int32 [n, 4], n > 0)."""
+    geo = prefill_geometry(cfg)
+    middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
+              np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
+              np.float32(scale * LOG2E))
+    return _Launch(_kernel(cfg, device), (items.shape[0], pk.num_kv_heads), (geo.threads,), geo.smem_bytes, middle)
+
+
+_side_streams = {}  # device id -> the stream a mixed step's decode rows run on beside its prompt rows
+
+
+def _side_stream(device):
+    import cupy
+    if device not in _side_streams:
+        _side_streams[device] = cupy.cuda.Stream(non_blocking=True)
+    return _side_streams[device]
 
 
 def _host_offsets(qo_indptr, query_lens, batch, num_tokens, validate):
@@ -161,15 +188,24 @@ class PrefillPlan:
     ``.row``, ``.length``), then checks every used table entry on the device as
     :class:`~pagedrt.attention.DecodePlan` does (against ``block_mask`` when given, and,
     for planes in a pool, that the block is mapped): two device-to-host reads.
-    ``validate=False`` trusts the lengths and the table: the kernel still never reads
-    past a table row's width or writes outside q's rows. NumPy inputs are always checked.
+    ``validate=False`` trusts the lengths and the table: the kernels still never read
+    past a table row's width or write outside q's rows. NumPy inputs are always checked.
+
+    Decode rows (:attr:`decode_rows`) run on the decode kernel, split as a
+    :class:`~pagedrt.attention.DecodePlan` would split them (by their longest and mean
+    length when ``validate`` read the lengths, else by the table's width); a split
+    plan keeps their partials in ``workspace``, a caller-owned CuPy uint8 array of at
+    least :func:`~pagedrt.attention.workspace_bytes` ``(len(decode_rows), q_heads,
+    head_dim, splits)`` bytes, with DecodePlan's rules (one plan at a time, runs on the
+    stream the plan was made on), or in one the plan allocates and holds when none is
+    given. On NumPy arrays every row runs the reference.
     """
 
     def __init__(self, q, k_cache, block_tables, kv_lens, qo_indptr, *, query_lens=None, causal=True, scale=None,
-                 block_mask=None, validate=True, _v_cache=None):
+                 block_mask=None, validate=True, workspace=None, _v_cache=None):
         # _v_cache: paged_prefill's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, kv_lens=kv_lens, qo_indptr=qo_indptr,
-                          block_mask=block_mask)
+                          block_mask=block_mask, workspace=workspace)
         c_contiguous("q", q, 3)
         pk = plane("k_cache", k_cache)
         num_tokens, q_heads, head_dim = (int(x) for x in q.shape)
@@ -178,7 +214,8 @@ class PrefillPlan:
         check(q_heads % pk.num_kv_heads == 0,
               lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
         check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
-        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads))
+        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads,
+                               PREFILL_GROUPS))
         int_array("block_tables", block_tables, np.int32, 2)
         batch, width = (int(x) for x in block_tables.shape)
         check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
@@ -199,67 +236,77 @@ class PrefillPlan:
                           f"block), got {block_mask.dtype} {block_mask.shape}")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
+        decode.check_workspace(workspace)
         validate = validate or xp is np
         offsets = _host_offsets(qo_indptr, query_lens, batch, num_tokens, validate)
+        counts = np.diff(offsets)
         planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
         spans = Spans(planes, k_cache.strides[0], pk.block_elems * k_cache.itemsize)
+        lens = None
         if validate:
-            _check_lengths(kv_lens if xp is np else kv_lens.get(), np.diff(offsets), width, pk.block_size)
+            lens = np.asarray(kv_lens if xp is np else kv_lens.get(), np.int64)
+            _check_lengths(lens, counts, width, pk.block_size)
             check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
-        self._spans = spans
-        self._array_type, self._q = type(q), (q.shape, q.dtype)
-        self._layout = (k_cache.shape, k_cache.strides, k_cache.dtype)
+        self._decode_rows = decode_rows(counts, cfg.group)
+        self._arrays = RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype),
+                                 "K plane", spans)
         self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
                                             qo_indptr=offsets, scale=scale, causal=causal)
-        self._launch = None
+        self._prefill = self._decode = self._forked = None
         if xp is np:
             return
         import cupy
         self._device = q.device.id
-        geo = prefill_geometry(cfg)
-        items = prefill_items(np.diff(offsets), cfg.group, geo.tile_m)
-        self._items = cupy.asarray(items)
-        if items.shape[0]:
-            middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
-                      np.int32(width), ptr(kv_lens), ptr(self._items), np.int32(cfg.group), np.int32(bool(causal)),
-                      np.float32(scale * LOG2E))
-            self._launch = _Launch(_kernel(cfg, self._device), (items.shape[0], pk.num_kv_heads), (geo.threads,),
-                                   geo.smem_bytes, middle)
+        rows = self._decode_rows
+        if rows.size:  # the split plan sized by the rows' lengths when they were read, else by the table's width
+            longest, mean = width * pk.block_size, None
+            if validate:
+                longest, mean = int(lens[rows].max()), float(lens[rows].mean())
+            self._decode = decode.rows_launch(cfg, q_heads, pk.block_stride, block_tables, kv_lens, rows,
+                                              offsets[rows], scale, longest, mean, workspace)
+        self._items = cupy.asarray(prefill_items(counts, cfg.group, prefill_geometry(cfg).tile_m, skip=rows))
+        if self._items.shape[0]:
+            self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device)
+        if self._prefill is not None and self._decode is not None:
+            self._forked = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True),
+                            _side_stream(self._device))
+
+    @property
+    def decode_rows(self):
+        """The batch rows the decode kernel attends for (host int64, ascending); the prefill kernel takes the
+        others (:func:`~pagedrt.attention.planner.decode_rows`)."""
+        return self._decode_rows
 
     def run(self, q, k_cache, v_cache, out=None):
         """Prefill attention of ``q`` over one layer's K and V; returns ``out``."""
         k, v = k_cache, v_cache
-        array_type = self._array_type
-        check(type(q) is array_type and type(k) is array_type and type(v) is array_type
-              and (out is None or type(out) is array_type),
-              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
-                      "the plan's: NumPy or CuPy arrays, not a mix")
-        if self._spans.pools:
-            self._spans.check_open()
-        shape, dtype = self._q
-        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
-              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
-        same_layout("k_cache", k, self._layout, "K plane")
-        same_layout("v_cache", v, self._layout, "K plane")
-        if out is not None:
-            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
-                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
-        if array_type is np.ndarray:
-            result = self._reference(q, k, v)
-            if out is None:
-                return result
-            out[...] = result
-            return out
+        self._arrays.check(q, k, v, out)
+        if self._arrays.array_type is np.ndarray:
+            return store(self._reference(q, k, v), out)
         import cupy
+        if self._decode is not None:
+            self._decode.check()
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
-        if self._launch is not None:
-            self._launch(*pointers)
+        if self._forked is not None:  # the decode rows on the side stream, beside the prompt rows
+            fork, join, side = self._forked
+            main = cupy.cuda.get_current_stream()
+            fork.record(main)
+            side.wait_event(fork)
+            with side:
+                self._decode.launch(*pointers)
+            join.record(side)
+            self._prefill(*pointers)
+            main.wait_event(join)
+        elif self._prefill is not None:
+            self._prefill(*pointers)
+        elif self._decode is not None:
+            self._decode.launch(*pointers)
         return out
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, *, out=None, query_lens=None, causal=True,
-                  scale=None, block_mask=None, validate=True):
+                  scale=None, block_mask=None, validate=True, workspace=None):
     """Attention of each sequence's query rows over its paged K/V; returns ``out``.
 
     Arguments as for :class:`PrefillPlan`, which this makes and runs once; ``validate``
@@ -267,5 +314,6 @@ def paged_prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, *, out=
     :class:`PrefillPlan` and run it per layer.
     """
     plan = PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, query_lens=query_lens, causal=causal,
-                       scale=scale, block_mask=block_mask, validate=validate, _v_cache=v_cache)
+                       scale=scale, block_mask=block_mask, validate=validate, workspace=workspace,
+                       _v_cache=v_cache)
     return plan.run(q, k_cache, v_cache, out)

@@ -6,7 +6,9 @@
 - ``pool``: what a pool grow costs, by chunk size, and copy bandwidth inside a pool;
 - ``prefill``: prefill attention on the standard prefill workloads: TFLOP/s, paging's cost, mixed's floor;
 - ``prefix``: the prefix cache on a seeded trace of shared system prompts and multi-turn conversations;
-- ``step``: host time of one engine step, the building blocks against ``cache.step()``, steady and growing.
+- ``step``: host time of one engine step, the building blocks against ``cache.step()``, steady and growing;
+- ``swap``: swap-out and swap-in bandwidth against plain cudaMemcpyAsync, with attention running meanwhile; decode
+  over host-tier blocks; whole-chunk swap by remapping.
 
 ``harness`` holds what they share (the GPU timer, the ceilings, the run header, tables
 and JSON records) and ``cases`` the standard cases. The benchmarks sit on top of the

@@ -11,7 +11,9 @@ new token attends to, summed) / time, and the same kernel over the same K/V laid
 contiguously (block ids in order: what the table's scattering costs). For ``mixed`` (one
 1024-token prompt beside 127 decode tokens over 2048 cached tokens each): its floor, the
 decode rows' K/V bytes at the read-only streaming ceiling plus the prompt's FLOPs at the
-best dense rate of this run, and the time against it.
+best dense rate of this run, the time against it, and each part run alone (a plan over the
+prompt row only, and one over the decode rows only), which shows how much of one the plan
+hides behind the other.
 """
 
 import numpy as np
@@ -28,6 +30,8 @@ COLUMNS = (
     harness.Column("paging", "paging", "{:+.1%}", 7),
     harness.Column("floor_us", "floor us", "{:.1f}", 8),
     harness.Column("over_floor", "x floor", "{:.2f}", 7),
+    harness.Column("prompt_us", "prompt us", "{:.1f}", 9),
+    harness.Column("decode_us", "decode us", "{:.1f}", 9),
     harness.Column("note", "note", "{}", 4, left=True),
 )
 
@@ -84,7 +88,23 @@ def run_case(cp, timer, prefix, new, repeats):
         times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out), repeats, flush_l2=True))
         outs.append(out)
     same = bool(cp.array_equal(outs[0], outs[1]))
-    return times[0], times[1], same
+    return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo)
+
+
+def parts_us(cp, timer, arrays, new, repeats):
+    """(us of the multi-token rows alone, us of the one-token rows alone): a plan over each set of rows."""
+    from .. import attention
+    q, (k, v), table, lens, qo = arrays
+    times = []
+    for rows in (np.flatnonzero(new != 1), np.flatnonzero(new == 1)):
+        tokens = np.concatenate([np.arange(qo[b], qo[b + 1]) for b in rows])
+        part_q = q[cp.asarray(tokens)]
+        part_qo = np.concatenate(([0], np.cumsum(new[rows]))).astype(np.int32)
+        plan = attention.PrefillPlan(part_q, k, table[cp.asarray(rows)], lens[cp.asarray(rows)], cp.asarray(part_qo),
+                                     query_lens=new[rows], validate=False)
+        out = cp.empty_like(part_q)
+        times.append(timer.gpu_us(lambda: plan.run(part_q, k, v, out), repeats, flush_l2=True))
+    return tuple(times)
 
 
 def parser():
@@ -104,12 +124,15 @@ def main(argv=None):
     rows = []
     for name in args.cases.split(","):
         prefix, new = table[name]
-        paged, contiguous, same = run_case(cp, timer, prefix, new, args.repeats)
-        cp.get_default_memory_pool().free_all_blocks()
+        paged, contiguous, same, arrays = run_case(cp, timer, prefix, new, args.repeats)
         flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix, new)
         rows.append({"case": name, "tokens": int(sum(new)), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,
                      "contiguous_us": contiguous, "paging": paged / contiguous - 1, "flops": flops,
                      "note": "" if same else "paged and contiguous outputs differ"})
+        if name == "mixed":
+            rows[-1]["prompt_us"], rows[-1]["decode_us"] = parts_us(cp, timer, arrays, np.asarray(new), args.repeats)
+        del arrays
+        cp.get_default_memory_pool().free_all_blocks()
     dense = max((r["tflops"] for r in rows if r["case"] != "mixed"), default=None)
     for r in rows:
         if r["case"] == "mixed" and dense:
@@ -121,7 +144,8 @@ def main(argv=None):
     harness.publish("prefill", args.out, info, rows,
                     harness.format_table(COLUMNS, rows) + "\nmedian us, L2 flushed; contig: the same kernel over "
                     "block ids in order; floor (mixed): decode K/V at the stream ceiling + prompt FLOPs at the "
-                    "best dense rate above", repeats=args.repeats, ceilings=bandwidth)
+                    "best dense rate above; prompt, decode (mixed): a plan over the prompt row alone, and one over "
+                    "the decode rows alone", repeats=args.repeats, ceilings=bandwidth)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,47 @@ def same_layout(name, a, layout, what):
                   "stride")
 
 
+@dataclass(frozen=True)
+class RunArrays:
+    """What a plan's run accepts, recorded when the plan is made: arrays of the plan's type (NumPy or
+    CuPy), q (and out) C-contiguous of the plan's q shape and dtype, K and V planes of the plan's layout
+    (shape, strides, dtype) and, for planes in a pool, a pool still open (``spans``, a
+    :class:`~pagedrt.kernels.validate.Spans`)."""
+
+    array_type: type
+    q_shape: tuple
+    q_dtype: object
+    layout: tuple  # the K plane's (shape, strides, dtype)
+    what: str      # what the layout is called in messages: "K plane", or "k" for contiguous K/V
+    spans: object
+
+    def check(self, q, k_cache, v_cache, out):
+        """Raise LaunchArgumentError (PoolClosedError for a closed pool) unless one run's arrays fit the plan."""
+        array_type = self.array_type
+        check(type(q) is array_type and type(k_cache) is array_type and type(v_cache) is array_type
+              and (out is None or type(out) is array_type),
+              lambda: f"q, k_cache, v_cache and out must be {array_type.__module__}.{array_type.__name__}s, as "
+                      "the plan's: NumPy or CuPy arrays, not a mix")
+        if self.spans.pools:
+            self.spans.check_open()
+        shape, dtype = self.q_shape, self.q_dtype
+        check(q.shape == shape and q.dtype == dtype and q.flags.c_contiguous,
+              lambda: f"q must be C-contiguous {dtype} of shape {shape}, as the plan's, got {q.dtype} {q.shape}")
+        same_layout("k_cache", k_cache, self.layout, self.what)
+        same_layout("v_cache", v_cache, self.layout, self.what)
+        if out is not None:
+            check(out.shape == shape and out.dtype == dtype and out.flags.c_contiguous,
+                  lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
+
+
+def store(result, out):
+    """A plan's host result, written into ``out`` when the caller gave one."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
 def device_pointers(device, names, arrays):
     """Kernel arguments for device arrays (a plan's run): on the plan's ``device``, which must be the
     current one, and 16-byte aligned."""

@@ -34,12 +34,13 @@ BASE = Config("float16", 128, 16, 4)
 
 
 @functools.lru_cache(maxsize=None)
-def config(dtype, head_dim, block_size, group):
-    """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value."""
+def config(dtype, head_dim, block_size, group, groups=GROUPS):
+    """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value. ``groups``: the group
+    sizes the caller's kernel takes (decode's GROUPS, or prefill's PREFILL_GROUPS)."""
     name = dtype_name(dtype)
     check("head_dim", head_dim, HEAD_DIMS)
     check("block_size", block_size, BLOCK_SIZES)
-    check("group (query heads per KV head)", group, GROUPS)
+    check("group (query heads per KV head)", group, groups)
     return Config(name, head_dim, block_size, group)
 
 

@@ -6,6 +6,10 @@ read-only zero pages, which cost nothing and read as zeros. A chunk is a memfd
 with ``mprotect``; releasing a chunk maps the reservation's zero pages back over
 it. The same two layers, with Linux page tables in place of the GPU's.
 
+A host-tier chunk (location "host") is one more memfd, named ``pagedrt-chunk-host`` so
+that ``/proc/self/maps`` tells the tiers apart: this backend has no device memory to
+tell it from, so the tier is a label here, the same bookkeeping as on CUDA.
+
 What a view over the range sees: a hole (a released chunk, or the part of the
 range never mapped) reads as zeros, and writing into one faults, so pagedrt's
 own writes are refused before they reach a hole. At close the whole range
@@ -92,12 +96,12 @@ class Memfd:
     """A chunk's physical memory: a memfd, opened when mapped and closed at once after
     (the mapping keeps the memory alive, so a pool holds no file descriptors)."""
 
-    def __init__(self, size):
-        self.size = size
+    def __init__(self, size, name="pagedrt-chunk"):
+        self.size, self.name = size, name
         self.inode = None
 
     def map_at(self, va, fixed=MAP_FIXED):
-        fd = os.memfd_create("pagedrt-chunk", os.MFD_CLOEXEC)
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, self.size)
             _mmap(va, self.size, PROT_NONE, MAP_SHARED | fixed, fd)
@@ -112,7 +116,7 @@ class HostBackend:
 
     def __init__(self, reason):
         self.reason = reason
-        self.page_bytes = mmap.PAGESIZE
+        self.page_bytes = self.host_page_bytes = mmap.PAGESIZE
         self.gaps = {}  # va -> size: released places the reservation could not be put back over
 
     def reserve(self, size):
@@ -131,8 +135,8 @@ class HostBackend:
         for va in [va for va in self.gaps if base <= va < base + size]:
             del self.gaps[va]
 
-    def create(self, size):
-        return Memfd(size)
+    def create(self, size, location="device"):
+        return Memfd(size, "pagedrt-chunk" if location == "device" else "pagedrt-chunk-host")
 
     def map(self, va, size, handle):
         if va in self.gaps:  # never replace what may have landed in a gap
@@ -218,6 +222,10 @@ class HostBackend:
     @staticmethod
     def handle_id(handle):
         return handle.inode
+
+    @staticmethod
+    def location_id(location):
+        return None  # memfds have no device, and no NUMA node is asked for
 
     def synchronize(self):
         pass

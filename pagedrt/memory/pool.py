@@ -27,6 +27,12 @@ pool's reserved range holds an address, and :attr:`Pool.version` with
 :meth:`Pool.mapped_mask` say which chunks are mapped, so that kernels can refuse
 memory that is not.
 
+Every chunk has a location: ``"device"`` (GPU memory; the host backend's memfds stand in
+for it) or ``"host"`` (pinned host memory, ``cuMemCreate`` at a host NUMA node, mapped
+into the same range and enabled for the device, so kernels read it through the same
+pointers; on the host backend, more memfds labelled host). ``map`` and ``claim`` take
+it; ``grow`` maps device chunks. :meth:`Pool.mappings` says where each chunk lives.
+
 What views see after :meth:`Pool.close` and in holes depends on the backend
 (docs/ARCHITECTURE.md, "The pool"): on the host, a closed range is scratch memory
 (reads give zeros, writes go nowhere) until the pool and its last view are gone,
@@ -48,6 +54,8 @@ from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, Reservati
                       UnknownChunkError, UnmappedRangeError)
 
 MAPPED, RELEASED = "mapped", "released"
+DEVICE, HOST = "device", "host"  # where a chunk's memory lives
+LOCATIONS = (DEVICE, HOST)
 CLAIMED, RUNNING, READY, FAILED, DONE = "claimed", "running", "ready", "failed", "done"  # a Prepared's states
 
 _POOLS = []  # weak references to every pool made in this process, dead ones dropped as found
@@ -79,6 +87,8 @@ class ChunkRecord:
     handle: int | None  # CUDA allocation handle, or the host memfd's inode; None once released
     state: str          # "mapped" or "released"
     access: str         # "rw" while mapped, "none" once released
+    location: str       # "device" or "host": where its memory lives (lived, once released)
+    location_id: int | None  # the device ordinal or host NUMA node (CUDA); None on the host backend
 
     def as_dict(self):
         return asdict(self)
@@ -93,10 +103,11 @@ class Prepared:
     the pool adopts them when the claim is discarded, as a failed ``map`` does.
     """
 
-    __slots__ = ("chunks", "handles", "stuck", "state")
+    __slots__ = ("chunks", "location", "handles", "stuck", "state")
 
-    def __init__(self, chunks):
+    def __init__(self, chunks, location):
         self.chunks = chunks  # sorted pool chunk indices
+        self.location = location  # "device" or "host"
         self.handles = {}
         self.stuck = {}
         self.state = CLAIMED
@@ -132,6 +143,7 @@ class Pool:
         self.num_chunks = max_bytes // chunk_bytes
         self._handles = {}       # chunk -> backend handle, for mapped chunks
         self._released = set()   # chunks mapped once and released since
+        self._location = {}      # chunk -> "device" or "host", for chunks ever mapped
         self._claims = {}        # chunk -> its Prepared, from claim() to commit() or discard()
         self._claims_lock = threading.Condition()  # guards the claims and their states; close waits on it
         self._closed = False
@@ -205,12 +217,19 @@ class Pool:
             offset = chunk * self.chunk_bytes
             handle = self._handles.get(chunk)
             mapped = handle is not None
+            location = self._location[chunk]
             records.append(ChunkRecord(
                 chunk=chunk, va_start=self.base + offset, va_end=self.base + offset + self.chunk_bytes,
                 offset=offset, size=self.chunk_bytes,
                 handle=self._backend.handle_id(handle) if mapped else None,
-                state=MAPPED if mapped else RELEASED, access="rw" if mapped else "none"))
+                state=MAPPED if mapped else RELEASED, access="rw" if mapped else "none",
+                location=location, location_id=self._backend.location_id(location)))
         return records
+
+    def location(self, chunk):
+        """Where a chunk ever mapped lives (lived): "device" or "host"."""
+        self._check_open()
+        return self._location[chunk]
 
     # --- growing and shrinking -----------------------------------------------------
 
@@ -227,10 +246,11 @@ class Pool:
                 f"{self.num_chunks - start} remain at the frontier: reserve a larger pool")
         return self._map(list(range(start, start + n)))
 
-    def map(self, chunks):
-        """Map the given chunk places (never mapped, or released); all or none."""
+    def map(self, chunks, location=DEVICE):
+        """Map the given chunk places (never mapped, or released) with new chunks at ``location``
+        ("device" or "host"); all or none."""
         self._check_open()
-        return self._map(self._chunk_list(chunks))
+        return self._map(self._chunk_list(chunks), location)
 
     def release(self, chunks):
         """Unmap the given mapped chunks and free their physical memory, leaving holes."""
@@ -250,9 +270,9 @@ class Pool:
         finally:
             self._version += 1
 
-    def _map(self, chunks):
+    def _map(self, chunks, location=DEVICE):
         """Claim, prepare and commit ``chunks`` on this thread; on failure undo exactly what was done."""
-        prepared = self.claim(chunks)
+        prepared = self.claim(chunks, location)
         try:
             self.prepare(prepared)
         except BaseException:
@@ -263,15 +283,21 @@ class Pool:
 
     # --- mapping in three steps: claim, prepare (any thread), commit or discard ------
 
-    def claim(self, chunks):
-        """Take unmapped places (never mapped, or released) for a :class:`Prepared`; nothing is mapped yet.
+    def claim(self, chunks, location=DEVICE):
+        """Take unmapped places (never mapped, or released) for a :class:`Prepared` of chunks at ``location``
+        ("device" or "host"); nothing is mapped yet.
 
         Until the claim is committed or discarded, ``map``, ``grow``, ``release`` and
         other claims refuse its places. Call it on the thread that owns the pool.
         """
         self._check_open()
+        if location not in LOCATIONS:
+            raise PoolSizeError(f"location {location!r:.40} must be one of {', '.join(LOCATIONS)}")
+        if location == HOST and self.chunk_bytes % self._backend.host_page_bytes:
+            raise PoolSizeError(f"chunk_bytes={self.chunk_bytes} is not a whole number of host pages "
+                                f"({self._backend.host_page_bytes} bytes): a host chunk cannot be that size")
         chunks = self._chunk_list(chunks)
-        prepared = Prepared(chunks)
+        prepared = Prepared(chunks, location)
         with self._claims_lock:
             for c in chunks:
                 if c in self._handles:
@@ -298,7 +324,7 @@ class Pool:
         created, mapped = {}, []
         try:
             for c in prepared.chunks:
-                created[c] = b.create(size)
+                created[c] = b.create(size, prepared.location)
             for c in prepared.chunks:
                 b.map(self.base + c * size, size, created[c])
                 mapped.append(c)
@@ -322,6 +348,7 @@ class Pool:
             self._unclaim(prepared)
         self._handles.update(prepared.handles)
         self._released.difference_update(prepared.chunks)
+        self._location.update((c, prepared.location) for c in prepared.chunks)
         self._version += 1
 
     def discard(self, prepared):
@@ -336,6 +363,7 @@ class Pool:
         if stuck:  # a chunk the backend could not unmap is mapped: the pool keeps it
             self._handles.update(stuck)
             self._released.difference_update(stuck)
+            self._location.update((c, prepared.location) for c in stuck)
             self._version += 1
 
     def _check_claim(self, prepared, states, what):

@@ -9,10 +9,18 @@ while a view may live). Arrays are CuPy arrays over ``cupy.cuda.UnownedMemory``,
 so no copy is ever made. Holes stay unmapped (unlike the host backend's read-only
 zero pages), and so does a closed pool's range: a kernel that reads either faults
 with an illegal address, so pagedrt's launches refuse both before they start.
+
+A host-tier chunk is a cuMemCreate allocation located on the host: pinned memory on
+the NUMA node nearest the device (``CU_MEM_LOCATION_TYPE_HOST_NUMA``; plain
+``CU_MEM_LOCATION_TYPE_HOST`` where the device names no node), mapped into the same
+range and enabled for the device, so kernels and copies reach it through the same
+pointers. Creating one pins its pages, which is slow: a cache creates its host tier
+ahead of need. A refusal (out of pinned memory) is :class:`HostOutOfMemoryError`.
 """
 
 from .. import driver as drv
-from ..errors import BackendUnavailableError, CudaError, MappingLimitError
+from ..errors import (BackendUnavailableError, CudaError, DeviceOutOfMemoryError, HostOutOfMemoryError,
+                      MappingLimitError, UnsupportedConfigError)
 
 
 class CudaBackend:
@@ -33,7 +41,8 @@ class CudaBackend:
         access = d.CUmemAccessDesc()
         access.location = self._prop.location
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [access]
+        self._access = [access]  # read-write for this device, whatever the chunk's location
+        self._host = None  # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
 
     def _call(self, fn, *args):
         self.device.activate()
@@ -52,8 +61,54 @@ class CudaBackend:
     def free(self, base, size):
         self._call("cuMemAddressFree", base, size)
 
-    def create(self, size):
-        return self._call("cuMemCreate", size, self._prop, 0)
+    def create(self, size, location="device"):
+        if location == "device":
+            return self._call("cuMemCreate", size, self._prop, 0)
+        prop, node, _ = self._host_location()
+        try:
+            return self._call("cuMemCreate", size, prop, 0)
+        except DeviceOutOfMemoryError as exc:
+            where = "host memory" if node is None else f"host NUMA node {node}"
+            raise HostOutOfMemoryError(
+                f"the host refused {size} bytes of pinned memory on {where} for a host-tier chunk: cuMemCreate "
+                f"failed with {exc.name} ({exc.text}); make the host tier smaller, or free pinned memory") from exc
+
+    @property
+    def host_page_bytes(self):
+        """The mapping granularity of host-located chunks."""
+        return self._host_location()[2]
+
+    def location_id(self, location):
+        """The device ordinal of device chunks, the NUMA node of host chunks (None without one)."""
+        return self.device.ordinal if location == "device" else self._host_location()[1]
+
+    def _host_location(self):
+        """(allocation prop, NUMA node or None, granularity) of host-located chunks for this device."""
+        if self._host is None:
+            d = self._d
+            node = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
+            if node >= 0 and self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
+                kind = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+            elif self._attribute("CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
+                kind, node = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST, None
+            else:
+                raise UnsupportedConfigError(
+                    f"device {self.device.ordinal} (or this driver) cannot map host memory through virtual memory "
+                    f"management: a host tier needs CUDA 12.2 or later and a device that supports it")
+            prop = d.CUmemAllocationProp()
+            prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = kind
+            prop.location.id = 0 if node is None else node
+            flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            self._host = (prop, node, int(self._call("cuMemGetAllocationGranularity", prop, flag)))
+        return self._host
+
+    def _attribute(self, name, missing):
+        """A device attribute, or ``missing`` where these bindings or this driver do not know it."""
+        try:
+            return int(self.device.attribute(name))
+        except (AttributeError, CudaError):
+            return missing
 
     def map(self, va, size, handle):
         self._call("cuMemMap", va, size, 0, handle, 0)
