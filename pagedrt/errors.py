@@ -134,3 +134,18 @@ class BlockTableError(PagedRTError, ValueError):
 
 class SnapshotError(PagedRTError, ValueError):
     """A snapshot file is missing, corrupt or of a schema this version cannot read."""
+
+
+# --- the engine (pagedrt.engine) ---------------------------------------------------
+
+class ModelFileError(PagedRTError, OSError):
+    """A model file that is missing, unreadable, truncated or not a GGUF file, or that could not be fetched."""
+
+
+class UnsupportedModelError(PagedRTError, ValueError):
+    """A model whose architecture, shapes, tensor types or tokenizer the engine does not run."""
+
+
+class RequestError(PagedRTError, ValueError):
+    """A request the engine cannot serve: an empty prompt, one that with its tokens to generate does not fit in
+    the cache, or sampling parameters out of range."""

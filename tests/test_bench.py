@@ -14,7 +14,7 @@ import pytest
 from pagedrt.bench import cases, harness, prefix, step
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("decode", "launch", "layers", "pool", "prefill", "prefix", "step", "swap")
+BENCHMARKS = ("decode", "generate", "launch", "layers", "pool", "prefill", "prefix", "step", "swap")
 
 
 class FakeCuda:
@@ -132,6 +132,16 @@ def test_every_benchmark_documents_its_command_without_cupy(name):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"python3 -m pagedrt.bench.{name}" in done.stdout
+
+
+def test_generate_counts_the_gemm_flops_of_the_synthetic_model():
+    pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf package")
+    from pagedrt.bench import generate
+    model = generate.synthetic_model()
+    c, w = model.config, model.weights
+    params = sum(layer[k].size for layer in w.layers for k in ("qkv", "o", "gate_up", "down")) + w.output.size
+    assert generate.gemm_flops(c, 256) == 2 * 256 * params
+    assert (c.num_layers, c.q_heads, c.kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
 
 
 def test_prefix_trace_hits_evicts_and_is_seeded():

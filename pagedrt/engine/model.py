@@ -1,0 +1,177 @@
+"""A Llama-family model's forward pass over pagedrt's paged KV cache: one call per engine step.
+
+:meth:`LlamaModel.forward` takes a :class:`~pagedrt.step.Step` (from ``cache.step()``)
+and the step's new token ids, and returns the logits of each batch row's last token.
+Per layer: RMSNorm, one GEMM for Q, K and V, rotary embeddings (each token at its
+position, found on the device from the step's query offsets and KV lengths), the new
+K/V written into the cache through the step's slot mapping (``kernels.WritePlan``),
+paged attention through the step's block tables (``attention.DecodePlan`` when every
+row has one new token, else ``attention.PrefillPlan``: prompts, prompt chunks after
+cached tokens, mixed batches), the output projection, then RMSNorm and SwiGLU (one
+GEMM for gate and up). The residual stream is float32; weights and activations are the
+cache's dtype on a GPU, float32 on the host (where q, k and v are cast to the cache's
+dtype for the attention references).
+
+Decode steps on a GPU run as CUDA graphs, one per batch size (the step's arrays are
+fixed buffers, so a graph captured over one step reads each later step's): the first
+decode step of a batch size runs eagerly, the second of that size in a row makes its
+plans, runs and captures them, and later ones replay. A graph's plans were checked
+when it was captured; replays trust the tables and slots ``cache.step()`` wrote since.
+"""
+
+import contextlib
+from collections import OrderedDict
+from functools import partial
+
+import numpy as np
+
+from .. import attention, kernels
+from ..errors import UnsupportedModelError
+from . import ops
+
+MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used dropped first
+
+
+class LlamaModel:
+    """The weights of a :class:`~pagedrt.engine.loader.GGUFModel` on the cache's device, and its forward pass."""
+
+    def __init__(self, model, cache, *, graphs=True):
+        c = self.config = model.config
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.kv_heads, c.head_dim):
+            raise UnsupportedModelError(
+                f"the cache holds {cache.num_layers} layers of {cache.num_kv_heads} KV heads x {cache.head_dim} but "
+                f"the model has {c.num_layers} of {c.kv_heads} x {c.head_dim}")
+        self.cache, self.xp = cache, cache.xp
+        host = self.xp is np
+        self.kv_dtype = cache.dtype
+        self.act_dtype = np.dtype(np.float32) if host else cache.dtype
+        w = model.weights
+        put = lambda a, dtype: self.xp.asarray(np.ascontiguousarray(a, dtype))  # noqa: E731
+        act, f32 = self.act_dtype, np.float32
+        self.embedding, self.output = put(w.embedding, act), put(w.output, act)
+        self.output_norm = put(w.output_norm, f32)
+        self.layers = [{"attn_norm": put(x["attn_norm"], f32), "ffn_norm": put(x["ffn_norm"], f32),
+                        "qkv": put(x["qkv"], act), "o": put(x["o"], act), "gate_up": put(x["gate_up"], act),
+                        "down": put(x["down"], act)} for x in w.layers]
+        exponents = np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim
+        self.inv_freq = put(c.rope_scale * c.rope_theta ** -exponents, f32)
+        self.stream = contextlib.nullcontext() if host else self.xp.cuda.Stream(non_blocking=True)
+        self._graphs = None if host or not graphs else OrderedDict()  # batch size -> _Graph
+        self._last_decode = 0  # the batch size of the last decode step
+
+    @property
+    def weight_bytes(self):
+        """Bytes of weights one step reads (the output projection's once, even when tied to the embedding)."""
+        arrays = [self.output, self.output_norm] + [a for layer in self.layers for a in layer.values()]
+        return sum(int(a.nbytes) for a in arrays)
+
+    def graph(self, batch):
+        """The captured decode step of batch size ``batch`` (its ``graph``, ``stream``, input ``ids``, ``buffers``
+        and ``plans``), or None."""
+        return None if self._graphs is None else self._graphs.get(batch)
+
+    def forward(self, step, ids):
+        """Logits (float32 [batch, vocab], valid until the next call) of each batch row's last new token.
+
+        ``ids``: the step's new token ids (int64 [step.num_tokens], on the cache's device), batch row by batch
+        row. Copies ``step.copies`` first (copy-on-write). Run it on :attr:`stream` (``with model.stream:``),
+        the stream ``cache.step()`` uploaded the step on.
+        """
+        if len(step.copies):
+            kernels.copy_blocks(self.cache.planes, step.copies)
+        n, batch = step.num_tokens, len(step.seqs)
+        decode = n == batch
+        if decode and self._graphs is not None:
+            graph = self._graphs.get(batch)
+            if graph is not None:
+                self._graphs.move_to_end(batch)
+                return graph.replay(ids)
+            if self._last_decode == batch:
+                return self._capture(step, ids)
+        self._last_decode = batch if decode else 0
+        buffers = self.buffers(n, batch)
+        self._run(step, ids, buffers, *self.plans(step, buffers, decode))
+        return buffers["logits"]
+
+    def buffers(self, n, batch):
+        """Every activation of a step of ``n`` tokens in ``batch`` rows."""
+        c, xp, act, kv = self.config, self.xp, self.act_dtype, self.kv_dtype
+        d = c.head_dim
+        shapes = {"residual": ((n, c.hidden), np.float32), "h": ((n, c.hidden), act),
+                  "qkv": ((n, (c.q_heads + 2 * c.kv_heads) * d), act), "q": ((n, c.q_heads, d), kv),
+                  "k": ((n, c.kv_heads, d), kv), "v": ((n, c.kv_heads, d), kv), "attn": ((n, c.q_heads, d), kv),
+                  "delta": ((n, c.hidden), act), "gate_up": ((n, 2 * c.ffn), act), "mlp": ((n, c.ffn), act),
+                  "last": ((batch, c.hidden), act), "logits": ((batch, c.vocab_size), np.float32)}
+        return {name: xp.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+
+    def plans(self, step, buffers, decode):
+        """The step's attention plan and K/V write plan (checked once, run per layer)."""
+        q, k0 = buffers["q"], self.cache.k(0)
+        if decode:
+            plan = attention.DecodePlan(q, k0, step.block_tables, step.seq_lens)
+        else:
+            plan = attention.PrefillPlan(q, k0, step.block_tables, step.seq_lens, step.qo_indptr,
+                                         query_lens=step.query_lens)
+        return plan, kernels.WritePlan(buffers["k"], k0, step.slot_mapping)
+
+    def _run(self, step, ids, b, plan, writer):
+        """Every layer of one step; allocates nothing (a CUDA graph can capture it)."""
+        for _, launch in self.launches(step, ids, b, plan, writer):
+            launch()
+
+    def launches(self, step, ids, b, plan, writer):
+        """The step's launches in order, as (kind, call) pairs: what :meth:`forward` runs, and what the benchmark
+        times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and write plans."""
+        c, cache = self.config, self.cache
+        n, eps = step.num_tokens, c.rms_eps
+        attn = b["attn"].reshape(n, c.hidden)
+        yield "embed", partial(ops.embed, ids, self.embedding, b["residual"])
+        delta = None
+        for layer, w in enumerate(self.layers):
+            k, v = cache.k(layer), cache.v(layer)
+            yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
+            yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
+            yield "rope", partial(ops.rope_split, b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens,
+                                  self.inv_freq)
+            yield "write_kv", partial(writer.run, b["k"], b["v"], k, v)
+            yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"])
+            yield "gemm_o", partial(ops.gemm, attn, w["o"], b["delta"])
+            yield "rms_norm", partial(ops.add_rms_norm, b["residual"], b["delta"], w["ffn_norm"], b["h"], eps)
+            yield "gemm_gate_up", partial(ops.gemm, b["h"], w["gate_up"], b["gate_up"])
+            yield "silu_mul", partial(ops.silu_mul, b["gate_up"], b["mlp"])
+            yield "gemm_down", partial(ops.gemm, b["mlp"], w["down"], b["delta"])
+            delta = b["delta"]
+        yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, self.output_norm, b["last"], eps,
+                                  rows=step.qo_indptr)
+        yield "gemm_logits", partial(ops.gemm, b["last"], self.output, b["logits"])
+
+    def _capture(self, step, ids):
+        """Run this decode step, then capture it as the graph of its batch size; returns its logits."""
+        batch = step.num_tokens
+        buffers = self.buffers(batch, batch)
+        fixed_ids = self.xp.empty(batch, np.int64)
+        fixed_ids[...] = ids
+        plans = self.plans(step, buffers, True)
+        self._run(step, fixed_ids, buffers, *plans)
+        stream = self.xp.cuda.get_current_stream()
+        stream.begin_capture()
+        try:
+            self._run(step, fixed_ids, buffers, *plans)
+        finally:
+            graph = stream.end_capture()
+        self._graphs[batch] = _Graph(graph, stream, fixed_ids, buffers, plans)
+        if len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return buffers["logits"]
+
+
+class _Graph:
+    """A captured decode step: the graph, its fixed input ids, its buffers and the plans it runs (kept alive)."""
+
+    def __init__(self, graph, stream, ids, buffers, plans):
+        self.graph, self.stream, self.ids, self.buffers, self.plans = graph, stream, ids, buffers, plans
+
+    def replay(self, ids):
+        self.ids[...] = ids
+        self.graph.launch(self.stream)
+        return self.buffers["logits"]

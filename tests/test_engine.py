@@ -1,0 +1,246 @@
+"""The engine on the host backend: loading and refusing GGUF files, the tokenizer, and the generate loop (continuous
+batching, parallel samples by fork and copy-on-write, prefix caching, chunked prefill, named errors), on the tiny
+random-weight model of tests/tiny_gguf.py."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tiny_gguf
+
+gguf = pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf package: pip install 'pagedrt[model]'")
+
+from pagedrt.engine import Engine, SamplingParams, loader  # noqa: E402
+from pagedrt.engine.tokenizer import Tokenizer  # noqa: E402
+from pagedrt.errors import ModelFileError, RequestError, UnsupportedModelError  # noqa: E402
+
+COMMON = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the "
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    tiny_gguf.write(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return Tokenizer(loader.load(tiny).vocab)
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+
+def test_loader_reads_the_configuration_and_fuses_the_weights(tiny):
+    m = loader.load(tiny)
+    c, s = m.config, tiny_gguf.SHAPE
+    assert (c.num_layers, c.hidden, c.q_heads, c.kv_heads, c.head_dim, c.ffn) == (
+        s["layers"], s["hidden"], s["q_heads"], s["kv_heads"], 64, s["ffn"])
+    layer = m.weights.layers[0]
+    assert layer["qkv"].shape == (c.hidden, (c.q_heads + 2 * c.kv_heads) * c.head_dim)
+    assert layer["gate_up"].shape == (c.hidden, 2 * c.ffn) and layer["down"].shape == (c.ffn, c.hidden)
+    assert np.array_equal(m.weights.output, m.weights.embedding.T)  # tied: no output.weight in the file
+    assert m.vocab.eos in m.vocab.stop and m.vocab.chat_template
+
+
+def test_quantized_weights_dequantise_as_gguf_says(tmp_path):
+    from gguf.quants import dequantize
+    path = tmp_path / "q.gguf"
+    tiny_gguf.write(path, quantized=True)
+    m = loader.load(path)
+    reader = gguf.GGUFReader(path)
+    q = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
+    assert q.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    block = q.data[0, :20]  # Q4_1: fp16 scale d, fp16 minimum m, 16 bytes of two 4-bit values each
+    d, low = (float(x) for x in block[:4].view(np.float16))
+    nibbles = np.concatenate([block[4:] & 0x0F, block[4:] >> 4]).astype(np.float32)
+    np.testing.assert_allclose(m.weights.layers[1]["qkv"][:32, 0], d * nibbles + low, rtol=1e-6)
+    np.testing.assert_array_equal(dequantize(q.data, q.tensor_type)[:, :], m.weights.layers[1]["qkv"][:, :192].T)
+
+
+def test_missing_truncated_and_foreign_files_are_named_errors(tiny, tmp_path):
+    with pytest.raises(ModelFileError, match="does not exist"):
+        loader.load(tmp_path / "nothing.gguf")
+    data = tiny.read_bytes()
+    for name, body in (("cut.gguf", data[:len(data) // 2]), ("junk.gguf", b"not a gguf file" * 100),
+                       ("empty.gguf", b"")):
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(ModelFileError):
+            loader.load(tmp_path / name)
+
+
+def rewrite(src, dst, **changes):
+    """A copy of GGUF ``src`` with metadata fields changed (``key=value``; None drops the field)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), changes.pop("general.architecture", "llama"))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = changes.get(key, f.contents())
+        if value is None:
+            continue
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        data = np.array(t.data)
+        w.add_tensor(t.name, data) if t.tensor_type == gguf.GGMLQuantizationType.F32 else \
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"general.architecture": "gpt2"}, "architecture 'gpt2'"),
+    ({"llama.attention.head_count_kv": 2}, "heads"),
+    ({"llama.rope.dimension_count": 32}, "rotary embeddings over 32"),
+    ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama'"),
+    ({"tokenizer.ggml.pre": "qwen2"}, "pre-tokenizer 'qwen2'"),
+    ({"llama.block_count": None}, "no 'llama.block_count'"),
+    ({"llama.block_count": 3}, "no tensor 'blk.2"),
+])
+def test_models_the_engine_cannot_run_are_refused(tiny, tmp_path, changes, match):
+    path = rewrite(tiny, tmp_path / "changed.gguf", **changes)
+    if "tokenizer" in match or "pre-tokenizer" in match:
+        with pytest.raises(UnsupportedModelError, match=match):
+            Tokenizer(loader.load(path).vocab)
+        return
+    with pytest.raises(UnsupportedModelError, match=match):
+        loader.load(path)
+
+
+# --- the tokenizer ----------------------------------------------------------------------------------------------
+
+
+TEXT = st.lists(st.sampled_from(list("abcdefghij ABC   \n\t01239.,;'!?-éü日本語🙂\u00a0\u2003")
+                                + ["'s", "'ll", "<|im_end|>", "the", " fox"]), max_size=40).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(TEXT)
+def test_decode_inverts_encode(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode(tokenizer.encode(text, special=True), special=True) == text
+
+
+def test_special_tokens_are_cut_out_only_when_asked(tokenizer):
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>", special=True)
+    assert ids[0] == 1 and ids[-1] == 2
+    assert 1 not in tokenizer.encode("<|im_start|>user").tolist()
+    assert tokenizer.decode(ids) == "user\nhi"  # control tokens decode to nothing unless asked
+
+
+def test_digits_split_one_by_one(tokenizer):
+    pieces = tokenizer.pieces("In 2024, 365 trees")
+    assert pieces == ["In", " ", "2", "0", "2", "4", ",", " ", "3", "6", "5", " trees"]
+
+
+# --- generation ---------------------------------------------------------------------------------------------------
+
+
+def greedy(engine, prompts, max_tokens=16, **kwargs):
+    return [r.tokens[0].tolist() for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens), **kwargs)]
+
+
+def test_batched_generation_equals_one_at_a_time(engine):
+    prompts = [COMMON + "woods.", "Paging the cache: blocks, tables, slots.", "What's the name of the cat?"]
+    alone = [greedy(engine, [p])[0] for p in prompts]
+    assert greedy(engine, prompts) == alone
+    assert engine.stats.max_batch >= 2
+
+
+def test_chunked_prefill_equals_whole_prompts(tiny, engine):
+    prompts = [COMMON * 3, "Paging the cache"]
+    whole = greedy(engine, prompts)
+    with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14, step_tokens=24) as small:
+        assert greedy(small, prompts) == whole
+        assert small.stats.prefill_steps > 2
+
+
+def test_parallel_greedy_samples_share_the_prompt_and_agree(engine, tmp_path):
+    """n greedy samples fork one prompt: each child shares its blocks and copies the partly filled last one on
+    write; all of them must generate what one sample does."""
+    one = greedy(engine, [COMMON + "woods."], 12)[0]
+    snap = tmp_path / "snap.json"
+    result = engine.generate([COMMON + "woods."], SamplingParams(max_tokens=12, n=3), snapshot=snap)[0]
+    assert [t.tolist() for t in result.tokens] == [one] * 3
+    state = json.loads(snap.read_text())
+    refs = np.asarray(state["blocks"]["ref_counts"])
+    assert len(state["sequences"]) == 3 and (refs == 3).sum() >= 2  # the prompt's full blocks, held by all three
+
+
+def test_sampling_is_seeded_and_per_sample(engine):
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=3)
+    a = engine.generate(["The dog"], p)[0]
+    b = engine.generate(["The dog"], p)[0]
+    assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
+    assert len({tuple(t.tolist()) for t in a.tokens}) > 1  # three streams, not one
+    c = engine.generate(["The dog"], SamplingParams(max_tokens=10, temperature=1.0, seed=8, n=3))[0]
+    assert [t.tolist() for t in c.tokens] != [t.tolist() for t in a.tokens]
+
+
+def test_top_p_keeps_the_most_likely_tokens():
+    from pagedrt.engine.sampler import sample
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    draws = np.linspace(0, 0.999, 50)
+    picked = sample(logits, np.zeros(50, np.int64), np.ones(50), np.full(50, 0.7), draws)
+    assert set(picked.tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7
+    assert (picked == 0).mean() == pytest.approx(0.5 / 0.8, abs=0.05)
+    assert sample(logits, [0], [0.0], [1.0], [0.3]).tolist() == [0]
+
+
+def test_a_prompt_sharing_a_system_prompt_finds_it_cached(tiny):
+    with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14) as fresh:
+        first, second = fresh.generate([COMMON + "woods.", COMMON + "house."], SamplingParams(max_tokens=8))
+        assert first.cached_tokens == 0 and second.cached_tokens >= 32
+        hit = second.tokens[0].tolist()
+    with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14) as other:
+        assert greedy(other, [COMMON + "house."], 8)[0] == hit  # the same tokens as computing it all
+
+
+def test_prompts_sharing_a_first_block_wait_one_step_then_arrive_together(tiny):
+    with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14) as fresh:
+        results = fresh.generate([COMMON + f"{i} woods." for i in range(5)], SamplingParams(max_tokens=4))
+        assert [r.cached_tokens > 0 for r in results] == [False] + [True] * 4
+        assert fresh.stats.prefill_steps == 2  # the first prompt alone, then the four others at once
+
+
+def test_the_stop_token_ends_a_sample(tiny):
+    with Engine(tiny, backend="host", max_seqs=4, kv_tokens=1 << 12) as e:
+        e.stop_tokens = np.arange(e.config.vocab_size)  # every token stops
+        r = e.generate(["The dog"], SamplingParams(max_tokens=8))[0]
+    assert r.finish_reasons == ["stop"] and r.tokens[0].size == 0
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "empty"),
+    ("The dog " * 300, SamplingParams(), "at most 512"),
+    ("The dog", SamplingParams(max_tokens=600), "at most 512"),
+    ([1, 10**6], SamplingParams(), "ids in"),
+    ("The dog", SamplingParams(n=64), "at most 16 sequences"),
+])
+def test_requests_the_cache_cannot_serve_are_refused(engine, prompt, params, match):
+    with pytest.raises(RequestError, match=match):
+        engine.generate([prompt], params)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(n=0), dict(temperature=-1.0), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(seed=-1), dict(temperature=float("nan"))])
+def test_sampling_parameters_out_of_range_are_refused(kwargs):
+    with pytest.raises(RequestError):
+        SamplingParams(**kwargs)

