@@ -134,6 +134,23 @@ def test_queries_without_a_query_row_and_the_scale():
 
 # --- plans -----------------------------------------------------------------------------------------
 
+def replay_twice(stream, plan, dev, planes, outs, refs, case):
+    """Capture the plan's runs over every layer's planes on ``stream`` (current), then launch the graph twice,
+    the outputs poisoned before each launch and compared with the layers' references after it."""
+    stream.synchronize()
+    stream.begin_capture()
+    for (k, v), out in zip(planes, outs):
+        plan.run(dev.q, k, v, out=out)
+    graph = stream.end_capture()
+    for _ in range(2):
+        for out in outs:
+            out.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        for out, ref in zip(outs, refs):
+            assert not row_errors(to_host(out), ref, case)
+
+
 def test_plan_runs_every_layer_and_replays_in_a_cuda_graph():
     """One plan (validated, without query_lens: it reads qo_indptr back), run per layer; then a plan made
     before capture, its runs over both layers captured and the graph launched twice."""
@@ -154,18 +171,7 @@ def test_plan_runs_every_layer_and_replays_in_a_cuda_graph():
     with stream:
         plan = PrefillPlan(dev.q, planes[0][0], dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens,
                            validate=False)
-        stream.synchronize()
-        stream.begin_capture()
-        for (k, v), out in zip(planes, outs):
-            plan.run(dev.q, k, v, out=out)
-        graph = stream.end_capture()
-        for _ in range(2):
-            for out in outs:
-                out.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            for out, ref in zip(outs, refs):
-                assert not row_errors(to_host(out), ref, case)
+        replay_twice(stream, plan, dev, planes, outs, refs, case)
 
 
 # --- validation on the device -----------------------------------------------------------------------
@@ -276,18 +282,7 @@ def test_split_decode_rows_over_a_callers_workspace_in_a_cuda_graph(placement):
         plan = PrefillPlan(dev.q, planes[0][0], dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens,
                            workspace=workspace)
         assert plan._decode.launch.grid[2] > 1  # the decode rows are split
-        stream.synchronize()
-        stream.begin_capture()
-        for (k, v), out in zip(planes, outs):
-            plan.run(dev.q, k, v, out=out)
-        graph = stream.end_capture()
-        for _ in range(2):
-            for out in outs:
-                out.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            for out, ref in zip(outs, refs):
-                assert not row_errors(to_host(out), ref, case)
+        replay_twice(stream, plan, dev, planes, outs, refs, case)
     with pytest.raises(LaunchArgumentError, match="stream it was made on"):
         plan.run(dev.q, *planes[0])  # the current stream is not the plan's
     with pytest.raises(LaunchArgumentError, match="workspace holds 16 bytes"):
