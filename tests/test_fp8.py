@@ -181,3 +181,19 @@ def test_cache_refuses_bad_fp8_arguments(kw, match):
     args = {"dtype": "float16", "head_dim": 128, **kw}
     with pytest.raises(UnsupportedConfigError, match=match):
         PagedKVCache(2, 2, args.pop("head_dim"), 16, args.pop("dtype"), max_tokens=1024, backend="host", **args)
+
+
+def test_cli_reads_fp8_snapshots(tmp_path):
+    from click.testing import CliRunner
+
+    from pagedrt.cli import main
+    cache = PagedKVCache(2, 2, 128, 16, "float16", kv_dtype="float8_e4m3", max_tokens=1024, backend="host")
+    try:
+        cache.step(arrivals=[np.arange(40)])
+        cache.write_snapshot(tmp_path / "s.json")
+    finally:
+        cache.close()
+    result = CliRunner().invoke(main, ["translate", "0", "37", str(tmp_path / "s.json")])
+    assert result.exit_code == 0 and "128 contiguous bytes (128 x float8_e4m3)" in result.output
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "s.json")])
+    assert result.exit_code == 0
