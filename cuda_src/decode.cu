@@ -652,14 +652,15 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         const int live = end - (begin + tile * TILE);  // tokens of this tile that exist
         if constexpr (MMA) {
             const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(KV);
-            const unsigned sv = sk + V_SMEM;
             const int wl = tid % 32;
             if constexpr (FP8) {
-                if (is_full(tile)) consume_mma_fp8<HEAD_DIM, false>(sk, sv, live, warp, wl, qa, o, m_row, l_row);
-                else consume_mma_fp8<HEAD_DIM, true>(sk, sv, live, warp, wl, qa, o, m_row, l_row);
+                if (is_full(tile))
+                    consume_mma_fp8<HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+                else consume_mma_fp8<HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
             } else {
-                if (is_full(tile)) consume_mma<T, HEAD_DIM, false>(sk, sv, live, warp, wl, qa, o, m_row, l_row);
-                else consume_mma<T, HEAD_DIM, true>(sk, sv, live, warp, wl, qa, o, m_row, l_row);
+                if (is_full(tile))
+                    consume_mma<T, HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+                else consume_mma<T, HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
             }
         } else {
             const KV* const sk = smem_k + (tile % STAGES) * S::kTileElems;
