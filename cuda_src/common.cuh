@@ -147,4 +147,25 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], unsigned
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// --- float8 e4m3 (sm_89+): K/V storage, converted in registers ----------------------
+
+// One float8 e4m3 value's bits (OCP E4M3, CUDA's __nv_fp8_e4m3): K/V planes of FP8 caches.
+struct e4m3 { unsigned char bits; };
+
+// Two e4m3 values (low byte first) as an f16 pair (low half first): exact, one instruction.
+__device__ __forceinline__ unsigned e4m3x2_to_half2(unsigned short x) {
+    unsigned r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(x));
+    return r;
+}
+
+// Two floats as e4m3 (lo in the low byte): round to nearest even, saturating to +-448 (infinities
+// too); a NaN becomes 0x7F whatever its sign (pagedrt/fp8.py defines the same on the host).
+__device__ __forceinline__ unsigned short float2_to_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+    const unsigned b0 = lo != lo ? 0x7Fu : (r & 0xFFu), b1 = hi != hi ? 0x7Fu : (unsigned)(r >> 8);
+    return (unsigned short)(b0 | (b1 << 8));
+}
+
 }  // namespace pagedrt

@@ -25,6 +25,11 @@
 // layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared. A tile
 // is 16 tokens per warp: 64 with THREADS = 128, 32 with the short geometry's 64.
 //
+// decode_fp8: the MMA path over float8 e4m3 K/V (half the bytes of fp16) with float32 scales
+// per KV head: consume_mma_fp8 converts K and V to f16 in registers (cvt.rn.f16x2.e4m3x2, exact)
+// and runs the same f16 mma; the K scale is folded into q's pre-scale and the V scale into the
+// output at the end, so the loop never multiplies by a scale. Stages hold HEAD_DIM bytes a token.
+//
 // PAGED=false is the contiguous baseline: block id = seq * max_blocks + logical
 // block, no table read; the rest of the code is shared.
 //
@@ -46,6 +51,14 @@ namespace pagedrt {
 
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
 constexpr int min_int(int a, int b) { return a < b ? a : b; }
+
+// Where the MMA path stores 16-byte chunk x of token row r in a stage, for rows of ROW_CHUNKS chunks:
+// x ^ (r % 8), so an ldmatrix of 8 rows touches 8 different banks; rows of 4 chunks (FP8 at head_dim
+// 64: two rows per 128 bytes) xor with (r / 2) % 4 instead.
+template <int ROW_CHUNKS> __device__ __forceinline__ int swizzle(int x, int r) {
+    static_assert(ROW_CHUNKS >= 8 || ROW_CHUNKS == 4, "rows of 4 or at least 8 chunks");
+    return ROW_CHUNKS >= 8 ? x ^ (r % 8) : x ^ ((r >> 1) % ROW_CHUNKS);
+}
 
 // Work decomposition of one thread block. THREADS, LANES, TILE, STAGES and IDS_WINDOW come from
 // the planner (pagedrt/attention/planner.py: geometry), which also sizes shared memory.
@@ -143,6 +156,45 @@ __device__ __forceinline__ void accumulate(const T* tile, int first, int lane, c
     }
 }
 
+// The online softmax of one warp's 16 scores a row (sc: S's C fragments of two 8-token n-tiles;
+// tokens first + 8j + 2*quad_col + e) on the quad of lanes that holds the row: running max m_row
+// (rescaling o and l_row when it grows by more than 2^kRescaleLog2) and sum l_row; p: the weights.
+template <int HEAD_DIM, bool MASK>
+__device__ __forceinline__ void softmax_mma(float (&sc)[2][4], int live, int first, int quad_col,
+                                            float (&o)[HEAD_DIM / 8][4], float& m_row, float& l_row,
+                                            float (&p)[2][2]) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    float top = neg_inf();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (MASK && first + 8 * j + 2 * quad_col + e >= live) sc[j][e] = neg_inf();
+            top = fmaxf(top, sc[j][e]);
+        }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+    if (__any_sync(0xffffffffu, top > m_row + kRescaleLog2)) {  // rare after the first tokens
+        const bool up = top > m_row + kRescaleLog2;
+        const float alpha = up ? exp2f(m_row - top) : 1.f;  // m = -inf: 0
+        m_row = up ? top : m_row;
+        l_row *= alpha;
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) {
+            o[j][0] *= alpha;
+            o[j][1] *= alpha;
+        }
+    }
+    const float shift = m_row == neg_inf() ? 0.f : m_row;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            p[j][e] = exp2f(sc[j][e] - shift);
+            l_row += p[j][e];
+        }
+}
+
 // One staged tile on tensor cores: warp w takes tokens [16w, 16w + 16). S = q K^T by
 // m16n8k16 (rows: query heads, padded to 16; two n-tiles of 8 tokens), the online softmax on
 // the quad of lanes that holds a row (query head lane/4, tokens 2*(lane%4) + {0, 1} of each
@@ -168,36 +220,8 @@ __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, 
             mma_16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
         }
     }
-    float top = neg_inf();
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            if (MASK && first + 8 * j + 2 * quad_col + e >= live) sc[j][e] = neg_inf();
-            top = fmaxf(top, sc[j][e]);
-        }
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-    if (__any_sync(0xffffffffu, top > m_row + kRescaleLog2)) {  // rare after the first tokens
-        const bool up = top > m_row + kRescaleLog2;
-        const float alpha = up ? exp2f(m_row - top) : 1.f;  // m = -inf: 0
-        m_row = up ? top : m_row;
-        l_row *= alpha;
-#pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) {
-            o[j][0] *= alpha;
-            o[j][1] *= alpha;
-        }
-    }
-    const float shift = m_row == neg_inf() ? 0.f : m_row;
     float p[2][2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            p[j][e] = exp2f(sc[j][e] - shift);
-            l_row += p[j][e];
-        }
+    softmax_mma<HEAD_DIM, MASK>(sc, live, first, quad_col, o, m_row, l_row, p);
     const unsigned p0 = pack2<T>(p[0][0], p[0][1]), p1 = pack2<T>(p[1][0], p[1][1]);
     // ldmatrix.x4.trans: matrix i covers tokens +8 for odd i, the next chunk of dims for i >= 2
     const int tok = first + (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
@@ -208,6 +232,68 @@ __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, 
         mma_16816<T>(o[c], p0, 0u, p1, 0u, b[0], b[1]);
         mma_16816<T>(o[c + 1], p0, 0u, p1, 0u, b[2], b[3]);
     }
+}
+
+// 32-bit words of shared memory at a shared-space address: 4 (16-byte aligned) or 2 (8-byte aligned).
+template <int WORDS> __device__ __forceinline__ void load_shared(unsigned (&w)[WORDS], unsigned addr);
+template <> __device__ __forceinline__ void load_shared<4>(unsigned (&w)[4], unsigned addr) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
+}
+template <> __device__ __forceinline__ void load_shared<2>(unsigned (&w)[2], unsigned addr) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr) : "memory");
+}
+
+// consume_mma over float8 e4m3 K/V: rows of HEAD_DIM bytes, 16-byte chunk x of row r at swizzle(x, r).
+// Both products are f16 mma with K and V converted in registers (e4m3 -> f16 is exact, one
+// cvt.rn.f16x2.e4m3x2 per two values); the scales are outside (q and the output carry them).
+// S = q K^T: an ldmatrix (a b16 view of the bytes) gives lane l bytes 4(l%4)..+3 of token row l/4's
+// 16-dim chunk; dims 4c, 4c+1 serve as k = 2c, 2c+1 of the k-step and 4c+2, 4c+3 as k = 2c+8, 2c+9, and
+// q's A fragments are loaded with the same permutation (the dot product does not depend on the order).
+// o += P V: lane (r = l/4, c = l%4) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16 (P's k order),
+// bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each, and pairs the two tokens of each dim with a byte
+// permute: column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes.
+template <int HEAD_DIM, bool MASK>
+__device__ __forceinline__ void consume_mma_fp8(unsigned sk, unsigned sv, int live, int warp, int lane,
+                                                const unsigned (&qa)[HEAD_DIM / 16][2], float (&o)[HEAD_DIM / 8][4],
+                                                float& m_row, float& l_row) {
+    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
+    const int first = warp * 16, quad_col = lane % 4;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+        // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, the next chunk
+        // (k-step) for odd i
+        const int tok = first + (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+#pragma unroll
+        for (int kk = 0; kk < ROW_CHUNKS; kk += 2) {
+            unsigned b[4];
+            ldmatrix_x4(b, sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4));
+#pragma unroll
+            for (int i = 0; i < 4; ++i)  // b[i]: n-tile i / 2, k-step kk + i % 2
+                mma_16816<__half>(sc[i / 2], qa[kk + i % 2][0], 0u, qa[kk + i % 2][1], 0u,
+                                  e4m3x2_to_half2(b[i] & 0xffffu), e4m3x2_to_half2(b[i] >> 16));
+        }
+    }
+    float p[2][2];
+    softmax_mma<HEAD_DIM, MASK>(sc, live, first, quad_col, o, m_row, l_row, p);
+    const unsigned p0 = pack2<__half>(p[0][0], p[0][1]), p1 = pack2<__half>(p[1][0], p[1][1]);
+    unsigned w[4][WORDS];  // tokens 2c, 2c+1, 2c+8, 2c+9
+    const int byte = (lane / 4) * LANE_BYTES;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const int tok = first + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+        load_shared<WORDS>(w[t], sv + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, tok) << 4) + byte % 16);
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: n-tiles j and j + 1
+            const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
+            const unsigned lo = __byte_perm(w[0][i], w[1][i], select), hi = __byte_perm(w[2][i], w[3][i], select);
+            const int j = 4 * i + 2 * h;
+            mma_16816<__half>(o[j], p0, 0u, p1, 0u, e4m3x2_to_half2(lo & 0xffffu), e4m3x2_to_half2(hi & 0xffffu));
+            mma_16816<__half>(o[j + 1], p0, 0u, p1, 0u, e4m3x2_to_half2(lo >> 16), e4m3x2_to_half2(hi >> 16));
+        }
 }
 
 // Add to a device-wide count with acquire-release semantics: writes before it (this
@@ -295,23 +381,27 @@ __device__ __forceinline__ void arrive_and_merge(const float* part_o, const floa
 // rows:         INDEXED only (a mixed step's decode rows): [batch] of (table row, query token); item
 //               blockIdx.y reads block_tables and seq_lens at the first and q and out at the second.
 //               Otherwise item i reads row i of each.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int THREADS, int LANES, int TILE, int STAGES,
-          bool MMA, int IDS_WINDOW, bool INDEXED>
-__global__ void __launch_bounds__(THREADS)
-decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
-       const int* __restrict__ block_tables, long long table_stride, int max_blocks,
-       const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
-       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
-       const int2* __restrict__ rows) {
-    using S = DecodeShape<T, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES, IDS_WINDOW>;
+// k_scales, v_scales: FP8 only (KV = e4m3): float32 [num_kv_heads], the value of a stored byte b of
+//               KV head h is e4m3(b) * scale[h]; the element type of k, v and block_stride is KV.
+template <typename T, typename KV, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int THREADS, int LANES,
+          int TILE, int STAGES, bool MMA, int IDS_WINDOW, bool INDEXED>
+__device__ __forceinline__ void
+decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v, long long block_stride,
+            const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+            const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+            T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+            const int2* __restrict__ rows, const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
+    using S = DecodeShape<KV, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES, IDS_WINDOW>;
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
+    constexpr bool FP8 = !__is_same(KV, T);
+    static_assert(!FP8 || (MMA && __is_same(KV, e4m3)), "FP8 K/V runs on tensor cores only");
 
     // 128-byte aligned: stages 16 bytes off a 128-byte boundary (what a static __shared__
     // variable placed before them does) made every case markedly slower (docs/KERNELS.md).
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* const smem_k = reinterpret_cast<T*>(smem_raw);
-    T* const smem_v = smem_k + STAGES * S::kTileElems;
+    KV* const smem_k = reinterpret_cast<KV*>(smem_raw);
+    KV* const smem_v = smem_k + STAGES * S::kTileElems;
 
     const int kv_head = blockIdx.x, item = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
     const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
@@ -343,7 +433,19 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     // rows 8-15 never hold one: GROUP <= 8), pre-scaled; qa[kk] = a0, a2 of k-step kk.
     const int warp = tid / 32, quad_row = (tid % 32) / 4, quad_col = tid % 4;
     unsigned qa[MMA ? HEAD_DIM / 16 : 1][2];
-    if constexpr (MMA) {
+    if constexpr (FP8) {  // the K scale joins q's pre-scale; dims permuted as consume_mma_fp8 reads K
+        scale_log2 *= __ldg(k_scales + kv_head);
+        const T* const row = q + (q_row + quad_row) * HEAD_DIM;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int d = 16 * kk + 4 * quad_col + 2 * h;
+                qa[kk][h] = quad_row < GROUP
+                                ? pack2<__half>(to_float(row[d]) * scale_log2, to_float(row[d + 1]) * scale_log2) : 0u;
+            }
+        }
+    } else if constexpr (MMA) {
         const T* const row = q + (q_row + quad_row) * HEAD_DIM;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
@@ -384,10 +486,10 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     // inside the block, except that a tile shorter than a block adds its slot offset.
     constexpr int CHUNK = BLOCK_SIZE * NV;
     const char* const k_bytes = reinterpret_cast<const char*>(k);
-    const long long stride_bytes = block_stride * (long long)sizeof(T);
+    const long long stride_bytes = block_stride * (long long)sizeof(KV);
     const long long v_minus_k = reinterpret_cast<const char*>(v) - k_bytes;  // same offset in the V plane
     const unsigned smem_k_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_k));
-    constexpr unsigned V_SMEM = STAGES * S::kTileElems * sizeof(T);  // smem_v - smem_k, bytes
+    constexpr unsigned V_SMEM = STAGES * S::kTileElems * sizeof(KV);  // smem_v - smem_k, bytes
     const unsigned long long read_once = evict_first_policy();  // the L2 policy of the K/V stream
     int row_of[COPIES], block_of[COPIES], src_off[COPIES];
 #pragma unroll
@@ -395,7 +497,7 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         const int i = c * NT + tid, t = i / NV;
         row_of[c] = t;
         block_of[c] = TILE <= BLOCK_SIZE ? 0 : CHUNK % NT == 0 ? c * NT / CHUNK : i / CHUNK;
-        src_off[c] = ((kv_head * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM + (i % NV) * V) * (int)sizeof(T);
+        src_off[c] = ((kv_head * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM + (i % NV) * V) * (int)sizeof(KV);
     }
     auto copy_exists = [&](int c) { return S::kEvenCopies || c * NT + tid < TILE * NV; };
 
@@ -431,15 +533,15 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
     auto issue = [&](int tile, auto full) {
         constexpr bool FULL = decltype(full)::value;
         const int first = begin + tile * TILE;
-        const unsigned stage = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(T);
+        const unsigned stage = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(KV);
         // a tile inside one block starts at slot first % BLOCK_SIZE of it
-        const int slot_bytes = TILE < BLOCK_SIZE ? (first % BLOCK_SIZE) * HEAD_DIM * (int)sizeof(T) : 0;
+        const int slot_bytes = TILE < BLOCK_SIZE ? (first % BLOCK_SIZE) * HEAD_DIM * (int)sizeof(KV) : 0;
 #pragma unroll
         for (int c = 0; c < COPIES; ++c) {
             if (copy_exists(c)) {
-                // MMA: 16-byte chunk x of row r is stored at x ^ (r % 8), so ldmatrix's 8 rows hit 8 banks
-                const int vec = (c * NT + tid) % NV, chunk = MMA ? vec ^ (row_of[c] % 8) : vec;
-                const unsigned dst = stage + (row_of[c] * HEAD_DIM + chunk * V) * sizeof(T);
+                // MMA: 16-byte chunk x of row r is stored swizzled, so ldmatrix's 8 rows hit 8 banks
+                const int vec = (c * NT + tid) % NV, chunk = MMA ? swizzle<NV>(vec, row_of[c]) : vec;
+                const unsigned dst = stage + (row_of[c] * HEAD_DIM + chunk * V) * sizeof(KV);
                 const bool live = FULL || ids[c] >= 0;  // else zero-fill, reading nothing
                 const char* const from = live ? k_bytes + ids[c] * stride_bytes + src_off[c] + slot_bytes
                                               : reinterpret_cast<const char*>(q);
@@ -472,10 +574,10 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
     // STEP tokens of a staged tile: scores, online softmax, weighted V. MASK: the tile
     // runs past the end (only the last one), so scores of missing tokens become -inf.
-    auto consume = [&](const T* sk, const T* sv, int first, int live, auto mask) {
+    auto consume = [&](const KV* sk, const KV* sv, int first, int live, auto mask) {
         constexpr bool MASK = decltype(mask)::value;
         float s[STEP][GROUP];
-        dot_scores<T, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sk, first, lane, qf, s);
+        dot_scores<KV, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sk, first, lane, qf, s);
         float top[GROUP];
         bool grow = false;
 #pragma unroll
@@ -510,14 +612,14 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
                 l[g] += s[u][g];
             }
         }
-        accumulate<T, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sv, first, lane, s, acc);
+        accumulate<KV, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sv, first, lane, s, acc);
     };
 
     // MMA: the state of row quad_row (its quad of lanes): output o (C fragments, 8 dims per
     // n-tile), running max and this lane's part of the sum (see consume_mma).
-    float o[MMA ? NV : 1][4], m_row = neg_inf(), l_row = 0.f;
+    float o[MMA ? HEAD_DIM / 8 : 1][4], m_row = neg_inf(), l_row = 0.f;
 #pragma unroll
-    for (int j = 0; j < (MMA ? NV : 1); ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int j = 0; j < (MMA ? HEAD_DIM / 8 : 1); ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
     const int num_tiles = (end - begin + TILE - 1) / TILE;
     if (PAGED) {
@@ -549,13 +651,20 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 
         const int live = end - (begin + tile * TILE);  // tokens of this tile that exist
         if constexpr (MMA) {
-            const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(T);
+            const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(KV);
             const int wl = tid % 32;
-            if (is_full(tile)) consume_mma<T, HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
-            else consume_mma<T, HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+            if constexpr (FP8) {
+                if (is_full(tile))
+                    consume_mma_fp8<HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+                else consume_mma_fp8<HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+            } else {
+                if (is_full(tile))
+                    consume_mma<T, HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+                else consume_mma<T, HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+            }
         } else {
-            const T* const sk = smem_k + (tile % STAGES) * S::kTileElems;
-            const T* const sv = smem_v + (tile % STAGES) * S::kTileElems;
+            const KV* const sk = smem_k + (tile % STAGES) * S::kTileElems;
+            const KV* const sv = smem_v + (tile % STAGES) * S::kTileElems;
             if (is_full(tile)) {
 #pragma unroll
                 for (int u0 = 0; u0 < S::kTokensPerGroup; u0 += STEP)
@@ -586,11 +695,20 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
             for (int x = 0; x < LG; ++x) top = fmaxf(top, red_m[x * GROUP + quad_row]);
             const float f = exp2f(m_row - (top == neg_inf() ? 0.f : top));
             if (quad_col == 0) red_l[warp * GROUP + quad_row] = l_row * f;
-            float* const dst = red_acc + (warp * GROUP + quad_row) * HEAD_DIM + 2 * quad_col;
+            if constexpr (FP8) {  // column n of n-tile j is dim n * HEAD_DIM / 8 + j (consume_mma_fp8)
+                float* const dst = red_acc + (warp * GROUP + quad_row) * HEAD_DIM + 2 * quad_col * (HEAD_DIM / 8);
 #pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                dst[8 * j] = o[j][0] * f;
-                dst[8 * j + 1] = o[j][1] * f;
+                for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                    dst[j] = o[j][0] * f;
+                    dst[HEAD_DIM / 8 + j] = o[j][1] * f;
+                }
+            } else {
+                float* const dst = red_acc + (warp * GROUP + quad_row) * HEAD_DIM + 2 * quad_col;
+#pragma unroll
+                for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                    dst[8 * j] = o[j][0] * f;
+                    dst[8 * j + 1] = o[j][1] * f;
+                }
             }
         }
     } else {
@@ -617,37 +735,73 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
         }
     }
     __syncthreads();
-    // Each thread finishes one 16-byte vector of the output (V dims of one query head) and
-    // stores it whole: V times fewer stores than one element a thread.
-    for (int c = tid; c < GROUP * NV; c += NT) {
-        const int g = c / NV, d0 = (c % NV) * V;
-        float sum[V], total = 0.f, top = neg_inf();
+    // Each thread finishes one 16-byte vector of the output (OV dims of one query head) and
+    // stores it whole: OV times fewer stores than one element a thread. FP8: times the V scale.
+    constexpr int OV = Vec16<T>::kElems, ONV = HEAD_DIM / OV;
+    float v_scale = 1.f;
+    if constexpr (FP8) v_scale = __ldg(v_scales + kv_head);
+    for (int c = tid; c < GROUP * ONV; c += NT) {
+        const int g = c / ONV, d0 = (c % ONV) * OV;
+        float sum[OV], total = 0.f, top = neg_inf();
 #pragma unroll
-        for (int e = 0; e < V; ++e) sum[e] = 0.f;
+        for (int e = 0; e < OV; ++e) sum[e] = 0.f;
         for (int x = 0; x < LG; ++x) {
             const float* const src = red_acc + (x * GROUP + g) * HEAD_DIM + d0;
 #pragma unroll
-            for (int e = 0; e < V; ++e) sum[e] += src[e];
+            for (int e = 0; e < OV; ++e) sum[e] += src[e];
             total += red_l[x * GROUP + g];
             top = fmaxf(top, red_m[x * GROUP + g]);
+        }
+        if constexpr (FP8) {
+#pragma unroll
+            for (int e = 0; e < OV; ++e) sum[e] *= v_scale;
         }
         const long long row = head_row + g;
         if (merged) {
             float4* const dst = reinterpret_cast<float4*>(part_o + (row * num_splits + split) * HEAD_DIM + d0);
 #pragma unroll
-            for (int e = 0; e < V / 4; ++e)
+            for (int e = 0; e < OV / 4; ++e)
                 dst[e] = make_float4(sum[4 * e], sum[4 * e + 1], sum[4 * e + 2], sum[4 * e + 3]);
             if (d0 == 0) part_ml[row * num_splits + split] = make_float2(top, total);
         } else {
             const float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma unroll
-            for (int e = 0; e < V; ++e) sum[e] *= inv;
+            for (int e = 0; e < OV; ++e) sum[e] *= inv;
             *reinterpret_cast<uint4*>(out + (q_row + g) * HEAD_DIM + d0) = pack16<T>(sum);
         }
     }
     if (merged)  // the staged ids' space is free now (the merge above used the pipeline's)
         arrive_and_merge<T, GROUP, HEAD_DIM, NT>(part_o, part_ml, arrivals, head_row, q_row - head_row, live,
                                                  num_splits, out, smem_ids);
+}
+
+// The kernel over K/V of the input type (arguments: see decode_body).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int THREADS, int LANES, int TILE, int STAGES,
+          bool MMA, int IDS_WINDOW, bool INDEXED>
+__global__ void __launch_bounds__(THREADS)
+decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
+       const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+       const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+       T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+       const int2* __restrict__ rows) {
+    decode_body<T, T, HEAD_DIM, BLOCK_SIZE, GROUP, PAGED, THREADS, LANES, TILE, STAGES, MMA, IDS_WINDOW, INDEXED>(
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens, out,
+        part_o, part_ml, arrivals, rows, nullptr, nullptr);
+}
+
+// The paged kernel over float8 e4m3 K/V on tensor cores (q and out: __half or __nv_bfloat16); the arguments
+// of decode, rows unused (null), then the scales. At least 2 blocks an SM, as the planner counts on: left
+// to itself ptxas capped some instances at 168 registers and spilled.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int THREADS, int TILE, int STAGES, int IDS_WINDOW>
+__global__ void __launch_bounds__(THREADS, 2)
+decode_fp8(const T* __restrict__ q, const e4m3* __restrict__ k, const e4m3* __restrict__ v, long long block_stride,
+           const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+           const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+           T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+           const int2* __restrict__ rows, const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
+    decode_body<T, e4m3, HEAD_DIM, BLOCK_SIZE, GROUP, true, THREADS, 32, TILE, STAGES, true, IDS_WINDOW, false>(
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens, out,
+        part_o, part_ml, arrivals, rows, k_scales, v_scales);
 }
 
 }  // namespace pagedrt

@@ -20,7 +20,7 @@ from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
 from .step import StepMetadata
 from .supported import (BLOCK_SIZES, HEAD_DIMS, MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS,
-                        MAX_TABLE_ENTRIES, check, numpy_dtype)
+                        MAX_TABLE_ENTRIES, FP8, check, check_fp8, kv_dtype_name, kv_numpy_dtype, numpy_dtype)
 
 
 def _check_positive(name, value, limit=None):
@@ -97,6 +97,32 @@ def _exclusive(method):
     return exclusive
 
 
+def _kv_scales(kv_dtype, dtype, head_dim, kv_scales, shape):
+    """The checked float32 scales of an FP8 cache (all 1 by default), None for other caches; raises
+    UnsupportedConfigError for FP8 where it is unsupported, scales where there is no FP8, scales of the
+    wrong shape and values that are not positive, normal and finite."""
+    if kv_dtype != FP8:
+        if kv_dtype != dtype.name:
+            raise UnsupportedConfigError(f"kv_dtype={kv_dtype!r} with dtype={dtype.name!r}: K/V are stored in the "
+                                         f"model's dtype or as {FP8}")
+        if kv_scales is not None:
+            raise UnsupportedConfigError(f"kv_scales are for kv_dtype={FP8!r} only")
+        return None
+    check_fp8(dtype, head_dim)
+    if kv_scales is None:
+        return np.ones(shape, np.float32)
+    try:
+        scales = np.array(kv_scales, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise UnsupportedConfigError(f"kv_scales must be float32 numbers [{', '.join(map(str, shape))}]") from None
+    if scales.shape != shape:
+        raise UnsupportedConfigError(f"kv_scales must have shape {shape} (layers, K then V, KV heads), got "
+                                     f"{scales.shape}")
+    if not (np.isfinite(scales).all() and (scales >= np.finfo(np.float32).tiny).all()):
+        raise UnsupportedConfigError("kv_scales must be positive, normal and finite: stored bytes mean value / scale")
+    return scales
+
+
 class PagedKVCache:
     """K and V of ``num_layers`` layers in blocks of ``block_size`` tokens, over one growable pool.
 
@@ -106,6 +132,14 @@ class PagedKVCache:
     (default ``max_seq_len + max_seqs``: a whole prompt and a decode token for every other
     sequence) sizes the step's slot buffer, the most new tokens one :meth:`step` takes.
     ``backend`` is a name or a backend made by :func:`pagedrt.memory.select_backend`.
+
+    ``dtype`` is the model's (q and attention output); ``kv_dtype`` what the planes store
+    (default: ``dtype``). ``kv_dtype="float8_e4m3"`` stores K and V as float8 e4m3 bits
+    (uint8 planes, half the bytes of fp16; :mod:`pagedrt.fp8`) under float32 scales, one per
+    layer and KV head for K and for V: ``kv_scales`` [num_layers, 2, num_kv_heads] (K then V,
+    positive and finite; default all 1), fixed for the cache's life since stored bytes mean
+    value / scale. :meth:`k_scale` and :meth:`v_scale` give one layer's, as ``write_kv`` and
+    decode take them. FP8 needs ``dtype`` float16 or bfloat16 and head_dim 64 or 128.
 
     ``host_tokens`` or ``host_bytes`` (at most one; default none) gives the cache a host
     tier of that capacity (rounded up to whole chunks): pinned host memory mapped into the
@@ -132,7 +166,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
                  max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None, max_step_tokens=None,
-                 placement="plane", chunk_bytes=None, backend="auto", growth=None, host_tokens=None, host_bytes=None):
+                 placement="plane", chunk_bytes=None, backend="auto", growth=None, host_tokens=None, host_bytes=None,
+                 kv_dtype=None, kv_scales=None):
         num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
                                                                                                 num_kv_heads)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
@@ -140,9 +175,11 @@ class PagedKVCache:
         block_size = check("block_size", block_size, BLOCK_SIZES)
         placement = check("placement", placement, PLACEMENTS)
         self.dtype = numpy_dtype(dtype)
+        self.kv_dtype = self.dtype.name if kv_dtype is None else kv_dtype_name(kv_dtype)
+        scales = _kv_scales(self.kv_dtype, self.dtype, head_dim, kv_scales, (num_layers, 2, num_kv_heads))
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
-        token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize
+        token_bytes = 2 * num_layers * num_kv_heads * head_dim * kv_numpy_dtype(self.kv_dtype).itemsize
         if max_bytes is None:
             max_blocks = ceil_div(_check_positive("max_tokens", max_tokens), block_size)
         else:
@@ -160,7 +197,7 @@ class PagedKVCache:
             backend = select_backend(backend)
         elif not is_int(getattr(backend, "page_bytes", None)):
             raise UnsupportedConfigError(f"backend={backend!r:.80} must be a name or a backend from select_backend()")
-        self.layout = Layout.plan(num_layers, num_kv_heads, head_dim, block_size, dtype, placement,
+        self.layout = Layout.plan(num_layers, num_kv_heads, head_dim, block_size, self.kv_dtype, placement,
                                   backend.page_bytes, max_blocks, chunk_bytes, host_blocks)
         if max_seq_len is None:
             max_seq_len = min(self.layout.device_blocks * block_size, 32768)
@@ -183,6 +220,7 @@ class PagedKVCache:
         self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
         self.metadata = StepMetadata(self.tables, self.pool.xp, max_step_tokens)
         self._planes = [self._plane_view(layer, kv) for layer in range(num_layers) for kv in KV]
+        self._scales = None if scales is None else self.pool.xp.asarray(scales)
         self._mask = None  # device copy of allocator.usable_mask(), rebuilt after grow/trim
         self._mask_version = None
 
@@ -377,6 +415,18 @@ class PagedKVCache:
         self._check_open("planes")
         return list(self._planes)
 
+    def k_scale(self, layer):
+        """FP8 caches: layer ``layer``'s K scales, float32 [num_kv_heads] (on the cache's device); else None."""
+        return self._scale(layer, 0)
+
+    def v_scale(self, layer):
+        """FP8 caches: layer ``layer``'s V scales, float32 [num_kv_heads]; else None."""
+        return self._scale(layer, 1)
+
+    def _scale(self, layer, kv):
+        self._plane(layer, kv)  # checks the cache is open and the layer
+        return None if self._scales is None else self._scales[layer, kv]
+
     def _plane(self, layer, kv):
         self._check_open("k" if kv == 0 else "v")
         if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
@@ -420,7 +470,8 @@ class PagedKVCache:
         e = lay.itemsize
         shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
         strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
-        return self.pool.view(lay.plane_offset(layer, kv), shape, self.dtype, strides, allow_holes=True)
+        return self.pool.view(lay.plane_offset(layer, kv), shape, kv_numpy_dtype(lay.dtype), strides,
+                              allow_holes=True)
 
     # --- both layers at once ----------------------------------------------------------------
 

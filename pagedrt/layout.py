@@ -27,7 +27,7 @@ import numpy as np
 
 from .blocks import ceil_div
 from .errors import InvalidPositionError, UnsupportedConfigError
-from .supported import numpy_dtype
+from .supported import kv_dtype_name, kv_numpy_dtype
 
 PLACEMENTS = ("plane", "block")
 KV = ("k", "v")
@@ -42,7 +42,7 @@ class Layout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str
+    dtype: str             # what the planes hold (pagedrt.supported.KV_DTYPES): the K/V dtype
     itemsize: int
     placement: str
     page_bytes: int
@@ -55,8 +55,8 @@ class Layout:
              max_blocks, chunk_bytes=None, host_blocks=0):
         """Choose the chunk size (a whole number of pages and of blocks) and the range's size: ``max_blocks``
         device blocks, then ``host_blocks`` host-tier blocks, each rounded up to whole chunks."""
-        dtype = numpy_dtype(dtype)
-        shape = cls(num_layers, num_kv_heads, head_dim, block_size, dtype.name, dtype.itemsize, placement,
+        shape = cls(num_layers, num_kv_heads, head_dim, block_size, kv_dtype_name(dtype),
+                    kv_numpy_dtype(dtype).itemsize, placement,
                     page_bytes, 0, 0)
         step, unit = shape.chunk_step, shape.block_stride_bytes
         if chunk_bytes is not None and (not is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % step):

@@ -22,14 +22,14 @@ import numpy as np
 
 from .errors import SnapshotError
 from .layout import PLACEMENTS, Layout
-from .supported import BLOCK_SIZES, DTYPES, HEAD_DIMS
+from .supported import BLOCK_SIZES, HEAD_DIMS, KV_DTYPES
 
 SNAPSHOT_SCHEMA, SNAPSHOT_VERSION = "pagedrt-snapshot", 1
 MAX_SNAPSHOT_BYTES = 16 << 20  # larger files are refused unread
 MAX_DEPTH = 16                 # JSON nesting levels; a snapshot uses 4
 ADDRESS_LIMIT = 1 << 64        # the pool's range must lie in a 64-bit address space
 MAX_INDEX = (1 << 31) - 1      # block ids, sequence handles and table shapes are int32
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1}
 BACKEND_NAMES = ("cuda", "host")
 
 
@@ -236,7 +236,7 @@ def _check_layout(snap):
         fields[key] = _int(_get(raw, key, where), f"{where}.{key}", 1)
     fields["head_dim"] = _choice(_get(raw, "head_dim", where), f"{where}.head_dim", HEAD_DIMS)
     fields["block_size"] = _choice(_get(raw, "block_size", where), f"{where}.block_size", BLOCK_SIZES)
-    fields["dtype"] = _choice(_get(raw, "dtype", where), f"{where}.dtype", DTYPES)
+    fields["dtype"] = _choice(_get(raw, "dtype", where), f"{where}.dtype", KV_DTYPES)
     fields["placement"] = _choice(_get(raw, "placement", where), f"{where}.placement", PLACEMENTS)
     fields["itemsize"] = _get(raw, "itemsize", where)
     _equal(fields["itemsize"], ITEMSIZE[fields["dtype"]], f"{where}.itemsize", f"{fields['dtype']} elements")

@@ -12,6 +12,10 @@ import numpy as np
 from .errors import UnsupportedConfigError
 
 DTYPES = ("float16", "bfloat16", "float32")
+FP8 = "float8_e4m3"  # K/V stored as float8 e4m3 with float32 scales per (layer, KV head): pagedrt.fp8
+KV_DTYPES = DTYPES + (FP8,)  # what K/V planes may hold
+FP8_DTYPES = ("float16", "bfloat16")  # q and output dtypes over FP8 planes
+FP8_HEAD_DIMS = (64, 128)  # FP8 decode runs on tensor cores only (cuda_src/decode.cu: decode_fp8)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GROUPS = tuple(range(1, 9))  # query heads per KV head
@@ -60,6 +64,35 @@ def _dtype_name(dtype):
         raise UnsupportedConfigError(
             f"dtype {name!r} is not supported: use one of {', '.join(DTYPES)} (bfloat16 as ml_dtypes.bfloat16)")
     return name
+
+
+def kv_dtype_name(dtype):
+    """The name of a K/V storage dtype: one of KV_DTYPES, or a dtype: uint8 is how FP8 planes are held
+    (NumPy has no float8), so a uint8 plane is an FP8 one."""
+    if isinstance(dtype, str) and dtype == FP8:
+        return FP8
+    try:
+        if not isinstance(dtype, str) and np.dtype(dtype) == np.uint8:
+            return FP8
+    except TypeError:
+        pass
+    try:
+        return dtype_name(dtype)
+    except UnsupportedConfigError:
+        raise UnsupportedConfigError(
+            f"K/V dtype {dtype!r:.80} is not supported: use one of {', '.join(KV_DTYPES)}") from None
+
+
+def kv_numpy_dtype(dtype):
+    """The NumPy dtype K/V planes of a storage dtype are held in: uint8 (the bits) for FP8."""
+    name = kv_dtype_name(dtype)
+    return np.dtype(np.uint8) if name == FP8 else numpy_dtype(name)
+
+
+def check_fp8(dtype, head_dim):
+    """Raise UnsupportedConfigError unless q/out dtype ``dtype`` and ``head_dim`` may go with FP8 K/V."""
+    check("dtype (q and output over FP8 K/V)", dtype_name(dtype), FP8_DTYPES)
+    check("head_dim (FP8 K/V)", head_dim, FP8_HEAD_DIMS)
 
 
 def numpy_dtype(dtype):

@@ -291,8 +291,9 @@ def test_every_supported_config_meets_the_kernel_static_asserts(geometry_name):
 def test_instances_name_every_swept_kernel_with_its_geometry():
     names = decode.instances()["decode.cu"]
     with_indexed = decode.instances(indexed=(False, True))["decode.cu"]
-    assert len(names) == 2 * len(configs.sweep()) * len(planner.GEOMETRIES)
-    assert len(with_indexed) == 3 * len(configs.sweep()) * len(planner.GEOMETRIES)  # no indexed contiguous twin
+    fp8 = len(configs.fp8_sweep()) * len(planner.GEOMETRIES)  # FP8: the plain paged kernel only
+    assert len(names) == 2 * len(configs.sweep()) * len(planner.GEOMETRIES) + fp8
+    assert len(with_indexed) == 3 * len(configs.sweep()) * len(planner.GEOMETRIES) + fp8  # no indexed contiguous twin
     for cfg in configs.sweep():
         for paged, indexed in ((True, False), (False, False), (True, True)):
             for geometry_name in planner.GEOMETRIES:

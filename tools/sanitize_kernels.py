@@ -8,7 +8,8 @@ r"""Run every kernel once on small data, for compute-sanitizer.
 errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
-(with empty segments), each in both geometries, the contiguous baseline, prefill (causal and
+(with empty segments), each in both geometries, both again over FP8 K/V (compute capability 8.9
+or later), the contiguous baseline, prefill (causal and
 not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
 and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
 block copy, and validation (a good table, then a bad one refused), on the base configuration. Then the
@@ -76,10 +77,12 @@ def run():
     import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
     capability = cupy.cuda.Device().compute_capability
+    fp8_cfg = configs.Config("float16", DIM, BLOCK, GROUP, "float8_e4m3") if capability >= "89" else None
     hopper = capability == prefill.SM90  # then both prefill kernels run
     for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
                  prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
-                 validate.instances()):
+                 validate.instances(), *(() if fp8_cfg is None else (decode.instances([fp8_cfg], paged=(True,)),
+                                                                     write.instances([fp8_cfg])))):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -120,6 +123,25 @@ def run():
                              (12, "paged_decode split, merged by the last segment, empty segments")):
             out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=splits, geometry=geometry_name)
             expect(f"{name}, {geometry_name} geometry", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+
+    if fp8_cfg is not None:  # FP8 K/V: written quantised, then decoded unsplit and split in both geometries
+        scales = [rng.uniform(0.01, 0.05, KV_HEADS).astype(np.float32) for _ in range(2)]
+        d_scales = [cupy.asarray(s) for s in scales]
+        host_k8, host_v8 = (np.zeros(host_k.shape, np.uint8) for _ in range(2))
+        k8, v8 = cupy.asarray(host_k8), cupy.asarray(host_v8)
+        write_kv(cupy.asarray(k_new), cupy.asarray(v_new), k8, v8, cupy.asarray(slots), k_scale=d_scales[0],
+                 v_scale=d_scales[1])
+        write_kv_reference(k_new, v_new, host_k8, host_v8, slots, k_scale=scales[0], v_scale=scales[1])
+        expect("write_kv FP8 (bit for bit)", np.array_equal(cupy.asnumpy(k8), host_k8)
+               and np.array_equal(cupy.asnumpy(v8), host_v8))
+        ref = reference.paged_decode(q.astype(np.float64), host_k8, host_v8, table, lens, 1 / math.sqrt(DIM),
+                                     k_scale=scales[0], v_scale=scales[1])
+        for geometry_name in planner.GEOMETRIES:
+            for splits in (1, 12):
+                out = paged_decode(d_q, k8, v8, d_table, d_lens, num_splits=splits, geometry=geometry_name,
+                                   k_scale=d_scales[0], v_scale=d_scales[1])
+                expect(f"paged_decode FP8, {splits} splits, {geometry_name} geometry",
+                       rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
     dense = [np.stack([p[table[i]] for i in range(len(LENS))]) for p in (host_k, host_v)]
     out = contiguous_decode(d_q, cupy.asarray(dense[0]), cupy.asarray(dense[1]), d_lens)

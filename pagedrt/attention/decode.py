@@ -6,6 +6,9 @@ and :func:`contiguous_decode` run the same kernel source over K/V stored one seq
 after another: the contiguous baseline, which shows what paging itself costs. Given NumPy arrays they
 run the float64 references (:mod:`pagedrt.attention.reference`).
 
+K/V planes of FP8 (float8 e4m3 bits, held as uint8: :mod:`pagedrt.fp8`) take their scales at each run
+(``k_scale``, ``v_scale``: float32 [kv_heads], one layer's); q and the output stay float16 or bfloat16.
+
 Long sequences in small batches are split (split-K): each thread block handles one
 segment of a sequence and writes a partial state (m, l, unnormalised o) into the
 plan's workspace; the last segment of each sequence and KV head to finish combines
@@ -22,8 +25,9 @@ import numpy as np
 
 from .. import source
 from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
-                            multiprocessors, plane, positive_int, ptr, RunArrays, store)
-from ..kernels.configs import config, sweep
+                            multiprocessors, plane, positive_int, ptr, RunArrays, check_scales, store)
+from ..errors import UnsupportedConfigError
+from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
 from .planner import GEOMETRIES, check_geometry, geometry, plan_splits, workspace_layout
@@ -43,6 +47,9 @@ def kernel_name(cfg, paged, geometry_name, indexed=False):
     """The decode kernel's name expression for configuration ``cfg`` in geometry ``geometry_name``; ``indexed``:
     the variant that reads each item's table row and query token from a rows array (a mixed step's decode rows)."""
     geo = geometry(cfg, geometry_name)
+    if cfg.fp8:
+        return (f"pagedrt::decode_fp8<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, {geo.threads}, "
+                f"{geo.tile}, {geo.stages}, {geo.ids_window}>")
     flag = lambda b: "true" if b else "false"  # noqa: E731
     return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, {flag(paged)}, "
             f"{geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, {flag(geo.mma)}, {geo.ids_window}, "
@@ -50,10 +57,11 @@ def kernel_name(cfg, paged, geometry_name, indexed=False):
 
 
 def instances(configs=None, paged=(True, False), indexed=(False,)):
-    """{file: name expressions} for ``configs`` (default: the representative sweep), in every geometry;
-    ``indexed=(False, True)`` adds the paged kernels' row-indexed variants (a mixed step's decode rows)."""
-    names = [kernel_name(c, p, name, i) for c in (configs or sweep()) for p in paged for i in indexed if p or not i
-             for name in GEOMETRIES]
+    """{file: name expressions} for ``configs`` (default: the representative sweeps, FP8's too), in every geometry;
+    ``indexed=(False, True)`` adds the paged kernels' row-indexed variants (a mixed step's decode rows). FP8
+    configurations have the plain paged kernel only."""
+    names = [kernel_name(c, p, name, i) for c in (configs or sweep() + fp8_sweep()) for p in paged for i in indexed
+             if (p or not i) and (not c.fp8 or (p and not i)) for name in GEOMETRIES]
     return {FILE: tuple(dict.fromkeys(names))}
 
 
@@ -80,7 +88,7 @@ def _device_split(cfg, batch, kv_heads, max_seq_len, num_splits, mean_seq_len, g
     baseline runs the same plan as the paged kernel)."""
     import cupy
     standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
-    return plan_splits(batch, kv_heads, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.itemsize,
+    return plan_splits(batch, kv_heads, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.kv_itemsize,
                        standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len,
                        geometry=geometry_name)
 
@@ -95,8 +103,9 @@ class _Launch:
     middle: tuple  # the arguments between v and out: block stride ... segment_tokens
     tail: tuple    # the split partials in the workspace (part_o, part_ml, arrivals) or nulls, then the rows or null
 
-    def __call__(self, q, k, v, out):
-        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail), shared_mem=self.smem)
+    def __call__(self, q, k, v, out, scales=()):
+        """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
+        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail, *scales), shared_mem=self.smem)
 
 
 @dataclass(frozen=True)
@@ -197,12 +206,14 @@ def rows_launch(cfg, q_heads, block_stride, block_tables, kv_lens, rows, tokens,
 
 def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, geometry_name,
             workspace):
-    """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len)."""
+    """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len).
+    ``dtype``: the planes'; uint8 planes hold FP8 (UnsupportedConfigError where FP8 is not supported)."""
     batch, q_heads, q_dim = (int(x) for x in q.shape)
-    check(q.dtype == dtype, lambda: f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
+    fp8 = dtype == np.uint8
+    check(fp8 or q.dtype == dtype, lambda: f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
     check(q_dim == head_dim, lambda: f"q has head_dim {q_dim} but the K/V cache has {head_dim}")
     check(q_heads % kv_heads == 0, lambda: f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
-    cfg = config(dtype, head_dim, block_size, q_heads // kv_heads)
+    cfg = config(q.dtype, head_dim, block_size, q_heads // kv_heads, kv_dtype=dtype if fp8 else None)
     check(batch <= MAX_GRID_YZ, lambda: f"batch {batch} exceeds {MAX_GRID_YZ}: split the batch")
     if out is not None:
         c_contiguous("out", out, 3)
@@ -238,6 +249,7 @@ class _Plan:
               block_stride, table_args, width, seq_lens, spans):
         """Keep what :meth:`run` checks against, and prepare the launch (device arrays only)."""
         self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
+        self._kv_heads = int(k.shape[-3]) if cfg.fp8 else None  # FP8: the length of the scales a run takes
         self._arrays = RunArrays(type(q), q.shape, q.dtype, (k.shape, k.strides, k.dtype),
                                  "K plane" if paged else "k", spans)
         self._reference = reference_run
@@ -254,19 +266,24 @@ class _Plan:
         """The :class:`~pagedrt.attention.planner.SplitPlan` this plan runs."""
         return self._split
 
-    def run(self, q, k_cache, v_cache, out=None):
-        """Attention of ``q`` over one layer's K and V; returns ``out``."""
+    def run(self, q, k_cache, v_cache, out=None, *, k_scale=None, v_scale=None):
+        """Attention of ``q`` over one layer's K and V; returns ``out``. FP8 planes need that layer's
+        ``k_scale`` and ``v_scale`` (float32 [kv_heads]); other planes take none."""
         k, v = k_cache, v_cache
         self._arrays.check(q, k, v, out)
+        check_scales(self._kv_heads, self._arrays.array_type, k_scale, v_scale)
         if self._arrays.array_type is np.ndarray:
-            return store(self._reference(q, k, v), out)
+            scales = {} if self._kv_heads is None else {"k_scale": k_scale, "v_scale": v_scale}
+            return store(self._reference(q, k, v, **scales), out)
         import cupy
         if self._bound is not None:
             self._bound.check()
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
+        scales = () if self._kv_heads is None else tuple(
+            device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
         if self._bound is not None:
-            self._bound.launch(*pointers)
+            self._bound.launch(*pointers, scales)
         return out
 
 
@@ -358,6 +375,9 @@ class ContiguousDecodePlan(_Plan):
         batch, width, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
         spans = Spans((k,), 0, 0)  # only refuses a k in a closed pool: the baseline reads no block table
         check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
+        if k.dtype == np.uint8:
+            raise UnsupportedConfigError("FP8 (float8_e4m3) K/V runs on the paged kernel only: the contiguous "
+                                         "baseline takes float16, bfloat16 or float32")
         cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, None, scale, num_splits,
                                           width * block_size, max_seq_len, geometry, workspace)
         _lens(seq_lens, batch)
@@ -371,9 +391,10 @@ class ContiguousDecodePlan(_Plan):
                    kv_heads * block_size * head_dim, (NULL, np.int64(0)), width, seq_lens, spans)
 
 
-def _paged_reference(q, k, v, *, block_tables, seq_lens, scale, num_splits, max_seq_len):
+def _paged_reference(q, k, v, *, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale=None,
+                     v_scale=None):
     return reference.paged_decode(q, k, v, block_tables, seq_lens, scale, num_splits=num_splits,
-                                  max_seq_len=max_seq_len)
+                                  max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale)
 
 
 def _contiguous_reference(q, k, v, *, seq_lens, scale, num_splits, max_seq_len):
@@ -381,7 +402,8 @@ def _contiguous_reference(q, k, v, *, seq_lens, scale, num_splits, max_seq_len):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
-                 max_seq_len=None, mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None):
+                 max_seq_len=None, mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None,
+                 k_scale=None, v_scale=None):
     """Attention of one query token per sequence over its paged K/V; returns ``out``.
 
     q: [batch, q_heads, head_dim]; k_cache, v_cache: planes [num_blocks, kv_heads,
@@ -396,12 +418,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out
     device-to-host read; NumPy inputs are always checked (``BlockTableError``). Planes
     in a closed pool raise ``PoolClosedError``, whatever ``validate`` says. ``geometry`` and ``workspace`` as for
     :class:`DecodePlan`. For many layers over the same tables, make one
-    :class:`DecodePlan` and run it per layer.
+    :class:`DecodePlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits) need ``k_scale`` and
+    ``v_scale``, float32 [kv_heads]: a stored value b means e4m3(b) * scale; q and out are float16 or bfloat16.
     """
     plan = DecodePlan(q, k_cache, block_tables, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                       mean_seq_len=mean_seq_len, block_mask=block_mask, validate=validate, geometry=geometry,
                       workspace=workspace, _v_cache=v_cache)
-    return plan.run(q, k_cache, v_cache, out)
+    return plan.run(q, k_cache, v_cache, out, k_scale=k_scale, v_scale=v_scale)
 
 
 def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=None, max_seq_len=None,

@@ -26,6 +26,7 @@ MMA_HEAD_DIMS = (64, 128)       # fp16/bf16 head dims that run on tensor cores (
 MMA_STAGES = 3                  # pipeline depth on tensor cores
 MMA_SHORT_THREADS = 64          # the short tensor-core geometry: two warps, a 32-token tile
 MMA_SHORT_STAGES = 3            # and its pipeline depth
+FP8_STAGE_FACTOR = 2            # FP8 K/V: stages of half the bytes, twice as many (the same bytes in flight)
 IDS_WINDOW = 256                # block ids a thread block stages in shared memory at a time
 SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
 SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
@@ -86,13 +87,15 @@ def geometry(cfg, geometry_name="standard"):
     of a 64-token tile, MMA_STAGES stages. Their short geometry has two warps (a
     32-token tile) and stages of half the bytes, so twice as many thread blocks
     share an SM with the same bytes in flight, and each block's start is hidden by
-    the others'.
+    the others'. FP8 K/V (tensor cores only) stores a token in half the bytes: twice
+    the stages (FP8_STAGE_FACTOR) keep the same bytes in flight (not yet measured).
     """
     check(geometry_name in GEOMETRIES, _unknown(geometry_name))
     short = geometry_name == "short"
-    row = cfg.head_dim * cfg.itemsize
+    row = cfg.head_dim * cfg.kv_itemsize
     if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
         threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
+        stages *= FP8_STAGE_FACTOR if cfg.fp8 else 1
         tile = 16 * threads // 32
         return Geometry(32, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW, True, threads)
     vec = 16 // cfg.itemsize

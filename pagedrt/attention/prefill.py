@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import source
-from ..errors import BlockTableError
+from ..errors import BlockTableError, UnsupportedConfigError
 from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane,
                             ptr, RunArrays, store)
 from ..kernels.configs import config, sweep
@@ -246,6 +246,9 @@ class PrefillPlan:
         c_contiguous("q", q, 3)
         pk = plane("k_cache", k_cache)
         num_tokens, q_heads, head_dim = (int(x) for x in q.shape)
+        if k_cache.dtype == np.uint8:
+            raise UnsupportedConfigError("prefill does not read FP8 (float8_e4m3) K/V: it runs over float16 or "
+                                         "bfloat16 planes; FP8 planes are read by DecodePlan only")
         check(q.dtype == k_cache.dtype, lambda: f"q is {q.dtype} but the K/V cache is {k_cache.dtype}: they must match")
         check(head_dim == pk.head_dim, lambda: f"q has head_dim {head_dim} but the K/V cache has {pk.head_dim}")
         check(q_heads % pk.num_kv_heads == 0,

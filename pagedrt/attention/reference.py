@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from .. import fp8
 from .planner import plan_splits
 
 
@@ -86,15 +87,18 @@ def _tokens(blocks, n):
     return blocks.astype(np.float64).transpose(1, 0, 2, 3).reshape(kv, nb * bs, d)[:, :n]
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, num_splits=1, max_seq_len=None):
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, num_splits=1, max_seq_len=None,
+                 k_scale=None, v_scale=None):
     """Reference of :func:`pagedrt.attention.paged_decode` (no checks): gather through the table, softmax,
-    weighted sum; with ``num_splits`` > 1 cut and merged as the split kernel does (see :func:`split`)."""
+    weighted sum; with ``num_splits`` > 1 cut and merged as the split kernel does (see :func:`split`).
+    With ``k_scale`` and ``v_scale`` the planes hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`)."""
     block_size = k_cache.shape[2]
+    values = (lambda blocks, s: blocks) if k_scale is None else fp8.dequantise
 
     def keys(i):
         n = int(seq_lens[i])
         blocks = block_tables[i, :-(-n // block_size)]
-        return _tokens(k_cache[blocks], n), _tokens(v_cache[blocks], n)
+        return _tokens(values(k_cache[blocks], k_scale), n), _tokens(values(v_cache[blocks], v_scale), n)
 
     return _decode(q, keys, scale, num_splits, max_seq_len or block_tables.shape[1] * block_size, block_size)
 

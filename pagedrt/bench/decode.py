@@ -1,6 +1,7 @@
 """Decode attention on the standard workloads: time, bandwidth against measured ceilings, paging cost.
 
     python3 -m pagedrt.bench.decode [--cases b8,big,...] [--repeats 100] [--out run.json]
+    python3 -m pagedrt.bench.decode --kv-dtype float8_e4m3 [--cases ...]   # K/V stored as FP8
 
 The cases are the standard decode workloads (``pagedrt.bench.cases``), unchanged.
 K and V are two plane views of a CUDA Pool. Per case it prints the median time
@@ -21,6 +22,11 @@ as a step makes them): the kernel alone. validate=True reads a result back to th
 host before launching, so it cannot be queued: ``paged_decode`` (a plan made and
 run) is timed call by call with and without it, and the validation cost (validated
 - unvalidated) includes that round trip.
+
+``--kv-dtype float8_e4m3`` runs the same cases over FP8 planes (random e4m3 bytes, scales per KV head, q
+and out in the case's dtype) and counts bandwidth in FP8 bytes: (K and V bytes of the valid tokens, one
+byte a value, + q + out) / time, against the same ceilings; no contiguous baseline and no validation
+figures (FP8 runs on the paged kernel only).
 """
 
 import contextlib
@@ -64,13 +70,14 @@ def random_bits(cp, shape, dtype):
     return x.astype(np.float16).view(np.uint16)
 
 
-def pool_planes(stack, shape, chunk):
-    """Two adjacent uint16 planes of ``shape`` in one CUDA pool of ``chunk``-byte chunks, mapped."""
-    plane_bytes = int(np.prod(shape)) * 2
+def pool_planes(stack, shape, chunk, dtype=np.uint16):
+    """Two adjacent planes of ``shape`` (uint16, or uint8 for FP8) in one CUDA pool of ``chunk``-byte chunks,
+    mapped."""
+    plane_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     total = -(-2 * plane_bytes // chunk) * chunk
     pool = stack.enter_context(Pool(total, chunk, backend="cuda"))
     pool.grow(total // chunk)
-    return [pool.view(i * plane_bytes, shape, np.uint16) for i in range(2)]
+    return [pool.view(i * plane_bytes, shape, dtype) for i in range(2)]
 
 
 def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order, memory, block):
@@ -142,9 +149,64 @@ def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order,
     }
 
 
+FP8_COLUMNS = (
+    harness.Column("case", "case", width=9, left=True),
+    harness.Column("dtype", "q dtype", width=8, left=True),
+    harness.Column("us", "us", "{:.1f}"),
+    harness.Column("tb_s", "TB/s", "{:.2f}", 6),
+    harness.Column("pct_stream", "%strm", "{:.1f}", 6),
+    harness.Column("num_splits", "splits", "{}", 6),
+    harness.Column("geometry", "geometry", "{}", 8),
+    harness.Column("size_stream_us", "strm us", "{:.1f}"),
+    harness.Column("pct_size_stream", "%size", "{:.1f}", 6),
+    harness.Column("note", "note", width=0, left=True),
+)
+
+
+def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
+    """One case over FP8 (float8 e4m3) planes: the plan's run timed, bandwidth in FP8 bytes."""
+    from .. import attention
+    dt = np_dtype(case.dtype)
+    lens = np.asarray(case.lengths, np.int32)
+    table, num_blocks = scattered_table(lens, block, shuffle=True)
+    shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
+    with contextlib.ExitStack() as stack:
+        k, v = pool_planes(stack, shape, chunk, np.uint8)
+        for plane in (k, v):
+            for lo in range(0, num_blocks, 4096):  # random finite e4m3 bytes: codes 0..126, either sign
+                part = plane[lo:lo + 4096]
+                codes = cp.random.randint(0, 0x7F, part.shape, dtype=np.int32)
+                part[...] = (codes | (cp.random.randint(0, 2, part.shape, dtype=np.int32) << 7)).astype(np.uint8)
+        k_scale = cp.full(KV_HEADS, 1 / 64, np.float32)
+        v_scale = cp.full(KV_HEADS, 1 / 64, np.float32)
+        q = random_bits(cp, (case.batch, Q_HEADS, HEAD_DIM), case.dtype).view(dt)
+        out = cp.empty_like(q)
+        hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))
+        plan = attention.DecodePlan(q, k, cp.asarray(table), cp.asarray(lens), validate=False, **hints)
+        paged_us = timer.gpu_us(lambda: plan.run(q, k, v, out, k_scale=k_scale, v_scale=v_scale), repeats)
+        size_us = harness.stream_us(timer, k.data.ptr, 2 * k.nbytes, repeats)
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2  # one byte a value, K and V
+    moved = kv_bytes + 2 * case.batch * Q_HEADS * HEAD_DIM * dt.itemsize
+    bw = moved / (paged_us * 1e-6)
+    note = "fits in L2: measures the cache" if kv_bytes <= l2_bytes else ""
+    split = plan.split
+    return {
+        "case": case.name, "dtype": case.dtype, "kv_dtype": "float8_e4m3", "batch": case.batch,
+        "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20, "us": paged_us, "tb_s": bw / 1e12,
+        "pct_copy": 100 * bw / bandwidth["copy"], "pct_stream": 100 * bw / bandwidth["stream"],
+        "size_stream_us": size_us, "pct_size_stream": 100 * size_us / paged_us, "num_splits": split.num_splits,
+        "segment_tokens": split.segment_tokens, "geometry": split.geometry, "fits_l2": kv_bytes <= l2_bytes,
+        "note": note.strip(), "chunk_mib": chunk >> 20, "block_size": block,
+    }
+
+
 def table(rows):
     """The results table, and the forced-split sweep under it when one was asked for."""
     first = rows[0]
+    if first.get("kv_dtype") == "float8_e4m3":
+        return "\n".join([f"K/V float8_e4m3 (TB/s in FP8 bytes); pool chunks of {first['chunk_mib']} MiB; block size "
+                          f"{first['block_size']}; strm us: the streaming kernel over the case's own FP8 planes",
+                          harness.format_table(FP8_COLUMNS, rows)])
     lines = [f"pool chunks of {first['chunk_mib']} MiB (0: cudaMalloc); block order {first['order']}; "
              f"block size {first['block_size']}; strm us: the streaming kernel over the case's own planes, "
              "%size: its time over the decode's",
@@ -172,6 +234,8 @@ def parser():
                     help="block ids: a seeded random permutation (standard) or consecutive per sequence, to "
                          "separate the cost of scattered blocks from that of reading the table")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the standard cases use 16)")
+    ap.add_argument("--kv-dtype", choices=("same", "float8_e4m3"), default="same",
+                    help="what the planes hold: the case's dtype (standard), or float8 e4m3 (FP8 K/V)")
     ap.add_argument("--memory", choices=("pool", "cudamalloc"), default="pool",
                     help="where the paged and contiguous K/V live: a pagedrt Pool (standard) or cudaMalloc memory")
     return ap
@@ -192,6 +256,14 @@ def main(argv=None):
     print(harness.header(info, bandwidth))
     rows = []
     for name in names:
+        if args.kv_dtype == "float8_e4m3":
+            row = run_fp8_case(cp, timer, DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
+                               args.chunk_mib << 20, args.block_size)
+            rows.append(row)
+            cp.get_default_memory_pool().free_all_blocks()
+            print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s in FP8 bytes ({row['pct_stream']:.1f}% of "
+                  f"stream), {row['num_splits']} splits" + ("  [fits in L2]" if row["fits_l2"] else ""))
+            continue
         row = run_case(cp, timer, DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
                        args.chunk_mib << 20, sweep, args.order, args.memory, args.block_size)
         rows.append(row)

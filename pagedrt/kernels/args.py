@@ -149,6 +149,22 @@ class RunArrays:
                   lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
 
 
+def check_scales(kv_heads, array_type, k_scale, v_scale):
+    """Raise LaunchArgumentError unless the scales fit the planes: for FP8 planes (``kv_heads`` not None) two
+    contiguous float32 arrays of ``kv_heads`` entries of ``array_type``; for other planes none."""
+    if kv_heads is None:
+        check(k_scale is None and v_scale is None,
+              "k_scale and v_scale are for FP8 (float8_e4m3) planes only: these planes hold q's dtype")
+        return
+    for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check(a is not None, lambda: f"FP8 (float8_e4m3) planes need {name}: float32 [{kv_heads}], one scale per "
+                                     "KV head of this layer (cache.k_scale(layer), cache.v_scale(layer))")
+        check(type(a) is array_type and a.dtype == np.float32 and a.shape == (kv_heads,) and a.flags.c_contiguous,
+              lambda: f"{name} must be a contiguous float32 {array_type.__module__} array of shape ({kv_heads},) "
+                      f"(one scale per KV head), got {type(a).__name__} {getattr(a, 'dtype', '')} "
+                      f"{getattr(a, 'shape', '')}")
+
+
 def store(result, out):
     """A plan's host result, written into ``out`` when the caller gave one."""
     if out is None:

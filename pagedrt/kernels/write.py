@@ -1,11 +1,15 @@
-"""Write the K/V of new tokens into their cache slots (any number of tokens), and its NumPy reference."""
+"""Write the K/V of new tokens into their cache slots (any number of tokens), and its NumPy reference.
+
+Into FP8 planes (uint8, float8 e4m3 bits) the values are quantised on the way, each divided by its KV
+head's scale (:mod:`pagedrt.fp8` defines the rounding, the saturation and what a NaN becomes).
+"""
 
 import numpy as np
 
-from .. import source
-from .args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane, ptr,
-                   same_layout)
-from .configs import config, sweep
+from .. import fp8, source
+from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
+                   plane, ptr, same_layout)
+from .configs import config, fp8_sweep, sweep
 from .validate import Spans, check_slots
 
 FILE = "write.cu"
@@ -13,12 +17,13 @@ THREADS = 256
 
 
 def kernel_name(cfg):
-    return f"pagedrt::write_kv<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}>"
+    kernel = "write_kv_fp8" if cfg.fp8 else "write_kv"
+    return f"pagedrt::{kernel}<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}>"
 
 
 def instances(configs=None):
-    """{file: name expressions} for ``configs`` (default: the representative sweep)."""
-    return {FILE: tuple(dict.fromkeys(kernel_name(c) for c in (configs or sweep())))}
+    """{file: name expressions} for ``configs`` (default: the representative sweeps, FP8's too)."""
+    return {FILE: tuple(dict.fromkeys(kernel_name(c) for c in (configs or sweep() + fp8_sweep())))}
 
 
 class WritePlan:
@@ -27,7 +32,8 @@ class WritePlan:
     ``WritePlan(k, k_cache, slot_mapping)`` checks the shapes and the slots (with
     ``validate``, on the device, once) and sizes the launch; :meth:`run` stores one
     layer's k and v, which must have the shape and dtype of the plan's k, into planes
-    with the layout of the plan's K plane. Arguments are those of :func:`write_kv`.
+    with the layout of the plan's K plane (FP8 planes: with that layer's scales).
+    Arguments are those of :func:`write_kv`.
 
     When the K plane lies in a pool (a cache's planes do), validation also refuses
     slots in blocks whose memory is not mapped, checked against the plan's K plane:
@@ -41,17 +47,19 @@ class WritePlan:
         xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
         pk = plane("k_cache", k_cache)
         c_contiguous("k", k, 3)
-        check(k.dtype == k_cache.dtype and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
-              lambda: f"k must be {k_cache.dtype} [num_tokens, {pk.num_kv_heads}, {pk.head_dim}] to match the "
-                      f"cache, got {k.dtype} {k.shape}")
-        cfg = config(k_cache.dtype, pk.head_dim, pk.block_size, 1)
+        fp8_planes = k_cache.dtype == np.uint8
+        check((fp8_planes or k.dtype == k_cache.dtype) and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
+              lambda: f"k must be {'float16 or bfloat16' if fp8_planes else k_cache.dtype} [num_tokens, "
+                      f"{pk.num_kv_heads}, {pk.head_dim}] to match the cache, got {k.dtype} {k.shape}")
+        cfg = config(k.dtype, pk.head_dim, pk.block_size, 1, kv_dtype=k_cache.dtype if fp8_planes else None)
+        self._kv_heads = pk.num_kv_heads if cfg.fp8 else None
         int_array("slot_mapping", slot_mapping, np.int64, 1)
         num_tokens = int(k.shape[0])
         check(slot_mapping.shape[0] == num_tokens and slot_mapping.flags.c_contiguous,
               lambda: f"slot_mapping must be contiguous with one slot per token ({num_tokens}), got "
                       f"{slot_mapping.shape}")
         planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
-        spans = Spans(planes, k_cache.strides[0], pk.block_elems * k.itemsize)
+        spans = Spans(planes, k_cache.strides[0], pk.block_elems * k_cache.itemsize)
         if xp is np or validate:
             check_slots(slot_mapping, pk.block_size, pk.num_blocks, spans)
         self._spans = spans
@@ -60,15 +68,16 @@ class WritePlan:
         if xp is not np:
             import cupy
             self._device = k.device.id
-            total = num_tokens * pk.num_kv_heads * pk.head_dim * k.itemsize // 16
+            total = num_tokens * pk.num_kv_heads * pk.head_dim * k_cache.itemsize // 16
             if total:
                 blocks = min(-(-total // THREADS), 32 * multiprocessors(cupy.cuda.Device().id))
                 self._launch = (source.function(FILE, kernel_name(cfg)), (blocks,), (THREADS,),
                                 (np.int64(pk.block_stride), ptr(slot_mapping), np.int64(num_tokens),
                                  np.int32(pk.num_kv_heads)))
 
-    def run(self, k, v, k_cache, v_cache):
-        """Store ``k`` and ``v`` into one layer's planes at the plan's slots."""
+    def run(self, k, v, k_cache, v_cache, *, k_scale=None, v_scale=None):
+        """Store ``k`` and ``v`` into one layer's planes at the plan's slots; FP8 planes need that layer's
+        ``k_scale`` and ``v_scale`` (float32 [kv_heads])."""
         array_type = self._type
         check(type(k) is array_type and type(v) is array_type and type(k_cache) is array_type
               and type(v_cache) is array_type,
@@ -81,18 +90,21 @@ class WritePlan:
                           f"got {a.dtype} {a.shape}")
         same_layout("k_cache", k_cache, self._plane, "K plane")
         same_layout("v_cache", v_cache, self._plane, "K plane")
+        check_scales(self._kv_heads, array_type, k_scale, v_scale)
         if self._spans.pools:
             self._spans.check_open()
         if array_type is np.ndarray:
-            write_kv_reference(k, v, k_cache, v_cache, self._slots)
+            write_kv_reference(k, v, k_cache, v_cache, self._slots, k_scale=k_scale, v_scale=v_scale)
             return
         pk, pv, pkc, pvc = device_pointers(self._device, ("k", "v", "k_cache", "v_cache"), (k, v, k_cache, v_cache))
+        scales = () if self._kv_heads is None else tuple(
+            device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
         if self._launch is not None:
             kernel, grid, threads, (stride, slots, num_tokens, heads) = self._launch
-            kernel(grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads))
+            kernel(grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads, *scales))
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
+def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True, k_scale=None, v_scale=None):
     """Store k, v [num_tokens, kv_heads, head_dim] into the planes at ``slot_mapping``.
 
     slot_mapping: int64 [num_tokens], slot = block_id * block_size + slot_in_block;
@@ -101,14 +113,18 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
     slots in blocks whose memory is not mapped (planes in a pool) and a slot given to
     two tokens (``BlockTableError``); NumPy inputs are always checked. Planes in a
     closed pool raise ``PoolClosedError``. For many layers over the same slots, make
-    one :class:`WritePlan` and run it per layer.
+    one :class:`WritePlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits)
+    take float16 or bfloat16 k and v and the layer's ``k_scale`` and ``v_scale``
+    (float32 [kv_heads]): each value is stored as e4m3(value / scale) (:mod:`pagedrt.fp8`).
     """
-    WritePlan(k, k_cache, slot_mapping, validate=validate, _v_cache=v_cache).run(k, v, k_cache, v_cache)
+    WritePlan(k, k_cache, slot_mapping, validate=validate, _v_cache=v_cache).run(k, v, k_cache, v_cache,
+                                                                                  k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv_reference(k, v, k_cache, v_cache, slot_mapping):
-    """NumPy reference of :func:`write_kv` (no checks): scatter the non-padding tokens into their slots."""
+def write_kv_reference(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+    """NumPy reference of :func:`write_kv` (no checks): scatter the non-padding tokens into their slots,
+    quantised (:func:`pagedrt.fp8.quantise`) when the scales are given."""
     keep = slot_mapping >= 0
     blocks, offsets = np.divmod(slot_mapping[keep], k_cache.shape[2])
-    k_cache[blocks, :, offsets, :] = k[keep]
-    v_cache[blocks, :, offsets, :] = v[keep]
+    k_cache[blocks, :, offsets, :] = k[keep] if k_scale is None else fp8.quantise(k[keep], k_scale)
+    v_cache[blocks, :, offsets, :] = v[keep] if v_scale is None else fp8.quantise(v[keep], v_scale)
