@@ -24,6 +24,10 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // A compile-time value as a type: lambdas take it as an `auto` argument to be instantiated per value.
 template <typename X, X VALUE> struct integral_constant { static constexpr X value = VALUE; };
 
+// Whether A and B are one type (NVRTC has no <type_traits> and no __is_same builtin).
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec16 { static constexpr int kElems = 16 / sizeof(T); };
 

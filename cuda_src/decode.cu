@@ -394,8 +394,8 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     using S = DecodeShape<KV, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES, IDS_WINDOW>;
     constexpr int V = S::kVec, NV = S::kRowVecs, LV = S::kLaneVecs, COPIES = S::kCopies;
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
-    constexpr bool FP8 = !__is_same(KV, T);
-    static_assert(!FP8 || (MMA && __is_same(KV, e4m3)), "FP8 K/V runs on tensor cores only");
+    constexpr bool FP8 = !same_type<KV, T>::value;
+    static_assert(!FP8 || (MMA && same_type<KV, e4m3>::value), "FP8 K/V runs on tensor cores only");
 
     // 128-byte aligned: stages 16 bytes off a 128-byte boundary (what a static __shared__
     // variable placed before them does) made every case markedly slower (docs/KERNELS.md).
