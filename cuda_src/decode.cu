@@ -40,6 +40,13 @@
 // Block ids: IDS_WINDOW table entries at a time are staged in shared memory
 // after the pipeline's stages, read by the whole thread block with coalesced loads.
 //
+// Programmatic dependent launch (PDL, pagedrt/kernels/launch.py): every thread block waits for the
+// kernel before it on the stream (grid_dependency_wait) before its first global load, since that kernel
+// may have written what it reads (the layer's K/V write) or still use what it writes (the previous
+// layer's attention, over the same split workspace); only index arithmetic runs before. A block lets
+// the next kernel start once its tiles are consumed (launch_dependents), so the next kernel's blocks
+// take the SMs this grid's tail leaves idle. Launched normally, both are no-ops.
+//
 // Split-K: with a partial-output workspace (part_o != nullptr) a block writes
 // its unnormalised output, m and l for its segment and counts itself in; the
 // last segment of a (sequence, KV head) to arrive merges them all (no second
@@ -405,6 +412,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
 
     const int kv_head = blockIdx.x, item = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
     const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
+    grid_dependency_wait();
     const int2 pick = INDEXED ? __ldg(rows + item) : make_int2(item, item);  // (table row, query token)
     const int seq = pick.x;
     const long long head_row = ((long long)item * gridDim.x + kv_head) * GROUP;  // query head g=0's split row
@@ -676,6 +684,8 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
             }
         }
     }
+
+    launch_dependents();  // the tiles are consumed: the next kernel's blocks may take this SM's free space
 
     // Merge the lane groups' states through shared memory (the pipeline's, now idle).
     cp_async_wait<0>();

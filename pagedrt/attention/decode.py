@@ -28,6 +28,7 @@ from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, de
                             multiprocessors, plane, positive_int, ptr, RunArrays, check_scales, store)
 from ..errors import UnsupportedConfigError
 from ..kernels.configs import config, fp8_sweep, sweep
+from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
 from .planner import GEOMETRIES, check_geometry, geometry, plan_splits, workspace_layout
@@ -105,7 +106,7 @@ class _Launch:
 
     def __call__(self, q, k, v, out, scales=()):
         """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
-        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail, *scales), shared_mem=self.smem)
+        launch(self.function, self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail, *scales), self.smem)
 
 
 @dataclass(frozen=True)
