@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrt.attention.planner import SplitPlan
-from pagedrt.bench import cases, harness, partition, prefix, step
+from pagedrt.bench import cases, harness, partition, prefix, step, step_layers
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("decode", "generate", "launch", "layers", "partition", "pool", "prefill", "prefix", "step", "swap")
+BENCHMARKS = ("decode", "generate", "launch", "layers", "partition", "pool", "prefill", "prefix", "step", "step_layers",
+              "swap")
 
 
 class FakeCuda:
@@ -225,3 +226,14 @@ def test_partition_of_var_and_skew_on_the_h200():
     assert skew["grid_blocks"] == 64 * 8 * 16 and skew["resident_blocks"] == 264
     forced = partition.partition(cases.BENCH_DECODE_CASES["skew"], num_splits=32)
     assert forced["segment_tokens"] == 512 and forced["live_blocks"] > skew["live_blocks"]
+
+
+# --- the 32-layer step's pure parts ---------------------------------------------------------------------------
+
+def test_step_layers_writes_each_sequences_newest_token_and_counts_its_bytes():
+    table = np.array([[7, 3, -1], [5, -1, -1]], np.int32)
+    slots = step_layers.new_token_slots(table, [17, 16])  # positions 16 (block 1, slot 0) and 15 (block 0, 15)
+    assert slots.tolist() == [3 * 16, 5 * 16 + 15] and slots.dtype == np.int64
+    per_token = cases.KV_HEADS * cases.HEAD_DIM * 2
+    assert step_layers.step_bytes([17, 16], 2, 2) == 2 * 33 * per_token + 2 * 2 * 32 * 128 * 2 + 4 * 2 * per_token
+    assert "skew" in step_layers.CASES and "big-bf16" not in step_layers.CASES
