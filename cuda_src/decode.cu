@@ -41,9 +41,9 @@
 // after the pipeline's stages, read by the whole thread block with coalesced loads.
 //
 // Programmatic dependent launch (PDL, pagedrt/kernels/launch.py): every thread block waits for the
-// kernel before it on the stream (grid_dependency_wait) before its first global load, since that kernel
+// kernel before it on the stream (grid_dependency_wait) before any global access, since that kernel
 // may have written what it reads (the layer's K/V write) or still use what it writes (the previous
-// layer's attention, over the same split workspace); only index arithmetic runs before. A block lets
+// layer's attention, over the same split workspace): it is the block's first statement. A block lets
 // the next kernel start once its tiles are consumed (launch_dependents), so the next kernel's blocks
 // take the SMs this grid's tail leaves idle. Launched normally, both are no-ops.
 //
@@ -403,6 +403,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
     constexpr bool FP8 = !same_type<KV, T>::value;
     static_assert(!FP8 || (MMA && same_type<KV, e4m3>::value), "FP8 K/V runs on tensor cores only");
+    grid_dependency_wait();  // before any global access (PDL, above)
 
     // 128-byte aligned: stages 16 bytes off a 128-byte boundary (what a static __shared__
     // variable placed before them does) made every case markedly slower (docs/KERNELS.md).
@@ -412,7 +413,6 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
 
     const int kv_head = blockIdx.x, item = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
     const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
-    grid_dependency_wait();
     const int2 pick = INDEXED ? __ldg(rows + item) : make_int2(item, item);  // (table row, query token)
     const int seq = pick.x;
     const long long head_row = ((long long)item * gridDim.x + kv_head) * GROUP;  // query head g=0's split row
@@ -685,11 +685,10 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         }
     }
 
-    launch_dependents();  // the tiles are consumed: the next kernel's blocks may take this SM's free space
-
     // Merge the lane groups' states through shared memory (the pipeline's, now idle).
     cp_async_wait<0>();
     __syncthreads();
+    launch_dependents();  // the tiles are consumed: the next kernel's blocks may take this SM's free space
     float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [LG][GROUP][HEAD_DIM]
     float* const red_m = red_acc + LG * GROUP * HEAD_DIM;        // [LG][GROUP]
     float* const red_l = red_m + LG * GROUP;                     // [LG][GROUP]

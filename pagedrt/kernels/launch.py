@@ -93,14 +93,13 @@ def _config(drv, grid, block, shared_mem, stream, programmatic_serialization):
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared_mem
         config.hStream = drv.CUstream(stream)
-        attrs = []
+        config.numAttrs = 0
         if programmatic_serialization:
             attr = drv.CUlaunchAttribute()
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(attr)
-        config.attrs = attrs
-        config.numAttrs = len(attrs)
+            config.attrs = [attr]
+            config.numAttrs = 1
         _configs[key] = config
     return config
 
