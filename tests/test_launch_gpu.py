@@ -3,7 +3,8 @@ otherwise): a step of K/V writes and decode attention over several layers, launc
 ``cuLaunchKernelEx`` with programmatic stream serialization, gives the plain launches' output bit for bit and
 the float64 reference's within tolerance, and captures into a CUDA graph that replays it.
 
-Every output is poisoned with NaN before a step; slots a kernel must not read hold NaN (kernel_cases.Case).
+Every output is poisoned with NaN before a step; slots a kernel must not read hold NaN (kernel_cases.Case, its
+one layer copied, scaled, to the others).
 """
 
 import numpy as np
@@ -40,6 +41,9 @@ class Step:
     def __init__(self, cfg, lens, seed, **plan_kw):
         import cupy
         self.case = Case(cfg, lens, layers=LAYERS, seed=seed)
+        buffer = self.case.buffer  # Case fills one layer: the others get scaled copies of it (NaN where it has NaN)
+        for layer in range(LAYERS):
+            buffer[:, :, layer] = (buffer[:, :, 1].astype(np.float32) * (0.5 + 0.25 * layer)).astype(buffer.dtype)
         rng = np.random.default_rng(seed + 100)
         shape = (LAYERS, len(lens)) + self.case.q.shape[1:]
         dt = self.case.q.dtype
