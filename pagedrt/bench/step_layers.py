@@ -68,6 +68,9 @@ def run(cp, timer, case, repeats, stream_bw):
                       max_seqs=case.batch, max_seq_len=int(lens_host.max()), backend="cuda") as cache:
         seqs = np.array([cache.add_sequence() for _ in range(case.batch)])
         cache.append(seqs, lens_host)  # maps the chunks the blocks need
+        held = cache.block_tables()
+        if int(held.max()) != num_blocks - 1:
+            raise RuntimeError(f"the cache holds blocks up to {int(held.max())}, not 0..{num_blocks - 1}")
         planes = ([cache.k(layer)[:num_blocks] for layer in range(LAYERS)],
                   [cache.v(layer)[:num_blocks] for layer in range(LAYERS)])
         for plane in planes[0] + planes[1]:
