@@ -170,22 +170,21 @@ __device__ __forceinline__ void accumulate(const T* tile, int first, int lane, c
     }
 }
 
-// The online softmax of one warp's 16 scores a row (sc: S's C fragments of two 8-token n-tiles;
-// tokens first + 8j + 2*quad_col + e) on the quad of lanes that holds the row: running max m_row
-// (rescaling o and l_row when it grows by more than 2^kRescaleLog2) and sum l_row; p: the weights.
+// The online softmax of one warp's scores, NT n-tiles of 8 tokens (sc: S's C fragments; tokens
+// first + 8j + 2*quad_col + e), on the quad of lanes that holds a row: running max m_row (rescaling o
+// and l_row when it grows by more than 2^kRescaleLog2) and sum l_row; sc becomes the weights P.
 // A lane holds row quad_row (C elements 0, 1) and, with UPPER, row quad_row + 8 (elements 2, 3): state
-// [0] and [1]. Without UPPER the upper rows are padding, and neither their state nor p[.][2, 3] is kept.
-template <int HEAD_DIM, bool MASK, bool UPPER>
-__device__ __forceinline__ void softmax_mma(float (&sc)[2][4], int live, int first, int quad_col,
-                                            float (&o)[HEAD_DIM / 8][4], float (&m_row)[2], float (&l_row)[2],
-                                            float (&p)[2][4]) {
+// [0] and [1]. Without UPPER the upper rows are padding, and neither their state nor their P is kept.
+template <int HEAD_DIM, bool MASK, bool UPPER, int NT>
+__device__ __forceinline__ void softmax_mma(float (&sc)[NT][4], int live, int first, int quad_col,
+                                            float (&o)[HEAD_DIM / 8][4], float (&m_row)[2], float (&l_row)[2]) {
     constexpr int CHUNKS = HEAD_DIM / 8, HALVES = UPPER ? 2 : 1;
     float top[2] = {neg_inf(), neg_inf()};
     bool grow = false;
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 if (MASK && first + 8 * j + 2 * quad_col + e >= live) sc[j][2 * h + e] = neg_inf();
@@ -213,63 +212,71 @@ __device__ __forceinline__ void softmax_mma(float (&sc)[2][4], int live, int fir
     for (int h = 0; h < HALVES; ++h) {
         const float shift = m_row[h] == neg_inf() ? 0.f : m_row[h];
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                p[j][2 * h + e] = exp2f(sc[j][2 * h + e] - shift);
-                l_row[h] += p[j][2 * h + e];
+                sc[j][2 * h + e] = exp2f(sc[j][2 * h + e] - shift);
+                l_row[h] += sc[j][2 * h + e];
             }
     }
 }
 
-// P as the A operand of o += P V (16 tokens = one k-step): a0, a1, a2, a3 (rows r, r + 8 of tokens 0-7,
-// then of tokens 8-15), from S's C layout; without UPPER the upper rows are zero.
+// P of 16 tokens (n-tiles p0, p1) as the A operand of o += P V: a0, a1, a2, a3 (rows r, r + 8 of tokens
+// 0-7, then of tokens 8-15), from S's C layout; without UPPER the upper rows are zero.
 template <typename T, bool UPPER>
-__device__ __forceinline__ void pack_p(const float (&p)[2][4], unsigned (&pa)[4]) {
-    pa[0] = pack2<T>(p[0][0], p[0][1]);
-    pa[1] = UPPER ? pack2<T>(p[0][2], p[0][3]) : 0u;
-    pa[2] = pack2<T>(p[1][0], p[1][1]);
-    pa[3] = UPPER ? pack2<T>(p[1][2], p[1][3]) : 0u;
+__device__ __forceinline__ void pack_p(const float (&p0)[4], const float (&p1)[4], unsigned (&pa)[4]) {
+    pa[0] = pack2<T>(p0[0], p0[1]);
+    pa[1] = UPPER ? pack2<T>(p0[2], p0[3]) : 0u;
+    pa[2] = pack2<T>(p1[0], p1[1]);
+    pa[3] = UPPER ? pack2<T>(p1[2], p1[3]) : 0u;
 }
 
-// 16 tokens of a staged tile on tensor cores, tokens [first, first + 16) for the warp's m16 tile of
-// query heads. S = q K^T by m16n8k16 (rows: query heads; two n-tiles of 8 tokens), the online softmax
-// on the quad of lanes that holds a row (query head lane/4, and lane/4 + 8 with UPPER; tokens
-// 2*(lane%4) + {0, 1} of each n-tile), then o += P V with P taken from S's registers (the C layout of
-// two n-tiles is the A layout of one k-step). Rows are HEAD_DIM elements; 16-byte chunk x of row r is
-// stored at x ^ (r % 8). sk, sv: shared-space addresses of the tile's K and V; live: tokens that exist;
-// qa[kk]: q's A fragment (a0..a3) of k-step kk.
-template <typename T, int HEAD_DIM, bool MASK, bool UPPER>
+// CH chunks of 16 tokens of a staged tile on tensor cores, tokens [first, first + 16 CH), for the warp's
+// m16 tile of query heads. S = q K^T by m16n8k16 (rows: query heads; n-tiles of 8 tokens), all chunks
+// first, so their mma chains overlap; one online-softmax step over them on the quad of lanes that holds a
+// row (query head lane/4, and lane/4 + 8 with UPPER; tokens 2*(lane%4) + {0, 1} of each n-tile); then
+// o += P V with P taken from S's registers (the C layout of two n-tiles is the A layout of one k-step).
+// Rows are HEAD_DIM elements; 16-byte chunk x of row r is stored at x ^ (r % 8). sk, sv: shared-space
+// addresses of the tile's K and V; live: tokens that exist; qa[kk]: q's A fragment (a0..a3) of k-step kk.
+template <typename T, int HEAD_DIM, bool MASK, bool UPPER, int CH>
 __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, int first, int lane,
                                             const unsigned (&qa)[HEAD_DIM / 16][4], float (&o)[HEAD_DIM / 8][4],
                                             float (&m_row)[2], float (&l_row)[2]) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     constexpr unsigned ROW_BYTES = HEAD_DIM * sizeof(T);
-    const int quad_col = lane % 4;
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float sc[2 * CH][4];
+#pragma unroll
+    for (int j = 0; j < 2 * CH; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
     {
         // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, dims +8 for odd i
-        const int tok = first + (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+        const int row = (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            unsigned b[4];
-            ldmatrix_x4(b, sk + tok * ROW_BYTES + (((2 * kk + upper) ^ (tok % 8)) << 4));
-            mma_16816<T>(sc[0], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-            mma_16816<T>(sc[1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                const int tok = first + 16 * c + row;
+                unsigned b[4];
+                ldmatrix_x4(b, sk + tok * ROW_BYTES + (((2 * kk + upper) ^ (tok % 8)) << 4));
+                mma_16816<T>(sc[2 * c], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                mma_16816<T>(sc[2 * c + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+            }
         }
     }
-    float p[2][4];
-    softmax_mma<HEAD_DIM, MASK, UPPER>(sc, live, first, quad_col, o, m_row, l_row, p);
-    unsigned pa[4];
-    pack_p<T, UPPER>(p, pa);
+    softmax_mma<HEAD_DIM, MASK, UPPER, 2 * CH>(sc, live, first, lane % 4, o, m_row, l_row);
     // ldmatrix.x4.trans: matrix i covers tokens +8 for odd i, the next chunk of dims for i >= 2
-    const int tok = first + (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
+    const int row = (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; c += 2) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, sv + tok * ROW_BYTES + (((c + next) ^ (tok % 8)) << 4));
-        mma_16816<T>(o[c], pa[0], pa[1], pa[2], pa[3], b[0], b[1]);
-        mma_16816<T>(o[c + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
+    for (int c = 0; c < CH; ++c) {
+        unsigned pa[4];
+        pack_p<T, UPPER>(sc[2 * c], sc[2 * c + 1], pa);
+        const int tok = first + 16 * c + row;
+#pragma unroll
+        for (int x = 0; x < CHUNKS; x += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, sv + tok * ROW_BYTES + (((x + next) ^ (tok % 8)) << 4));
+            mma_16816<T>(o[x], pa[0], pa[1], pa[2], pa[3], b[0], b[1]);
+            mma_16816<T>(o[x + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
+        }
     }
 }
 
@@ -291,54 +298,63 @@ template <> __device__ __forceinline__ void load_shared<2>(unsigned (&w)[2], uns
 // q's A fragments are loaded with the same permutation (the dot product does not depend on the order).
 // o += P V: lane (r = l/4, c = l%4) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16 (P's k order),
 // bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each, and pairs the two tokens of each dim with a byte
-// permute: column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes. Tokens, rows
-// and UPPER as for consume_mma.
-template <int HEAD_DIM, bool MASK, bool UPPER>
+// permute: column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes. Chunks,
+// tokens, rows and UPPER as for consume_mma.
+template <int HEAD_DIM, bool MASK, bool UPPER, int CH>
 __device__ __forceinline__ void consume_mma_fp8(unsigned sk, unsigned sv, int live, int first, int lane,
                                                 const unsigned (&qa)[HEAD_DIM / 16][4], float (&o)[HEAD_DIM / 8][4],
                                                 float (&m_row)[2], float (&l_row)[2]) {
     constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
     const int quad_col = lane % 4;
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float sc[2 * CH][4];
+#pragma unroll
+    for (int j = 0; j < 2 * CH; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
     {
         // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, the next chunk
         // (k-step) for odd i
-        const int tok = first + (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+        const int row = (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
 #pragma unroll
         for (int kk = 0; kk < ROW_CHUNKS; kk += 2) {
-            unsigned b[4];
-            ldmatrix_x4(b, sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4));
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {  // b[i]: n-tile i / 2, k-step kk + i % 2
-                const unsigned (&a)[4] = qa[kk + i % 2];
-                mma_16816<__half>(sc[i / 2], a[0], a[1], a[2], a[3], e4m3x2_to_half2(b[i] & 0xffffu),
-                                  e4m3x2_to_half2(b[i] >> 16));
+            for (int c = 0; c < CH; ++c) {
+                const int tok = first + 16 * c + row;
+                unsigned b[4];
+                ldmatrix_x4(b, sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // b[i]: n-tile i / 2, k-step kk + i % 2
+                    const unsigned (&a)[4] = qa[kk + i % 2];
+                    mma_16816<__half>(sc[2 * c + i / 2], a[0], a[1], a[2], a[3], e4m3x2_to_half2(b[i] & 0xffffu),
+                                      e4m3x2_to_half2(b[i] >> 16));
+                }
             }
         }
     }
-    float p[2][4];
-    softmax_mma<HEAD_DIM, MASK, UPPER>(sc, live, first, quad_col, o, m_row, l_row, p);
-    unsigned pa[4];
-    pack_p<__half, UPPER>(p, pa);
-    unsigned w[4][WORDS];  // tokens 2c, 2c+1, 2c+8, 2c+9
+    softmax_mma<HEAD_DIM, MASK, UPPER, 2 * CH>(sc, live, first, quad_col, o, m_row, l_row);
     const int byte = (lane / 4) * LANE_BYTES;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const int tok = first + 2 * quad_col + (t & 1) + 8 * (t >> 1);
-        load_shared<WORDS>(w[t], sv + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, tok) << 4) + byte % 16);
-    }
+    for (int c = 0; c < CH; ++c) {
+        unsigned pa[4];
+        pack_p<__half, UPPER>(sc[2 * c], sc[2 * c + 1], pa);
+        unsigned w[4][WORDS];  // tokens 2c, 2c+1, 2c+8, 2c+9 of the chunk
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: n-tiles j and j + 1
-            const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
-            const unsigned lo = __byte_perm(w[0][i], w[1][i], select), hi = __byte_perm(w[2][i], w[3][i], select);
-            const int j = 4 * i + 2 * h;
-            mma_16816<__half>(o[j], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo & 0xffffu),
-                              e4m3x2_to_half2(hi & 0xffffu));
-            mma_16816<__half>(o[j + 1], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo >> 16),
-                              e4m3x2_to_half2(hi >> 16));
+        for (int t = 0; t < 4; ++t) {
+            const int tok = first + 16 * c + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+            load_shared<WORDS>(w[t], sv + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, tok) << 4) + byte % 16);
         }
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: n-tiles j and j + 1
+                const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
+                const unsigned lo = __byte_perm(w[0][i], w[1][i], select);
+                const unsigned hi = __byte_perm(w[2][i], w[3][i], select);
+                const int j = 4 * i + 2 * h;
+                mma_16816<__half>(o[j], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo & 0xffffu),
+                                  e4m3x2_to_half2(hi & 0xffffu));
+                mma_16816<__half>(o[j + 1], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo >> 16),
+                                  e4m3x2_to_half2(hi >> 16));
+            }
+    }
 }
 
 // Add to a device-wide count with acquire-release semantics: writes before it (this
@@ -711,17 +727,20 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         if constexpr (MMA) {
             const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(KV);
             const int wl = tid % 32;
+            const unsigned sv = sk + V_SMEM;
+            // The warp's part of the tile: M_TILES chunks of 16 tokens, consumed CH at a time (four chunks'
+            // scores at once spill at head_dim 128).
+            constexpr int CH = M_TILES > 2 ? 2 : M_TILES;
             const bool full = is_full(tile);
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i) {  // the warp's part of the tile: M_TILES chunks of 16 tokens
-                const int first = 16 * (part * M_TILES + i);
-                const unsigned sv = sk + V_SMEM;
+            for (int i = 0; i < M_TILES / CH; ++i) {
+                const int first = 16 * (M_TILES * part + CH * i);
                 if constexpr (FP8) {
-                    if (full) consume_mma_fp8<HEAD_DIM, false, UPPER>(sk, sv, live, first, wl, qa, o, m_row, l_row);
-                    else consume_mma_fp8<HEAD_DIM, true, UPPER>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    if (full) consume_mma_fp8<HEAD_DIM, false, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    else consume_mma_fp8<HEAD_DIM, true, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
                 } else {
-                    if (full) consume_mma<T, HEAD_DIM, false, UPPER>(sk, sv, live, first, wl, qa, o, m_row, l_row);
-                    else consume_mma<T, HEAD_DIM, true, UPPER>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    if (full) consume_mma<T, HEAD_DIM, false, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    else consume_mma<T, HEAD_DIM, true, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
                 }
             }
         } else {

@@ -82,7 +82,8 @@ def run(cp, timer, case, repeats, stream_bw):
         table, lens = cp.asarray(table_host), cp.asarray(lens_host)
         slots = cp.asarray(new_token_slots(table_host, lens_host))
         hints = dict(max_seq_len=int(lens_host.max()), mean_seq_len=float(lens_host.mean()))
-        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device().synchronize()  # the uploads and fills above ran on the legacy stream: done before
+        stream = cp.cuda.Stream(non_blocking=True)  # a non-blocking stream, which does not wait for it, reads them
         with stream:
             plan = attention.DecodePlan(q[0], planes[0][0], table, lens, validate=False, **hints)
             writer = kernels.WritePlan(new[0, 0], planes[0][0], slots, validate=False)
