@@ -28,6 +28,24 @@ template <typename X, X VALUE> struct integral_constant { static constexpr X val
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
 
+// Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream serialization
+// (pagedrt/kernels/launch.py) may start while the kernel before it on the stream still runs.
+// grid_dependency_wait() returns once that kernel has completed and its writes are visible, at once
+// when the kernel was launched normally; a kernel calls it before it touches global memory.
+// launch_dependents() lets the next such kernel start its thread blocks (they run up to their own
+// wait); a grid that never calls it lets them start as it completes. Below sm_90: nothing.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n");
+#endif
+}
+
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec16 { static constexpr int kElems = 16 / sizeof(T); };
 

@@ -24,6 +24,15 @@
 // of a tile on tensor cores instead of dot_scores/accumulate, over a shared-memory
 // layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared. A tile
 // is 16 tokens per warp: 64 with THREADS = 128, 32 with the short geometry's 64.
+// The group's query heads are the rows of m16 tiles: up to 16 heads fill one (8 or
+// fewer leave its upper half zero, and the kernel skips that half's softmax); wider
+// groups take M_TILES = 2 or 4 of them (padded with zero rows), each held by
+// warps / M_TILES warps, and a warp then consumes M_TILES chunks of 16 tokens a tile,
+// so every K/V byte is still read from HBM once, for all the group's heads.
+//
+// GROUP_CHUNKS (CUDA cores, groups wider than their registers take): the group is cut
+// into chunks of GROUP heads, one thread block each (blockIdx.x = KV head x chunk); the
+// chunks of a KV head read the same K/V, one after another from L2.
 //
 // decode_fp8: the MMA path over float8 e4m3 K/V (half the bytes of fp16) with float32 scales
 // per KV head: consume_mma_fp8 converts K and V to f16 in registers (cvt.rn.f16x2.e4m3x2, exact)
@@ -39,6 +48,13 @@
 //
 // Block ids: IDS_WINDOW table entries at a time are staged in shared memory
 // after the pipeline's stages, read by the whole thread block with coalesced loads.
+//
+// Programmatic dependent launch (PDL, pagedrt/kernels/launch.py): every thread block waits for the
+// kernel before it on the stream (grid_dependency_wait) before any global access, since that kernel
+// may have written what it reads (the layer's K/V write) or still use what it writes (the previous
+// layer's attention, over the same split workspace): it is the block's first statement. A block lets
+// the next kernel start once its tiles are consumed (launch_dependents), so the next kernel's blocks
+// take the SMs this grid's tail leaves idle. Launched normally, both are no-ops.
 //
 // Split-K: with a partial-output workspace (part_o != nullptr) a block writes
 // its unnormalised output, m and l for its segment and counts itself in; the
@@ -76,7 +92,6 @@ struct DecodeShape {
     static constexpr bool kEvenCopies = (TILE * kRowVecs) % kThreads == 0;
     static constexpr int kTileElems = TILE * HEAD_DIM;
     static constexpr int kSmemBytes = STAGES * 2 * kTileElems * (int)sizeof(T);
-    static constexpr int kReduceFloats = kLaneGroups * GROUP * (HEAD_DIM + 2);
 
     static_assert(HEAD_DIM % kVec == 0, "head_dim must be a whole number of 16-byte vectors");
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two <= 32");
@@ -84,7 +99,6 @@ struct DecodeShape {
     static_assert(TILE % kLaneGroups == 0, "TILE must be a multiple of the lane groups");
     static_assert(kTokensPerGroup % kStep == 0, "STEP must divide the tokens per lane group");
     static_assert(STAGES >= 2, "the pipeline needs at least two stages");
-    static_assert(kReduceFloats * 4 <= kSmemBytes, "the final merge reuses the pipeline's shared memory");
     static_assert(IDS_WINDOW >= (STAGES + 1) * (TILE / 8 + 1), "the staged ids cover the prologue's tiles");
     static_assert(IDS_WINDOW % kThreads == 0, "each thread stages the same number of ids");
 };
@@ -156,81 +170,113 @@ __device__ __forceinline__ void accumulate(const T* tile, int first, int lane, c
     }
 }
 
-// The online softmax of one warp's 16 scores a row (sc: S's C fragments of two 8-token n-tiles;
-// tokens first + 8j + 2*quad_col + e) on the quad of lanes that holds the row: running max m_row
-// (rescaling o and l_row when it grows by more than 2^kRescaleLog2) and sum l_row; p: the weights.
-template <int HEAD_DIM, bool MASK>
-__device__ __forceinline__ void softmax_mma(float (&sc)[2][4], int live, int first, int quad_col,
-                                            float (&o)[HEAD_DIM / 8][4], float& m_row, float& l_row,
-                                            float (&p)[2][2]) {
-    constexpr int CHUNKS = HEAD_DIM / 8;
-    float top = neg_inf();
+// The online softmax of one warp's scores, NT n-tiles of 8 tokens (sc: S's C fragments; tokens
+// first + 8j + 2*quad_col + e), on the quad of lanes that holds a row: running max m_row (rescaling o
+// and l_row when it grows by more than 2^kRescaleLog2) and sum l_row; sc becomes the weights P.
+// A lane holds row quad_row (C elements 0, 1) and, with UPPER, row quad_row + 8 (elements 2, 3): state
+// [0] and [1]. Without UPPER the upper rows are padding, and neither their state nor their P is kept.
+template <int HEAD_DIM, bool MASK, bool UPPER, int NT>
+__device__ __forceinline__ void softmax_mma(float (&sc)[NT][4], int live, int first, int quad_col,
+                                            float (&o)[HEAD_DIM / 8][4], float (&m_row)[2], float (&l_row)[2]) {
+    constexpr int CHUNKS = HEAD_DIM / 8, HALVES = UPPER ? 2 : 1;
+    float top[2] = {neg_inf(), neg_inf()};
+    bool grow = false;
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int h = 0; h < HALVES; ++h) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            if (MASK && first + 8 * j + 2 * quad_col + e >= live) sc[j][e] = neg_inf();
-            top = fmaxf(top, sc[j][e]);
-        }
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-    if (__any_sync(0xffffffffu, top > m_row + kRescaleLog2)) {  // rare after the first tokens
-        const bool up = top > m_row + kRescaleLog2;
-        const float alpha = up ? exp2f(m_row - top) : 1.f;  // m = -inf: 0
-        m_row = up ? top : m_row;
-        l_row *= alpha;
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) {
-            o[j][0] *= alpha;
-            o[j][1] *= alpha;
+            for (int e = 0; e < 2; ++e) {
+                if (MASK && first + 8 * j + 2 * quad_col + e >= live) sc[j][2 * h + e] = neg_inf();
+                top[h] = fmaxf(top[h], sc[j][2 * h + e]);
+            }
+        top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
+        top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
+        grow |= top[h] > m_row[h] + kRescaleLog2;
+    }
+    if (__any_sync(0xffffffffu, grow)) {  // rare after the first tokens
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            const bool up = top[h] > m_row[h] + kRescaleLog2;
+            const float alpha = up ? exp2f(m_row[h] - top[h]) : 1.f;  // m = -inf: 0
+            m_row[h] = up ? top[h] : m_row[h];
+            l_row[h] *= alpha;
+#pragma unroll
+            for (int j = 0; j < CHUNKS; ++j) {
+                o[j][2 * h] *= alpha;
+                o[j][2 * h + 1] *= alpha;
+            }
         }
     }
-    const float shift = m_row == neg_inf() ? 0.f : m_row;
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int h = 0; h < HALVES; ++h) {
+        const float shift = m_row[h] == neg_inf() ? 0.f : m_row[h];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            p[j][e] = exp2f(sc[j][e] - shift);
-            l_row += p[j][e];
-        }
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                sc[j][2 * h + e] = exp2f(sc[j][2 * h + e] - shift);
+                l_row[h] += sc[j][2 * h + e];
+            }
+    }
 }
 
-// One staged tile on tensor cores: warp w takes tokens [16w, 16w + 16). S = q K^T by
-// m16n8k16 (rows: query heads, padded to 16; two n-tiles of 8 tokens), the online softmax on
-// the quad of lanes that holds a row (query head lane/4, tokens 2*(lane%4) + {0, 1} of each
-// n-tile), then o += P V with P taken from S's registers (the C layout of two n-tiles is the
-// A layout of one k-step). Rows are HEAD_DIM elements; 16-byte chunk x of row r is stored at
-// x ^ (r % 8). sk, sv: shared-space addresses of the tile's K and V; live: tokens that exist.
-template <typename T, int HEAD_DIM, bool MASK>
-__device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, int warp, int lane,
-                                            const unsigned (&qa)[HEAD_DIM / 16][2], float (&o)[HEAD_DIM / 8][4],
-                                            float& m_row, float& l_row) {
+// P of 16 tokens (n-tiles p0, p1) as the A operand of o += P V: a0, a1, a2, a3 (rows r, r + 8 of tokens
+// 0-7, then of tokens 8-15), from S's C layout; without UPPER the upper rows are zero.
+template <typename T, bool UPPER>
+__device__ __forceinline__ void pack_p(const float (&p0)[4], const float (&p1)[4], unsigned (&pa)[4]) {
+    pa[0] = pack2<T>(p0[0], p0[1]);
+    pa[1] = UPPER ? pack2<T>(p0[2], p0[3]) : 0u;
+    pa[2] = pack2<T>(p1[0], p1[1]);
+    pa[3] = UPPER ? pack2<T>(p1[2], p1[3]) : 0u;
+}
+
+// CH chunks of 16 tokens of a staged tile on tensor cores, tokens [first, first + 16 CH), for the warp's
+// m16 tile of query heads. S = q K^T by m16n8k16 (rows: query heads; n-tiles of 8 tokens), all chunks
+// first, so their mma chains overlap; one online-softmax step over them on the quad of lanes that holds a
+// row (query head lane/4, and lane/4 + 8 with UPPER; tokens 2*(lane%4) + {0, 1} of each n-tile); then
+// o += P V with P taken from S's registers (the C layout of two n-tiles is the A layout of one k-step).
+// Rows are HEAD_DIM elements; 16-byte chunk x of row r is stored at x ^ (r % 8). sk, sv: shared-space
+// addresses of the tile's K and V; live: tokens that exist; qa[kk]: q's A fragment (a0..a3) of k-step kk.
+template <typename T, int HEAD_DIM, bool MASK, bool UPPER, int CH>
+__device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, int first, int lane,
+                                            const unsigned (&qa)[HEAD_DIM / 16][4], float (&o)[HEAD_DIM / 8][4],
+                                            float (&m_row)[2], float (&l_row)[2]) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     constexpr unsigned ROW_BYTES = HEAD_DIM * sizeof(T);
-    const int first = warp * 16, quad_col = lane % 4;
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float sc[2 * CH][4];
+#pragma unroll
+    for (int j = 0; j < 2 * CH; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
     {
         // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, dims +8 for odd i
-        const int tok = first + (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+        const int row = (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            unsigned b[4];
-            ldmatrix_x4(b, sk + tok * ROW_BYTES + (((2 * kk + upper) ^ (tok % 8)) << 4));
-            mma_16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
-            mma_16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+#pragma unroll
+            for (int c = 0; c < CH; ++c) {
+                const int tok = first + 16 * c + row;
+                unsigned b[4];
+                ldmatrix_x4(b, sk + tok * ROW_BYTES + (((2 * kk + upper) ^ (tok % 8)) << 4));
+                mma_16816<T>(sc[2 * c], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                mma_16816<T>(sc[2 * c + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+            }
         }
     }
-    float p[2][2];
-    softmax_mma<HEAD_DIM, MASK>(sc, live, first, quad_col, o, m_row, l_row, p);
-    const unsigned p0 = pack2<T>(p[0][0], p[0][1]), p1 = pack2<T>(p[1][0], p[1][1]);
+    softmax_mma<HEAD_DIM, MASK, UPPER, 2 * CH>(sc, live, first, lane % 4, o, m_row, l_row);
     // ldmatrix.x4.trans: matrix i covers tokens +8 for odd i, the next chunk of dims for i >= 2
-    const int tok = first + (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
+    const int row = (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; c += 2) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, sv + tok * ROW_BYTES + (((c + next) ^ (tok % 8)) << 4));
-        mma_16816<T>(o[c], p0, 0u, p1, 0u, b[0], b[1]);
-        mma_16816<T>(o[c + 1], p0, 0u, p1, 0u, b[2], b[3]);
+    for (int c = 0; c < CH; ++c) {
+        unsigned pa[4];
+        pack_p<T, UPPER>(sc[2 * c], sc[2 * c + 1], pa);
+        const int tok = first + 16 * c + row;
+#pragma unroll
+        for (int x = 0; x < CHUNKS; x += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, sv + tok * ROW_BYTES + (((x + next) ^ (tok % 8)) << 4));
+            mma_16816<T>(o[x], pa[0], pa[1], pa[2], pa[3], b[0], b[1]);
+            mma_16816<T>(o[x + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
+        }
     }
 }
 
@@ -252,48 +298,63 @@ template <> __device__ __forceinline__ void load_shared<2>(unsigned (&w)[2], uns
 // q's A fragments are loaded with the same permutation (the dot product does not depend on the order).
 // o += P V: lane (r = l/4, c = l%4) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16 (P's k order),
 // bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each, and pairs the two tokens of each dim with a byte
-// permute: column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes.
-template <int HEAD_DIM, bool MASK>
-__device__ __forceinline__ void consume_mma_fp8(unsigned sk, unsigned sv, int live, int warp, int lane,
-                                                const unsigned (&qa)[HEAD_DIM / 16][2], float (&o)[HEAD_DIM / 8][4],
-                                                float& m_row, float& l_row) {
+// permute: column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes. Chunks,
+// tokens, rows and UPPER as for consume_mma.
+template <int HEAD_DIM, bool MASK, bool UPPER, int CH>
+__device__ __forceinline__ void consume_mma_fp8(unsigned sk, unsigned sv, int live, int first, int lane,
+                                                const unsigned (&qa)[HEAD_DIM / 16][4], float (&o)[HEAD_DIM / 8][4],
+                                                float (&m_row)[2], float (&l_row)[2]) {
     constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
-    const int first = warp * 16, quad_col = lane % 4;
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int quad_col = lane % 4;
+    float sc[2 * CH][4];
+#pragma unroll
+    for (int j = 0; j < 2 * CH; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
     {
         // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, the next chunk
         // (k-step) for odd i
-        const int tok = first + (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+        const int row = (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
 #pragma unroll
         for (int kk = 0; kk < ROW_CHUNKS; kk += 2) {
-            unsigned b[4];
-            ldmatrix_x4(b, sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4));
 #pragma unroll
-            for (int i = 0; i < 4; ++i)  // b[i]: n-tile i / 2, k-step kk + i % 2
-                mma_16816<__half>(sc[i / 2], qa[kk + i % 2][0], 0u, qa[kk + i % 2][1], 0u,
-                                  e4m3x2_to_half2(b[i] & 0xffffu), e4m3x2_to_half2(b[i] >> 16));
+            for (int c = 0; c < CH; ++c) {
+                const int tok = first + 16 * c + row;
+                unsigned b[4];
+                ldmatrix_x4(b, sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // b[i]: n-tile i / 2, k-step kk + i % 2
+                    const unsigned (&a)[4] = qa[kk + i % 2];
+                    mma_16816<__half>(sc[2 * c + i / 2], a[0], a[1], a[2], a[3], e4m3x2_to_half2(b[i] & 0xffffu),
+                                      e4m3x2_to_half2(b[i] >> 16));
+                }
+            }
         }
     }
-    float p[2][2];
-    softmax_mma<HEAD_DIM, MASK>(sc, live, first, quad_col, o, m_row, l_row, p);
-    const unsigned p0 = pack2<__half>(p[0][0], p[0][1]), p1 = pack2<__half>(p[1][0], p[1][1]);
-    unsigned w[4][WORDS];  // tokens 2c, 2c+1, 2c+8, 2c+9
+    softmax_mma<HEAD_DIM, MASK, UPPER, 2 * CH>(sc, live, first, quad_col, o, m_row, l_row);
     const int byte = (lane / 4) * LANE_BYTES;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const int tok = first + 2 * quad_col + (t & 1) + 8 * (t >> 1);
-        load_shared<WORDS>(w[t], sv + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, tok) << 4) + byte % 16);
-    }
+    for (int c = 0; c < CH; ++c) {
+        unsigned pa[4];
+        pack_p<__half, UPPER>(sc[2 * c], sc[2 * c + 1], pa);
+        unsigned w[4][WORDS];  // tokens 2c, 2c+1, 2c+8, 2c+9 of the chunk
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: n-tiles j and j + 1
-            const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
-            const unsigned lo = __byte_perm(w[0][i], w[1][i], select), hi = __byte_perm(w[2][i], w[3][i], select);
-            const int j = 4 * i + 2 * h;
-            mma_16816<__half>(o[j], p0, 0u, p1, 0u, e4m3x2_to_half2(lo & 0xffffu), e4m3x2_to_half2(hi & 0xffffu));
-            mma_16816<__half>(o[j + 1], p0, 0u, p1, 0u, e4m3x2_to_half2(lo >> 16), e4m3x2_to_half2(hi >> 16));
+        for (int t = 0; t < 4; ++t) {
+            const int tok = first + 16 * c + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+            load_shared<WORDS>(w[t], sv + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, tok) << 4) + byte % 16);
         }
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: n-tiles j and j + 1
+                const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
+                const unsigned lo = __byte_perm(w[0][i], w[1][i], select);
+                const unsigned hi = __byte_perm(w[2][i], w[3][i], select);
+                const int j = 4 * i + 2 * h;
+                mma_16816<__half>(o[j], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo & 0xffffu),
+                                  e4m3x2_to_half2(hi & 0xffffu));
+                mma_16816<__half>(o[j + 1], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo >> 16),
+                                  e4m3x2_to_half2(hi >> 16));
+            }
+    }
 }
 
 // Add to a device-wide count with acquire-release semantics: writes before it (this
@@ -367,16 +428,18 @@ __device__ __forceinline__ void arrive_and_merge(const float* part_o, const floa
     }
 }
 
-// q, out:       [batch, num_kv_heads * GROUP, HEAD_DIM], contiguous ([tokens, ...] when INDEXED)
+// q, out:       [batch, q_heads, HEAD_DIM], contiguous ([tokens, ...] when INDEXED); q_heads is
+//               num_kv_heads * GROUP * group_chunks
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at b*block_stride + (h*BLOCK_SIZE + s)*HEAD_DIM + d
 // block_tables: [batch, >= max_blocks] int32 with row stride table_stride (unused when !PAGED)
 // seq_lens:     [batch] int32, clamped to [0, max_blocks*BLOCK_SIZE]
-// grid:         (num_kv_heads, batch, num_splits); segment `split` covers tokens
-//               [split*segment_tokens, (split+1)*segment_tokens), the last one up to the end;
-//               segment_tokens is a multiple of TILE
+// grid:         (num_kv_heads * group_chunks, batch, num_splits); blockIdx.x = KV head x
+//               group_chunks + chunk, query heads [blockIdx.x * GROUP, + GROUP); segment `split`
+//               covers tokens [split*segment_tokens, (split+1)*segment_tokens), the last one up to
+//               the end; segment_tokens is a multiple of TILE
 // part_o, part_ml, arrivals: nullptr (write out) or the split workspace
 //               [batch*q_heads, num_splits, HEAD_DIM] floats, [batch*q_heads, num_splits] (m, l)
-//               and [batch*num_kv_heads] int32 arrival counts, zero before the launch (and after it:
+//               and [batch*gridDim.x] int32 arrival counts, zero before the launch (and after it:
 //               the merging block resets its count)
 // rows:         INDEXED only (a mixed step's decode rows): [batch] of (table row, query token); item
 //               blockIdx.y reads block_tables and seq_lens at the first and q and out at the second.
@@ -388,7 +451,7 @@ template <typename T, typename KV, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool
 __device__ __forceinline__ void
 decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v, long long block_stride,
             const int* __restrict__ block_tables, long long table_stride, int max_blocks,
-            const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+            const int* __restrict__ seq_lens, float scale_log2, int segment_tokens, int group_chunks,
             T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
             const int2* __restrict__ rows, const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
     using S = DecodeShape<KV, HEAD_DIM, GROUP, THREADS, LANES, TILE, STAGES, IDS_WINDOW>;
@@ -396,6 +459,16 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
     constexpr bool FP8 = !same_type<KV, T>::value;
     static_assert(!FP8 || (MMA && same_type<KV, e4m3>::value), "FP8 K/V runs on tensor cores only");
+    // MMA: m16 tiles of query heads, the upper half of a tile in use, and the warps sharing a tile
+    // (each holds a part of the tile's tokens: PARTS states a head to merge at the end).
+    constexpr int WARPS = THREADS / 32, M_TILES = !MMA || GROUP <= 16 ? 1 : GROUP <= 32 ? 2 : 4;
+    constexpr bool UPPER = MMA && GROUP > 8;
+    constexpr int PARTS = MMA ? WARPS / M_TILES : LG;
+    static_assert(!MMA || (GROUP <= 64 && WARPS % M_TILES == 0), "MMA: whole warps per m16 tile of heads");
+    static_assert(MMA || GROUP <= 8, "CUDA cores: at most 8 heads a thread block (wider groups come in chunks)");
+    static_assert(PARTS * GROUP * (HEAD_DIM + 2) * 4 <= S::kSmemBytes,
+                  "the final merge reuses the pipeline's shared memory");
+    grid_dependency_wait();  // before any global access (PDL, above)
 
     // 128-byte aligned: stages 16 bytes off a 128-byte boundary (what a static __shared__
     // variable placed before them does) made every case markedly slower (docs/KERNELS.md).
@@ -403,12 +476,13 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     KV* const smem_k = reinterpret_cast<KV*>(smem_raw);
     KV* const smem_v = smem_k + STAGES * S::kTileElems;
 
-    const int kv_head = blockIdx.x, item = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+    const int kv_head = MMA ? blockIdx.x : blockIdx.x / group_chunks;  // MMA: group_chunks is 1
+    const int item = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
     const int tid = threadIdx.x, lane = tid % LANES, lane_group = tid / LANES;
     const int2 pick = INDEXED ? __ldg(rows + item) : make_int2(item, item);  // (table row, query token)
     const int seq = pick.x;
-    const long long head_row = ((long long)item * gridDim.x + kv_head) * GROUP;  // query head g=0's split row
-    const long long q_row = INDEXED ? ((long long)pick.y * gridDim.x + kv_head) * GROUP : head_row;  // of q, out
+    const long long head_row = ((long long)item * gridDim.x + blockIdx.x) * GROUP;  // query head g=0's split row
+    const long long q_row = INDEXED ? ((long long)pick.y * gridDim.x + blockIdx.x) * GROUP : head_row;  // of q, out
 
     // Every load the start needs is issued before any of them is used (the length, the
     // first window of block ids, q), so their latencies overlap instead of adding up at
@@ -428,32 +502,31 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         first_ids[i] = PAGED && logical < id_limit ? __ldg(table_row + logical) : 0;
     }
 
-    float qf[GROUP][LV][V];
-    // MMA: q as the A operand of m16n8k16, rows = query heads (padded to 16 with zeros, and
-    // rows 8-15 never hold one: GROUP <= 8), pre-scaled; qa[kk] = a0, a2 of k-step kk.
+    constexpr int CORE = MMA ? 1 : GROUP;  // CUDA cores: heads held in registers (the MMA path holds none)
+    float qf[CORE][LV][V];
+    // MMA: q as the A operand of m16n8k16, rows = the query heads of the warp's m16 tile (padded
+    // with zeros past the group), pre-scaled; qa[kk] = a0..a3 of k-step kk (a1, a3: rows + 8).
     const int warp = tid / 32, quad_row = (tid % 32) / 4, quad_col = tid % 4;
-    unsigned qa[MMA ? HEAD_DIM / 16 : 1][2];
-    if constexpr (FP8) {  // the K scale joins q's pre-scale; dims permuted as consume_mma_fp8 reads K
-        scale_log2 *= __ldg(k_scales + kv_head);
-        const T* const row = q + (q_row + quad_row) * HEAD_DIM;
+    const int m_tile = warp / PARTS, part = warp % PARTS;  // MMA: the warp's heads and share of the tile
+    unsigned qa[MMA ? HEAD_DIM / 16 : 1][4];
+    if constexpr (MMA) {
+        if constexpr (FP8) scale_log2 *= __ldg(k_scales + kv_head);  // the K scale joins q's pre-scale
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        for (int r = 0; r < 2; ++r) {  // rows quad_row and quad_row + 8 of the m16 tile
+            const int head = 16 * m_tile + quad_row + 8 * r;
+            const T* const row = q + (q_row + head) * HEAD_DIM;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int d = 16 * kk + 4 * quad_col + 2 * h;
-                qa[kk][h] = quad_row < GROUP
-                                ? pack2<__half>(to_float(row[d]) * scale_log2, to_float(row[d + 1]) * scale_log2) : 0u;
-            }
-        }
-    } else if constexpr (MMA) {
-        const T* const row = q + (q_row + quad_row) * HEAD_DIM;
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int d = 16 * kk + 8 * h + 2 * quad_col;
-                qa[kk][h] = quad_row < GROUP
-                                ? pack2<T>(to_float(row[d]) * scale_log2, to_float(row[d + 1]) * scale_log2) : 0u;
+                for (int h = 0; h < 2; ++h) {  // FP8: dims permuted as consume_mma_fp8 reads K
+                    const int d = FP8 ? 16 * kk + 4 * quad_col + 2 * h : 16 * kk + 8 * h + 2 * quad_col;
+                    unsigned a = 0u;
+                    if ((UPPER || r == 0) && head < GROUP) {
+                        const float x0 = to_float(row[d]) * scale_log2, x1 = to_float(row[d + 1]) * scale_log2;
+                        a = FP8 ? pack2<__half>(x0, x1) : pack2<T>(x0, x1);
+                    }
+                    qa[kk][2 * h + r] = a;
+                }
             }
         }
     } else {
@@ -561,9 +634,9 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         else issue(tile, integral_constant<bool, false>());
     };
 
-    float m[GROUP], l[GROUP], acc[GROUP][LV][V];
+    float m[CORE], l[CORE], acc[CORE][LV][V];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
+    for (int g = 0; g < CORE; ++g) {
         m[g] = neg_inf();
         l[g] = 0.f;
 #pragma unroll
@@ -576,12 +649,12 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     // runs past the end (only the last one), so scores of missing tokens become -inf.
     auto consume = [&](const KV* sk, const KV* sv, int first, int live, auto mask) {
         constexpr bool MASK = decltype(mask)::value;
-        float s[STEP][GROUP];
-        dot_scores<KV, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sk, first, lane, qf, s);
-        float top[GROUP];
+        float s[STEP][CORE];
+        dot_scores<KV, HEAD_DIM, CORE, NV, LANES, LV, STEP, LG>(sk, first, lane, qf, s);
+        float top[CORE];
         bool grow = false;
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
+        for (int g = 0; g < CORE; ++g) {
             top[g] = neg_inf();
 #pragma unroll
             for (int u = 0; u < STEP; ++u) {
@@ -592,7 +665,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         }
         if (__any_sync(0xffffffffu, grow)) {  // warp-uniform, rare after the first tokens
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
+            for (int g = 0; g < CORE; ++g) {
                 const bool up = top[g] > m[g] + kRescaleLog2;
                 const float alpha = up ? exp2f(m[g] - top[g]) : 1.f;  // m = -inf: 0
                 m[g] = up ? top[g] : m[g];
@@ -604,7 +677,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
             }
         }
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
+        for (int g = 0; g < CORE; ++g) {
             const float shift = m[g] == neg_inf() ? 0.f : m[g];  // m = -inf only while every score is -inf
 #pragma unroll
             for (int u = 0; u < STEP; ++u) {
@@ -612,12 +685,13 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
                 l[g] += s[u][g];
             }
         }
-        accumulate<KV, HEAD_DIM, GROUP, NV, LANES, LV, STEP, LG>(sv, first, lane, s, acc);
+        accumulate<KV, HEAD_DIM, CORE, NV, LANES, LV, STEP, LG>(sv, first, lane, s, acc);
     };
 
-    // MMA: the state of row quad_row (its quad of lanes): output o (C fragments, 8 dims per
-    // n-tile), running max and this lane's part of the sum (see consume_mma).
-    float o[MMA ? HEAD_DIM / 8 : 1][4], m_row = neg_inf(), l_row = 0.f;
+    // MMA: the state of rows quad_row and quad_row + 8 of the warp's m16 tile (their quad of lanes):
+    // output o (C fragments, 8 dims per n-tile), running max and this lane's part of the sum, [0] and
+    // [1] (see consume_mma).
+    float o[MMA ? HEAD_DIM / 8 : 1][4], m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < (MMA ? HEAD_DIM / 8 : 1); ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
@@ -653,14 +727,21 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         if constexpr (MMA) {
             const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(KV);
             const int wl = tid % 32;
-            if constexpr (FP8) {
-                if (is_full(tile))
-                    consume_mma_fp8<HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
-                else consume_mma_fp8<HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
-            } else {
-                if (is_full(tile))
-                    consume_mma<T, HEAD_DIM, false>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
-                else consume_mma<T, HEAD_DIM, true>(sk, sk + V_SMEM, live, warp, wl, qa, o, m_row, l_row);
+            const unsigned sv = sk + V_SMEM;
+            // The warp's part of the tile: M_TILES chunks of 16 tokens, consumed CH at a time (four chunks'
+            // scores at once spill at head_dim 128).
+            constexpr int CH = M_TILES > 2 ? 2 : M_TILES;
+            const bool full = is_full(tile);
+#pragma unroll
+            for (int i = 0; i < M_TILES / CH; ++i) {
+                const int first = 16 * (M_TILES * part + CH * i);
+                if constexpr (FP8) {
+                    if (full) consume_mma_fp8<HEAD_DIM, false, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    else consume_mma_fp8<HEAD_DIM, true, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                } else {
+                    if (full) consume_mma<T, HEAD_DIM, false, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    else consume_mma<T, HEAD_DIM, true, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                }
             }
         } else {
             const KV* const sk = smem_k + (tile % STAGES) * S::kTileElems;
@@ -680,34 +761,43 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     // Merge the lane groups' states through shared memory (the pipeline's, now idle).
     cp_async_wait<0>();
     __syncthreads();
-    float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [LG][GROUP][HEAD_DIM]
-    float* const red_m = red_acc + LG * GROUP * HEAD_DIM;        // [LG][GROUP]
-    float* const red_l = red_m + LG * GROUP;                     // [LG][GROUP]
-    if constexpr (MMA) {  // a lane group is a warp; row quad_row's state is on its quad
-        static_assert(LG == THREADS / 32, "MMA: the merged lane groups are the warps (LANES = 32)");
-        static_assert(TILE == 16 * LG, "MMA: a warp per 16 tokens of a tile");
-        l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
-        l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-        if (quad_col == 0 && quad_row < GROUP) red_m[warp * GROUP + quad_row] = m_row;
+    launch_dependents();  // the tiles are consumed: the next kernel's blocks may take this SM's free space
+    float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [PARTS][GROUP][HEAD_DIM]
+    float* const red_m = red_acc + PARTS * GROUP * HEAD_DIM;     // [PARTS][GROUP]
+    float* const red_l = red_m + PARTS * GROUP;                  // [PARTS][GROUP]
+    if constexpr (MMA) {  // a lane group is a warp; a row's state is on its quad
+        static_assert(LG == WARPS, "MMA: the lane groups are the warps (LANES = 32)");
+        static_assert(TILE == 16 * WARPS, "MMA: 16 tokens of a tile per warp and m16 tile");
+        constexpr int HALVES = UPPER ? 2 : 1;
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            const int head = 16 * m_tile + quad_row + 8 * h;
+            l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 1);
+            l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 2);
+            if (quad_col == 0 && head < GROUP) red_m[part * GROUP + head] = m_row[h];
+        }
         __syncthreads();
-        if (quad_row < GROUP) {
-            float top = neg_inf();
-            for (int x = 0; x < LG; ++x) top = fmaxf(top, red_m[x * GROUP + quad_row]);
-            const float f = exp2f(m_row - (top == neg_inf() ? 0.f : top));
-            if (quad_col == 0) red_l[warp * GROUP + quad_row] = l_row * f;
-            if constexpr (FP8) {  // column n of n-tile j is dim n * HEAD_DIM / 8 + j (consume_mma_fp8)
-                float* const dst = red_acc + (warp * GROUP + quad_row) * HEAD_DIM + 2 * quad_col * (HEAD_DIM / 8);
 #pragma unroll
-                for (int j = 0; j < HEAD_DIM / 8; ++j) {
-                    dst[j] = o[j][0] * f;
-                    dst[HEAD_DIM / 8 + j] = o[j][1] * f;
-                }
-            } else {
-                float* const dst = red_acc + (warp * GROUP + quad_row) * HEAD_DIM + 2 * quad_col;
+        for (int h = 0; h < HALVES; ++h) {
+            const int head = 16 * m_tile + quad_row + 8 * h;
+            if (head < GROUP) {
+                float top = neg_inf();
+                for (int x = 0; x < PARTS; ++x) top = fmaxf(top, red_m[x * GROUP + head]);
+                const float f = exp2f(m_row[h] - (top == neg_inf() ? 0.f : top));
+                if (quad_col == 0) red_l[part * GROUP + head] = l_row[h] * f;
+                float* const dst = red_acc + (part * GROUP + head) * HEAD_DIM;
+                if constexpr (FP8) {  // column n of n-tile j is dim n * HEAD_DIM / 8 + j (consume_mma_fp8)
 #pragma unroll
-                for (int j = 0; j < HEAD_DIM / 8; ++j) {
-                    dst[8 * j] = o[j][0] * f;
-                    dst[8 * j + 1] = o[j][1] * f;
+                    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                        dst[2 * quad_col * (HEAD_DIM / 8) + j] = o[j][2 * h] * f;
+                        dst[(2 * quad_col + 1) * (HEAD_DIM / 8) + j] = o[j][2 * h + 1] * f;
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                        dst[8 * j + 2 * quad_col] = o[j][2 * h] * f;
+                        dst[8 * j + 2 * quad_col + 1] = o[j][2 * h + 1] * f;
+                    }
                 }
             }
         }
@@ -745,7 +835,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         float sum[OV], total = 0.f, top = neg_inf();
 #pragma unroll
         for (int e = 0; e < OV; ++e) sum[e] = 0.f;
-        for (int x = 0; x < LG; ++x) {
+        for (int x = 0; x < PARTS; ++x) {
             const float* const src = red_acc + (x * GROUP + g) * HEAD_DIM + d0;
 #pragma unroll
             for (int e = 0; e < OV; ++e) sum[e] += src[e];
@@ -781,12 +871,12 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PAGED, int T
 __global__ void __launch_bounds__(THREADS)
 decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
-       const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+       const int* __restrict__ seq_lens, float scale_log2, int segment_tokens, int group_chunks,
        T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
        const int2* __restrict__ rows) {
     decode_body<T, T, HEAD_DIM, BLOCK_SIZE, GROUP, PAGED, THREADS, LANES, TILE, STAGES, MMA, IDS_WINDOW, INDEXED>(
-        q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens, out,
-        part_o, part_ml, arrivals, rows, nullptr, nullptr);
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens,
+        group_chunks, out, part_o, part_ml, arrivals, rows, nullptr, nullptr);
 }
 
 // The paged kernel over float8 e4m3 K/V on tensor cores (q and out: __half or __nv_bfloat16); the arguments
@@ -796,12 +886,12 @@ template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int THREADS, int 
 __global__ void __launch_bounds__(THREADS, 2)
 decode_fp8(const T* __restrict__ q, const e4m3* __restrict__ k, const e4m3* __restrict__ v, long long block_stride,
            const int* __restrict__ block_tables, long long table_stride, int max_blocks,
-           const int* __restrict__ seq_lens, float scale_log2, int segment_tokens,
+           const int* __restrict__ seq_lens, float scale_log2, int segment_tokens, int group_chunks,
            T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
            const int2* __restrict__ rows, const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
     decode_body<T, e4m3, HEAD_DIM, BLOCK_SIZE, GROUP, true, THREADS, 32, TILE, STAGES, true, IDS_WINDOW, false>(
-        q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens, out,
-        part_o, part_ml, arrivals, rows, k_scales, v_scales);
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens,
+        group_chunks, out, part_o, part_ml, arrivals, rows, k_scales, v_scales);
 }
 
 }  // namespace pagedrt

@@ -6,6 +6,10 @@
 // slots:     [num_tokens] int64; a negative slot is padding and is skipped.
 // One thread per 16-byte vector of a (token, head) row, grid-stride.
 //
+// Launched programmatically (PDL), a write lets the next kernel (the layer's attention) start its
+// thread blocks at once, and waits for the kernel before it to finish before it reads k, v or the
+// slots and writes the planes: that kernel may have produced k and v, or read the planes.
+//
 // write_kv_fp8: the same into float8 e4m3 planes, each value divided by its KV head's scale
 // (k_scales, v_scales: float32 [num_kv_heads]) and rounded as float2_to_e4m3x2 says; one
 // thread per 16-byte vector of the planes (16 values, two 16-byte vectors of k and of v).
@@ -19,6 +23,8 @@ __global__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, T* __
                          long long num_tokens, int num_kv_heads) {
     constexpr int V = Vec16<T>::kElems, NV = HEAD_DIM / V;
     static_assert(HEAD_DIM % V == 0, "head_dim must be a whole number of 16-byte vectors");
+    launch_dependents();
+    grid_dependency_wait();
     const long long total = num_tokens * num_kv_heads * NV;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -58,6 +64,8 @@ __global__ void write_kv_fp8(const T* __restrict__ k, const T* __restrict__ v, e
                              const float* __restrict__ v_scales) {
     constexpr int NV = HEAD_DIM / 16;
     static_assert(HEAD_DIM % 16 == 0 && sizeof(T) == 2, "16 values of a 16-bit type make one stored vector");
+    launch_dependents();
+    grid_dependency_wait();
     const long long total = num_tokens * num_kv_heads * NV;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {

@@ -18,8 +18,7 @@ FP8_DTYPES = ("float16", "bfloat16")  # q and output dtypes over FP8 planes
 FP8_HEAD_DIMS = (64, 128)  # FP8 decode runs on tensor cores only (cuda_src/decode.cu: decode_fp8)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-GROUPS = tuple(range(1, 9))  # query heads per KV head
-PREFILL_GROUPS = tuple(range(1, 65))  # prefill packs a group's heads into its tile's rows, so any group fits
+GROUPS = tuple(range(1, 65))  # query heads per KV head (multi-query models reach 64): decode and prefill
 
 # The largest cache the bookkeeping can describe. Block ids, lengths and positions are
 # int32 in the tables kernels read; a sequence's length plus any count checked against

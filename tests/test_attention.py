@@ -243,6 +243,9 @@ def test_short_geometry_trades_registers_and_stages_for_resident_blocks():
     for cfg in configs.sweep():
         std, short = planner.geometry(cfg, "standard"), planner.geometry(cfg, "short")
         assert std.tile % short.tile == 0  # a plan's segments are whole tiles of either
+        if std.mma and cfg.group > planner.MMA_SHORT_GROUP:  # four m16 tiles of heads: two warps cannot hold them
+            assert short == std
+            continue
         assert short.smem_bytes < std.smem_bytes and short.mma == std.mma
         if std.mma:
             assert short.threads < std.threads and short.stages <= std.stages
@@ -272,18 +275,30 @@ def test_geometry_stages_one_tile_of_k_and_v(geometry_name):
 
 @pytest.mark.parametrize("geometry_name", planner.GEOMETRIES)
 def test_every_supported_config_meets_the_kernel_static_asserts(geometry_name):
-    """Mirror of DecodeShape's static_asserts for every configuration (the compile check builds a sweep)."""
+    """Mirror of DecodeShape's and decode_body's static_asserts for every configuration (the compile check
+    builds a sweep)."""
     for dtype in configs.CUDA_TYPES:
         for h in configs.HEAD_DIMS:
             for g in configs.GROUPS:
                 cfg = Config(dtype, h, 16, g)
                 geo = planner.geometry(cfg, geometry_name)
+                heads, chunks = planner.kernel_group(cfg)
+                assert heads * chunks == g
                 row_vecs = h * cfg.itemsize // 16
                 lane_groups = geo.threads // geo.lanes
+                pipeline = geo.stages * 2 * geo.tile * h * cfg.itemsize
                 assert geo.lanes & (geo.lanes - 1) == 0 and geo.lanes <= 32
                 assert -(-row_vecs // geo.lanes) <= 4
                 assert geo.tile % lane_groups == 0 and geo.stages >= 2
-                assert lane_groups * g * (h + 2) * 4 <= geo.smem_bytes <= 227 * 1024
+                if geo.mma:
+                    assert chunks == 1 and geo.lanes == 32 and geo.tile == 16 * lane_groups
+                    m_tiles = 1 if g <= 16 else 2 if g <= 32 else 4
+                    assert lane_groups % m_tiles == 0
+                    parts = lane_groups // m_tiles
+                else:
+                    assert heads <= planner.CORE_GROUP
+                    parts = lane_groups
+                assert parts * heads * (h + 2) * 4 <= pipeline <= geo.smem_bytes <= 227 * 1024
                 assert geo.ids_window >= (geo.stages + 1) * (geo.tile // 8 + 1)
                 assert geo.ids_window % geo.threads == 0
 
@@ -291,21 +306,24 @@ def test_every_supported_config_meets_the_kernel_static_asserts(geometry_name):
 def test_instances_name_every_swept_kernel_with_its_geometry():
     names = decode.instances()["decode.cu"]
     with_indexed = decode.instances(indexed=(False, True))["decode.cu"]
-    fp8 = len(configs.fp8_sweep()) * len(planner.GEOMETRIES)  # FP8: the plain paged kernel only
-    assert len(names) == 2 * len(configs.sweep()) * len(planner.GEOMETRIES) + fp8
-    assert len(with_indexed) == 3 * len(configs.sweep()) * len(planner.GEOMETRIES) + fp8  # no indexed contiguous twin
+    assert len(set(names)) == len(names) and set(names) < set(with_indexed)
+    expected = set()
     for cfg in configs.sweep():
-        for paged, indexed in ((True, False), (False, False), (True, True)):
+        for paged, indexed in ((True, False), (False, False), (True, True)):  # no indexed contiguous twin
             for geometry_name in planner.GEOMETRIES:
                 geo = planner.geometry(cfg, geometry_name)
                 name = decode.kernel_name(cfg, paged, geometry_name, indexed)
+                expected.add(name)
                 assert name in with_indexed and (indexed or name in names)
                 args = name[name.index("<") + 1:-1].split(", ")
-                assert args == [cfg.cuda_type, *map(str, (cfg.head_dim, cfg.block_size, cfg.group)),
+                heads = planner.kernel_group(cfg)[0]  # a wide group on CUDA cores: the chunk's heads
+                assert args == [cfg.cuda_type, *map(str, (cfg.head_dim, cfg.block_size, heads)),
                                 "true" if paged else "false", *map(str, (geo.threads, geo.lanes, geo.tile,
                                                                           geo.stages)),
                                 "true" if geo.mma else "false", str(geo.ids_window),
                                 "true" if indexed else "false"]
+    fp8 = {decode.kernel_name(c, True, g) for c in configs.fp8_sweep() for g in planner.GEOMETRIES}
+    assert set(with_indexed) == expected | fp8  # FP8: the plain paged kernel only
 
 
 # --- launcher checks ----------------------------------------------------------------------------
@@ -328,7 +346,7 @@ def decode_args(case, **over):
     (lambda c: dict(q=c.q.astype(np.float32)), LaunchArgumentError, "must match"),
     (lambda c: dict(q=c.q[:, :, :64].copy()), LaunchArgumentError, "head_dim"),
     (lambda c: dict(q=c.q[:, :7].copy()), LaunchArgumentError, "multiple"),
-    (lambda c: dict(q=np.concatenate([c.q, c.q, c.q], axis=1)), UnsupportedConfigError, "group"),
+    (lambda c: dict(q=np.concatenate([c.q] * 17, axis=1)), UnsupportedConfigError, "group"),  # 68 heads a KV head
     (lambda c: dict(k_cache=c.k[:, :, :, :64]), LaunchArgumentError, "C-contiguous inside a block"),
     (lambda c: dict(k_cache=c.k[..., None]), LaunchArgumentError, "4-D"),
     (lambda c: dict(k_cache=c.k[:, :0], v_cache=c.v[:, :0]), LaunchArgumentError, "empty dimension"),

@@ -10,11 +10,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pagedrt.bench import cases, harness, prefix, step
+from pagedrt.attention.planner import SplitPlan
+from pagedrt.bench import cases, harness, partition, prefix, step, step_layers
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("decode", "generate", "launch", "layers", "pool", "prefill", "prefix", "step", "swap")
+BENCHMARKS = ("decode", "generate", "launch", "layers", "partition", "pool", "prefill", "prefix", "step", "step_layers",
+              "swap")
 
 
 class FakeCuda:
@@ -59,6 +63,14 @@ def test_decode_cases_are_the_standard_ones():
     assert var.lengths == tuple(np.random.default_rng(0).integers(1, 8193, 64).tolist())
     assert var.lengths[:4] == (6969, 5218, 4188, 2211) and sum(var.lengths) == 267327
     assert (cases.Q_HEADS, cases.KV_HEADS, cases.HEAD_DIM, cases.BLOCK_SIZE) == (32, 8, 128, 16)
+
+
+def test_skew_is_a_heavy_tailed_case_beside_the_standard_ones():
+    skew = cases.BENCH_DECODE_CASES["skew"]
+    assert "skew" not in cases.DECODE_CASES and list(cases.BENCH_DECODE_CASES)[:-1] == list(cases.DECODE_CASES)
+    lognormal = np.random.default_rng(0).lognormal(np.log(2560), 1.0, 64).astype(np.int64)
+    assert skew.dtype == "float16" and skew.lengths == tuple(np.clip(lognormal, 1, 16384).tolist())
+    assert sum(skew.lengths) == 260819 and max(skew.lengths) == 16384  # var: 267,327 tokens
 
 
 def test_prefill_cases_are_the_standard_ones():
@@ -185,3 +197,43 @@ def test_the_benchmarks_sit_on_top():
         else:
             assert not [m for m, names in found if any(n.startswith("_") for n in names)], path
             assert "sys.path" not in path.read_text(), path
+
+
+# --- the split plan's partition, on the host -----------------------------------------------------------------
+
+@given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=6), num_splits=st.integers(1, 12),
+       segment=st.sampled_from([64, 128, 1024]))
+@settings(max_examples=60, deadline=None)
+def test_partition_segments_cover_every_token_once_as_the_plan_cuts_them(lens, num_splits, segment):
+    split = SplitPlan(num_splits, segment, "standard")
+    tokens = partition.segments(lens, split)
+    assert tokens.shape == (num_splits, len(lens), cases.KV_HEADS)
+    assert (tokens.sum(axis=0) == np.asarray(lens)[:, None]).all()
+    for b, length in enumerate(lens):
+        assert tokens[:, b, 0].tolist() == [end - begin for begin, end in split.segments(length)]
+
+
+def test_schedule_hands_blocks_in_order_to_the_first_free_slot():
+    ends, where = partition.schedule([3.0, 1.0, 1.0, 2.0], slots=2)
+    assert where.tolist() == [0, 1, 1, 1] and ends.tolist() == [3.0, 4.0]
+
+
+def test_partition_of_var_and_skew_on_the_h200():
+    var, skew = (partition.partition(cases.BENCH_DECODE_CASES[n]) for n in ("var", "skew"))
+    assert (var["num_splits"], var["segment_tokens"], var["geometry"]) == (8, 1024, "standard")
+    assert (skew["num_splits"], skew["segment_tokens"], skew["geometry"]) == (16, 1024, "standard")
+    assert var["live_blocks"] == 8 * sum(-(-n // 1024) for n in cases.DECODE_CASES["var"].lengths)
+    assert skew["grid_blocks"] == 64 * 8 * 16 and skew["resident_blocks"] == 264
+    forced = partition.partition(cases.BENCH_DECODE_CASES["skew"], num_splits=32)
+    assert forced["segment_tokens"] == 512 and forced["live_blocks"] > skew["live_blocks"]
+
+
+# --- the 32-layer step's pure parts ---------------------------------------------------------------------------
+
+def test_step_layers_writes_each_sequences_newest_token_and_counts_its_bytes():
+    table = np.array([[7, 3, -1], [5, -1, -1]], np.int32)
+    slots = step_layers.new_token_slots(table, [17, 16])  # positions 16 (block 1, slot 0) and 15 (block 0, 15)
+    assert slots.tolist() == [3 * 16, 5 * 16 + 15] and slots.dtype == np.int64
+    per_token = cases.KV_HEADS * cases.HEAD_DIM * 2
+    assert step_layers.step_bytes([17, 16], 2, 2) == 2 * 33 * per_token + 2 * 2 * 32 * 128 * 2 + 4 * 2 * per_token
+    assert "skew" in step_layers.CASES and "big-bf16" not in step_layers.CASES

@@ -137,29 +137,29 @@ PLACEMENTS = {  # (prefix, new) per sequence: a mixed step's decode rows (one ne
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("group", [1, 4, 8, 9, 40])
-def test_the_decode_kernel_takes_the_one_token_rows_when_it_takes_the_group(placement, group):
+def test_the_decode_kernel_takes_the_one_token_rows_at_every_group(placement, group):
     spec = PLACEMENTS[placement]
     case = case_of(Config("float16", 64, 16, group), spec, kv_heads=1, seed=group)
     plan = PrefillPlan(case.q, case.k, case.table, case.lens, case.qo_indptr, query_lens=case.query_lens)
     ones = [b for b, (_, n) in enumerate(spec) if n == 1]
     assert plan.decode_rows.dtype == np.int64
-    assert plan.decode_rows.tolist() == (ones if group <= 8 else [])
-    assert planner.decode_rows(case.query_lens, group).tolist() == plan.decode_rows.tolist()
+    assert plan.decode_rows.tolist() == ones
+    assert planner.decode_rows(case.query_lens).tolist() == plan.decode_rows.tolist()
     out = plan.run(case.q, case.k, case.v)
     assert np.array_equal(out, reference.prefill(case.q, case.k, case.v, case.table, case.lens, case.qo_indptr))
 
 
 def test_decode_rows_fill_at_most_one_grid_dimension():
-    rows = planner.decode_rows(np.ones(planner.MAX_DECODE_ROWS + 5, np.int64), 4)
+    rows = planner.decode_rows(np.ones(planner.MAX_DECODE_ROWS + 5, np.int64))
     assert rows.tolist() == list(range(planner.MAX_DECODE_ROWS))
-    assert planner.decode_rows(np.array([], np.int64), 4).size == 0
+    assert planner.decode_rows(np.array([], np.int64)).size == 0
 
 
 @settings(max_examples=100, deadline=None)
 @given(counts=st.lists(st.integers(0, 3), max_size=10), group=st.integers(1, 12))
 def test_the_prefill_items_leave_out_exactly_the_decode_rows(counts, group):
     """Every packed row of a row the decode kernel does not take is in one item; those it takes are in none."""
-    decoded = planner.decode_rows(np.array(counts, np.int64), group)
+    decoded = planner.decode_rows(np.array(counts, np.int64))
     items = planner.prefill_items(np.array(counts, np.int64), group, 16, skip=decoded)
     assert set(items[:, 0].tolist()) == {b for b, n in enumerate(counts) if n and b not in decoded.tolist()}
     full = planner.prefill_items(np.array(counts, np.int64), group, 16)

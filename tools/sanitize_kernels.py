@@ -12,7 +12,9 @@ Write (with padding slots), decode unsplit and split with the last segment's mer
 or later), the contiguous baseline, prefill (causal and
 not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
 and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
-block copy, and validation (a good table, then a bad one refused), on the base configuration. Then the
+block copy, and validation (a good table, then a bad one refused), on the base configuration; decode at groups
+wider than 8 (24 and 40 on tensor cores, 13 on CUDA cores, 40 over FP8 K/V), and a write and a split decode
+under programmatic dependent launch (compute capability 9.0). Then the
 refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
 decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
 given twice and the planes of a closed cache, each refused, with good launches after
@@ -48,6 +50,7 @@ from pagedrt.errors import BlockTableError, PoolClosedError  # noqa: E402
 from pagedrt.kernels import copy_blocks, copy_blocks_reference, release_buffers  # noqa: E402
 from pagedrt.kernels import write_kv, write_kv_reference  # noqa: E402
 from pagedrt.kernels import configs, copy, validate, write  # noqa: E402
+from pagedrt.kernels.launch import dependent_launches  # noqa: E402
 
 KV_HEADS, GROUP, BLOCK, DIM = 2, 4, 16, 128
 LENS = [1, 17, 100]
@@ -80,9 +83,11 @@ def run():
     fp8_cfg = configs.Config("float16", DIM, BLOCK, GROUP, "float8_e4m3") if capability >= "89" else None
     hopper = capability == prefill.SM90  # then both prefill kernels run
     for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
+                 decode.instances([configs.Config(d, DIM, BLOCK, g) for d, g in WIDE], paged=(True,)),
                  prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
-                 validate.instances(), *(() if fp8_cfg is None else (decode.instances([fp8_cfg], paged=(True,)),
-                                                                     write.instances([fp8_cfg])))):
+                 validate.instances(), *(() if fp8_cfg is None else (
+                     decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, "float8_e4m3")],
+                                      paged=(True,)), write.instances([fp8_cfg])))):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -161,6 +166,9 @@ def run():
     prefill._sm90 = chosen
 
     mixed(expect, rng)
+    wide_groups(expect, rng, fp8_cfg is not None)
+    if capability >= "90":
+        dependent(expect, k, v, d_table, d_lens, d_q, k_new, v_new, slots)
 
     pairs = np.array([[int(perm[0]), int(perm[-1])], [int(perm[1]), int(perm[-2])]])
     copy_blocks([k, v], cupy.asarray(pairs))
@@ -176,6 +184,52 @@ def run():
         expect("validation refuses a bad block id", True)
     cupy.cuda.Device().synchronize()
     return failures
+
+
+WIDE = (("float16", 24), ("float16", 40), ("float32", 13))  # two and four m16 tiles of heads; CUDA-core chunks
+
+
+def wide_groups(expect, rng, fp8):
+    """Decode at groups wider than 8: unsplit and split, in both geometries, on tensor cores (24, 40: two and
+    four m16 tiles, the last padded), on CUDA cores (13: chunks of one head) and, with FP8, over FP8 K/V (40)."""
+    import cupy
+    lens = np.array([1, 17, 300], np.int32)
+    used = [-(-int(n) // BLOCK) for n in lens]
+    ids = rng.permutation(sum(used)).astype(np.int32)
+    table = np.zeros((3, max(used)), np.int32)
+    for i, nb in enumerate(used):
+        table[i, :nb] = ids[sum(used[:i]):sum(used[:i]) + nb]
+    d_table, d_lens = cupy.asarray(table), cupy.asarray(lens)
+    runs = [(dtype, group, None) for dtype, group in WIDE] + ([("float16", 40, "float8_e4m3")] if fp8 else [])
+    for dtype, group, kv_dtype in runs:
+        shape = (sum(used), KV_HEADS, BLOCK, DIM)
+        if kv_dtype:
+            planes = [rng.integers(0, 126, shape).astype(np.uint8) for _ in "kv"]  # finite e4m3 bytes
+            scales = [rng.uniform(0.5, 1.0, KV_HEADS).astype(np.float32) for _ in "kv"]
+            extra = dict(k_scale=cupy.asarray(scales[0]), v_scale=cupy.asarray(scales[1]))
+            ref_extra = dict(k_scale=scales[0], v_scale=scales[1])
+        else:
+            planes = [rng.standard_normal(shape).astype(dtype) for _ in "kv"]
+            extra, ref_extra = {}, {}
+        q = rng.standard_normal((3, KV_HEADS * group, DIM)).astype(dtype)
+        ref = reference.paged_decode(q.astype(np.float64), *planes, table, lens, 1 / math.sqrt(DIM), **ref_extra)
+        k, v = (cupy.asarray(x) for x in planes)
+        for geometry_name in planner.GEOMETRIES:
+            for splits in (1, 12):
+                out = paged_decode(cupy.asarray(q), k, v, d_table, d_lens, num_splits=splits, geometry=geometry_name,
+                                   **extra)
+                expect(f"paged_decode group {group} {kv_dtype or dtype}, {splits} splits, {geometry_name} geometry",
+                       rel_error(cupy.asnumpy(out), ref) <= (1e-5 if dtype == "float32" else 2e-3))
+
+
+def dependent(expect, k, v, d_table, d_lens, d_q, k_new, v_new, slots):
+    """A write and a split decode launched with programmatic dependent launch, against plain launches."""
+    import cupy
+    plain = paged_decode(d_q, k, v, d_table, d_lens, num_splits=4)
+    with dependent_launches():
+        write_kv(cupy.asarray(k_new), cupy.asarray(v_new), k, v, cupy.asarray(slots))  # the same values again
+        out = paged_decode(d_q, k, v, d_table, d_lens, num_splits=4)
+    expect("write_kv and paged_decode with programmatic dependent launch", bool(cupy.array_equal(out, plain)))
 
 
 def mixed(expect, rng):

@@ -28,9 +28,10 @@ from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, de
                             multiprocessors, plane, positive_int, ptr, RunArrays, check_scales, store)
 from ..errors import UnsupportedConfigError
 from ..kernels.configs import config, fp8_sweep, sweep
+from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
-from .planner import GEOMETRIES, check_geometry, geometry, plan_splits, workspace_layout
+from .planner import GEOMETRIES, check_geometry, geometry, kernel_group, plan_splits, workspace_layout
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
@@ -45,13 +46,15 @@ _plan_ids = itertools.count()
 
 def kernel_name(cfg, paged, geometry_name, indexed=False):
     """The decode kernel's name expression for configuration ``cfg`` in geometry ``geometry_name``; ``indexed``:
-    the variant that reads each item's table row and query token from a rows array (a mixed step's decode rows)."""
+    the variant that reads each item's table row and query token from a rows array (a mixed step's decode rows).
+    Its GROUP is the heads one thread block takes (:func:`~pagedrt.attention.planner.kernel_group`)."""
     geo = geometry(cfg, geometry_name)
+    heads = kernel_group(cfg)[0]
     if cfg.fp8:
-        return (f"pagedrt::decode_fp8<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, {geo.threads}, "
+        return (f"pagedrt::decode_fp8<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {heads}, {geo.threads}, "
                 f"{geo.tile}, {geo.stages}, {geo.ids_window}>")
     flag = lambda b: "true" if b else "false"  # noqa: E731
-    return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {cfg.group}, {flag(paged)}, "
+    return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {heads}, {flag(paged)}, "
             f"{geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, {flag(geo.mma)}, {geo.ids_window}, "
             f"{flag(indexed)}>")
 
@@ -83,12 +86,13 @@ def _kernel(cfg, paged, geometry_name, device_id, indexed=False):
     return _Kernel(fn, geo, max(1, per_sm) * multiprocessors(device_id))
 
 
-def _device_split(cfg, batch, kv_heads, max_seq_len, num_splits, mean_seq_len, geometry_name):
+def _device_split(cfg, batch, q_heads, max_seq_len, num_splits, mean_seq_len, geometry_name):
     """The split plan on the current device, from the standard paged kernel's occupancy (so the contiguous
     baseline runs the same plan as the paged kernel)."""
     import cupy
     standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
-    return plan_splits(batch, kv_heads, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.kv_itemsize,
+    units = q_heads // kernel_group(cfg)[0]  # thread blocks an item takes
+    return plan_splits(batch, units, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.kv_itemsize,
                        standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len,
                        geometry=geometry_name)
 
@@ -100,12 +104,12 @@ class _Launch:
     grid: tuple
     threads: tuple
     smem: int
-    middle: tuple  # the arguments between v and out: block stride ... segment_tokens
+    middle: tuple  # the arguments between v and out: block stride ... group_chunks
     tail: tuple    # the split partials in the workspace (part_o, part_ml, arrivals) or nulls, then the rows or null
 
     def __call__(self, q, k, v, out, scales=()):
         """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
-        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail, *scales), shared_mem=self.smem)
+        launch(self.function, self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail, *scales), self.smem)
 
 
 @dataclass(frozen=True)
@@ -175,10 +179,11 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, l
             claim = (workspace.data.ptr, next(_plan_ids))
             _layout_owner[claim[0]] = claim[1]
         workspace, parts = _bind_workspace(workspace, layout, batch * q_heads)
+    heads, chunks = kernel_group(cfg)
     middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), lens, np.float32(scale * LOG2E),
-              np.int32(split.segment_tokens))
+              np.int32(split.segment_tokens), np.int32(chunks))
     tail = (*parts, NULL if rows is None else ptr(rows))
-    launch = _Launch(kern.function, (q_heads // cfg.group, batch, split.num_splits), (kern.geometry.threads,),
+    launch = _Launch(kern.function, (q_heads // heads, batch, split.num_splits), (kern.geometry.threads,),
                      kern.geometry.smem_bytes, middle, tail)
     return _Bound(launch, workspace, stream, claim, rows)
 
@@ -196,7 +201,7 @@ def rows_launch(cfg, q_heads, block_stride, block_tables, kv_lens, rows, tokens,
     nothing measurable from the plain kernel over moved pointers (docs/KERNELS.md)."""
     import cupy
     n = len(rows)
-    split = _device_split(cfg, n, q_heads // cfg.group, max_seq_len, None, mean_seq_len, None)
+    split = _device_split(cfg, n, q_heads, max_seq_len, None, mean_seq_len, None)
     layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
     pairs = cupy.asarray(np.stack([rows, tokens], axis=1).astype(np.int32))
     table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4))
@@ -239,7 +244,7 @@ def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry_name):
     """The split plan: the device's (from the kernel's occupancy), or on the host the reference's cut."""
     if xp is np:
         return reference.split(max_seq_len, cfg.block_size, num_splits or 1, geometry_name or "standard")
-    return _device_split(cfg, q.shape[0], q.shape[1] // cfg.group, max_seq_len, num_splits, mean_seq_len, geometry_name)
+    return _device_split(cfg, q.shape[0], q.shape[1], max_seq_len, num_splits, mean_seq_len, geometry_name)
 
 
 class _Plan:

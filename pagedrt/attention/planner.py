@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels.args import check
-from ..supported import GROUPS
 
 GEOMETRIES = ("standard", "short")
 
@@ -23,6 +22,8 @@ LANE_FLOATS = 64                # floats of q and of the output a lane holds, ov
 SHORT_STAGES = 3                # the short geometry's pipeline depth on CUDA cores
 SHORT_LANE_FLOATS = 32          # the short geometry's lane budget: half the registers, twice the resident blocks
 MMA_HEAD_DIMS = (64, 128)       # fp16/bf16 head dims that run on tensor cores (a row is 8 or 16 16-byte chunks)
+CORE_GROUP = 8                  # CUDA cores: query heads one thread block holds (q and the output in registers)
+MMA_SHORT_GROUP = 32            # tensor cores: the widest group the short geometry's two warps hold (two m16 tiles)
 MMA_STAGES = 3                  # pipeline depth on tensor cores
 MMA_SHORT_THREADS = 64          # the short tensor-core geometry: two warps, a 32-token tile
 MMA_SHORT_STAGES = 3            # and its pipeline depth
@@ -70,6 +71,22 @@ def _pow2_floor(x):
     return 1 << (max(1, x).bit_length() - 1)
 
 
+def mma(cfg):
+    """Whether configuration ``cfg``'s decode runs on tensor cores: fp16/bf16 (and FP8 K/V) at MMA_HEAD_DIMS."""
+    return cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS
+
+
+def kernel_group(cfg):
+    """(query heads a decode thread block takes, thread blocks a KV head gets): ``(group, 1)`` on tensor cores,
+    whose m16 tiles hold up to 64 heads, and for groups of at most CORE_GROUP. A wider group on CUDA cores is
+    cut into chunks of its largest divisor up to CORE_GROUP (a prime group into single heads), one thread block
+    each: every chunk reads the KV head's K/V again, mostly from L2."""
+    if mma(cfg) or cfg.group <= CORE_GROUP:
+        return cfg.group, 1
+    heads = max(d for d in range(1, CORE_GROUP + 1) if cfg.group % d == 0)
+    return heads, cfg.group // heads
+
+
 def geometry(cfg, geometry_name="standard"):
     """The :class:`Geometry` of configuration ``cfg`` (a ``kernels.configs.Config``) named ``geometry_name``.
 
@@ -89,11 +106,16 @@ def geometry(cfg, geometry_name="standard"):
     share an SM with the same bytes in flight, and each block's start is hidden by
     the others'. FP8 K/V (tensor cores only) stores a token in half the bytes: twice
     the stages (FP8_STAGE_FACTOR) keep the same bytes in flight (not yet measured).
+    Groups wider than 16 heads take two or four m16 tiles, each held by whole warps: over
+    MMA_SHORT_GROUP heads the short geometry's two warps cannot hold them, and such a
+    group runs the standard geometry under either name. On CUDA cores the lanes are
+    sized for the thread block's heads (:func:`kernel_group`).
     """
     check(geometry_name in GEOMETRIES, _unknown(geometry_name))
     short = geometry_name == "short"
     row = cfg.head_dim * cfg.kv_itemsize
-    if cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS:
+    if mma(cfg):
+        short = short and cfg.group <= MMA_SHORT_GROUP
         threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
         stages *= FP8_STAGE_FACTOR if cfg.fp8 else 1
         tile = 16 * threads // 32
@@ -101,7 +123,7 @@ def geometry(cfg, geometry_name="standard"):
     vec = 16 // cfg.itemsize
     row_vecs = cfg.head_dim // vec
     budget, stages = (SHORT_LANE_FLOATS, SHORT_STAGES) if short else (LANE_FLOATS, STAGES)
-    lane_vecs = min(4, _pow2_floor(budget // (vec * cfg.group)))
+    lane_vecs = min(4, _pow2_floor(budget // (vec * kernel_group(cfg)[0])))
     lanes = min(32, 1 << (-(-row_vecs // lane_vecs) - 1).bit_length())
     tile = max(_pow2_floor(TILE_BYTES // row), THREADS // lanes)
     return Geometry(lanes, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW)
@@ -166,17 +188,14 @@ def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):
     return items[np.argsort(-index, kind="stable")]
 
 
-def decode_rows(query_lens, group):
+def decode_rows(query_lens):
     """The rows of a prefill batch the decode kernel attends for (int64, ascending): a mixed step's decode rows.
 
-    Those of one query token, when the decode kernel takes the group (``supported.GROUPS``),
-    the first MAX_DECODE_ROWS of them; the prefill kernel takes the others. The decode kernel
+    Those of one query token, the first MAX_DECODE_ROWS of them; the prefill kernel takes the others. The decode kernel
     streams a row's K/V at memory speed, where the prefill kernel gives the row a tile of its own
     (``group`` of its 64 packed rows). A one-token row sees every key of its sequence, causal or
     not, so the two kernels compute the same thing.
     """
-    if group not in GROUPS:
-        return np.zeros(0, np.int64)
     return np.flatnonzero(np.asarray(query_lens) == 1)[:MAX_DECODE_ROWS].astype(np.int64)
 
 

@@ -19,7 +19,7 @@ work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.pref
 are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
 the host (``query_lens``).
 
-A mixed step's decode rows (one query token each, at a group the decode kernel takes:
+A mixed step's decode rows (one query token each:
 :func:`~pagedrt.attention.planner.decode_rows`) go to the decode kernel
 (``cuda_src/decode.cu``, through :func:`pagedrt.attention.decode.rows_launch`), which
 streams their K/V at memory speed; the prefill kernel takes the other rows. With both,
@@ -39,7 +39,6 @@ from ..kernels.args import (array_module, c_contiguous, check, device_pointers, 
                             ptr, RunArrays, store)
 from ..kernels.configs import config, sweep
 from ..kernels.validate import Spans, check_block_tables
-from ..supported import PREFILL_GROUPS
 from ..supported import check as check_supported
 from . import decode, reference
 from .planner import (PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items,
@@ -254,8 +253,7 @@ class PrefillPlan:
         check(q_heads % pk.num_kv_heads == 0,
               lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
         check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
-        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads,
-                               PREFILL_GROUPS))
+        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads))
         int_array("block_tables", block_tables, np.int32, 2)
         batch, width = (int(x) for x in block_tables.shape)
         check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
@@ -287,7 +285,7 @@ class PrefillPlan:
             lens = np.asarray(kv_lens if xp is np else kv_lens.get(), np.int64)
             _check_lengths(lens, counts, width, pk.block_size)
             check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
-        self._decode_rows = decode_rows(counts, cfg.group)
+        self._decode_rows = decode_rows(counts)
         self._arrays = RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype),
                                  "K plane", spans)
         self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,

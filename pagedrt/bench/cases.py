@@ -71,6 +71,17 @@ DECODE_CASES = {c.name: c for c in (
     _decode("big-bf16", 64, 8192, "bfloat16"),
 )}
 
+# Not a standard case (/work/shared/WORKLOADS.md keeps those): a heavy-tailed batch, issue 22's "skewed batches".
+# 64 sequences, lognormal lengths (median 2560, sigma 1, seed 0) clipped to [1, 16384]: 260,819 tokens against
+# var's 267,327, the longest 16,384 (the cap) against a median of 2,740.
+SKEW_MEDIAN, SKEW_SIGMA, SKEW_CAP, SKEW_SEED = 2560, 1.0, 16384, 0
+EXTRA_DECODE_CASES = {c.name: c for c in (
+    DecodeCase("skew", "float16", tuple(int(n) for n in np.clip(
+        np.random.default_rng(SKEW_SEED).lognormal(np.log(SKEW_MEDIAN), SKEW_SIGMA, 64).astype(np.int64), 1,
+        SKEW_CAP))),
+)}
+BENCH_DECODE_CASES = {**DECODE_CASES, **EXTRA_DECODE_CASES}  # what the decode benchmarks run
+
 PREFILL_CASES = {c.name: c for c in (
     PrefillCase("p1", (0,), (8192,)),
     PrefillCase("p16", (0,) * 16, (1024,) * 16),

@@ -3,7 +3,9 @@
     python3 -m pagedrt.bench.decode [--cases b8,big,...] [--repeats 100] [--out run.json]
     python3 -m pagedrt.bench.decode --kv-dtype float8_e4m3 [--cases ...]   # K/V stored as FP8
 
-The cases are the standard decode workloads (``pagedrt.bench.cases``), unchanged.
+The cases are the standard decode workloads (``pagedrt.bench.cases``), unchanged, and ``skew``, a
+heavy-tailed batch that is not one of them (64 lognormal lengths, median 2560, sigma 1, seed 0, capped at
+16384).
 K and V are two plane views of a CUDA Pool. Per case it prints the median time
 (CUDA events, warm-up first, queued behind a spin kernel), effective bandwidth =
 (K and V bytes of the valid tokens + q + out) / time, that bandwidth against the
@@ -11,7 +13,12 @@ two ceilings measured in the same run (a device-to-device copy, bytes read +
 written, and a read-only streaming kernel, both over 4 GiB), the contiguous
 baseline's time (the same kernel over contiguous K/V) and the paging overhead
 (paged / contiguous - 1), the split count and geometry the plan chose, and what
-validation costs. The contiguous K/V live in the same kind of memory as the paged
+validation costs. A second table gives each case's split plan as ``pagedrt.bench.partition`` does on the
+host, with this device's resident blocks (from the occupancy API): segment tokens, thread blocks launched
+and holding tokens, waves of them over the resident blocks, the longest segment over the mean, the
+busiest resident slot's K/V bytes over the mean (blocks handed out in launch order) and that schedule's
+modelled share of the floor, beside the measured one: what limits a case, the split plan, the tail or the
+imbalance. The contiguous K/V live in the same kind of memory as the paged
 planes (a pool), so the overhead is that of the addressing alone. It also times
 the streaming kernel reading the case's own K and V planes once (``strm us``, one
 launch over the same bytes: the ceiling at this size, with its launch ramp and
@@ -34,8 +41,8 @@ import contextlib
 import numpy as np
 
 from .. import Pool
-from . import harness
-from .cases import DECODE_CASES, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
+from . import harness, partition
+from .cases import BENCH_DECODE_CASES, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
 
 COLUMNS = (
     harness.Column("case", "case", width=9, left=True),
@@ -80,6 +87,12 @@ def pool_planes(stack, shape, chunk, dtype=np.uint16):
     return [pool.view(i * plane_bytes, shape, dtype) for i in range(2)]
 
 
+def resident(dt, block):
+    """{geometry: resident thread blocks} of the paged decode kernel of the standard shape at dtype ``dt``."""
+    from ..kernels.configs import config
+    return partition.device_resident(config(dt, HEAD_DIM, block, Q_HEADS // KV_HEADS))
+
+
 def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order, memory, block):
     from .. import attention
     dt = np_dtype(case.dtype)
@@ -109,6 +122,8 @@ def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order,
         hints = dict(max_seq_len=int(lens.max()), mean_seq_len=float(lens.mean()))  # host-side, as an engine has
         plan = attention.DecodePlan(q, k, d_table, d_lens, validate=False, **hints)
         split = plan.split
+        token_bytes = 2 * HEAD_DIM * dt.itemsize
+        cut = partition.describe(lens, split, resident(dt, block), token_bytes, stream_tb_s=bandwidth["stream"] / 1e12)
         contiguous = attention.ContiguousDecodePlan(q, k_contiguous, d_lens, validate=False, **hints)
 
         def call(validate):  # a plan made and run per call, as paged_decode does
@@ -145,8 +160,14 @@ def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
         "paged_vs_contiguous_max_abs_diff": agree, "fits_l2": kv_bytes <= l2_bytes, "note": note.strip(),
         "chunk_mib": chunk >> 20 if memory == "pool" else 0, "order": order, "block_size": block,
-        "split_sweep_us": split_us,
+        "split_sweep_us": split_us, "plan": cut,
     }
+
+
+PLAN_COLUMNS = partition.COLUMNS[:1] + partition.COLUMNS[3:] + (
+    harness.Column("measured_pct", "%floor measured", "{:.1f}", 15),)
+PLAN_LEGEND = ("pagedrt.bench.partition's columns with this device's resident blocks; %floor: the model's, then "
+               "the measured time's")
 
 
 FP8_COLUMNS = (
@@ -211,6 +232,8 @@ def table(rows):
              f"block size {first['block_size']}; strm us: the streaming kernel over the case's own planes, "
              "%size: its time over the decode's",
              harness.format_table(COLUMNS, rows)]
+    plans = [{"case": r["case"], **r["plan"], "measured_pct": 100 * r["plan"]["floor_us"] / r["us"]} for r in rows]
+    lines += ["", f"split plans ({PLAN_LEGEND})", harness.format_table(PLAN_COLUMNS, plans)]
     sweeps = [r for r in rows if r["split_sweep_us"]]
     if sweeps:
         counts = list(sweeps[0]["split_sweep_us"])
@@ -226,7 +249,8 @@ def parser():
     ap = harness.parser("pagedrt.bench.decode", __doc__,
                         epilog="Experiments only (the standard figures use none of these): --order, "
                                "--block-size, --memory, --splits.")
-    ap.add_argument("--cases", default=",".join(DECODE_CASES), help=f"comma-separated, of {', '.join(DECODE_CASES)}")
+    ap.add_argument("--cases", default=",".join(BENCH_DECODE_CASES),
+                    help=f"comma-separated, of {', '.join(BENCH_DECODE_CASES)} (skew is not a standard case)")
     ap.add_argument("--repeats", type=int, default=100, help="timed calls per measurement (at least 50)")
     ap.add_argument("--chunk-mib", type=int, default=64, help="the pool's chunk size in MiB (a multiple of 2)")
     ap.add_argument("--splits", default="", help="comma-separated split counts to time as well, to check the plan")
@@ -246,7 +270,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sweep = [int(n) for n in args.splits.split(",") if n]
     names = args.cases.split(",")
-    unknown = [n for n in names if n not in DECODE_CASES]
+    unknown = [n for n in names if n not in BENCH_DECODE_CASES]
     if unknown or args.repeats < 50:
         ap.error(f"unknown cases {unknown}" if unknown else "--repeats must be at least 50")
     import cupy as cp
@@ -257,14 +281,14 @@ def main(argv=None):
     rows = []
     for name in names:
         if args.kv_dtype == "float8_e4m3":
-            row = run_fp8_case(cp, timer, DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
+            row = run_fp8_case(cp, timer, BENCH_DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
                                args.chunk_mib << 20, args.block_size)
             rows.append(row)
             cp.get_default_memory_pool().free_all_blocks()
             print(f"{name}: {row['us']:.1f} us, {row['tb_s']:.2f} TB/s in FP8 bytes ({row['pct_stream']:.1f}% of "
                   f"stream), {row['num_splits']} splits" + ("  [fits in L2]" if row["fits_l2"] else ""))
             continue
-        row = run_case(cp, timer, DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
+        row = run_case(cp, timer, BENCH_DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
                        args.chunk_mib << 20, sweep, args.order, args.memory, args.block_size)
         rows.append(row)
         cp.get_default_memory_pool().free_all_blocks()

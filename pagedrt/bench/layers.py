@@ -91,7 +91,8 @@ def run(cp, case, placement, chunk, repeats):
         def planned_step():
             runs(attention.DecodePlan(q[0], planes[0][0], table, lens, validate=False))
 
-        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device().synchronize()  # the uploads and fills above ran on the legacy stream: done before
+        stream = cp.cuda.Stream(non_blocking=True)  # a non-blocking stream, which does not wait for it, reads them
         with stream:
             step()  # compile, plan and workspace on this stream before capture
             stream.synchronize()

@@ -2,8 +2,8 @@
 
 Kernels are compiled per (dtype, head_dim, block_size, group). ``sweep()`` is the
 representative set: the base configuration and every value of each axis varied
-alone, plus the heaviest group for every dtype x head_dim (registers and shared
-memory grow with the group). The CI compile check and the GPU tests both use it.
+alone (the groups: SWEEP_GROUPS), plus the heaviest groups, 8 and 64, for every
+dtype x head_dim (registers and shared memory grow with the group). The CI compile check and the GPU tests both use it.
 """
 
 import functools
@@ -44,17 +44,20 @@ class Config:
 
 
 BASE = Config("float16", 128, 16, 4)
+# The groups that stand for all 64: each of 1-8 (a thread block's heads on CUDA cores), then wider ones
+# covering one, two and four m16 tiles of heads on tensor cores, non-powers of two and a prime (cut into
+# single heads on CUDA cores: pagedrt.attention.planner.kernel_group).
+SWEEP_GROUPS = tuple(range(1, 9)) + (12, 13, 16, 24, 40, 64)
 
 
 @functools.lru_cache(maxsize=None)
-def config(dtype, head_dim, block_size, group, groups=GROUPS, kv_dtype=None):
-    """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value. ``groups``: the group
-    sizes the caller's kernel takes (decode's GROUPS, or prefill's PREFILL_GROUPS); ``kv_dtype``: what the
+def config(dtype, head_dim, block_size, group, kv_dtype=None):
+    """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value. ``kv_dtype``: what the
     planes hold (a storage dtype or name, uint8 meaning FP8; None: ``dtype``)."""
     name = dtype_name(dtype)
     check("head_dim", head_dim, HEAD_DIMS)
     check("block_size", block_size, BLOCK_SIZES)
-    check("group (query heads per KV head)", group, groups)
+    check("group (query heads per KV head)", group, GROUPS)
     kv = None if kv_dtype is None else kv_dtype_name(kv_dtype)
     if kv == FP8:
         check_fp8(name, head_dim)
@@ -68,15 +71,17 @@ def sweep():
     out = [BASE]
     out += [Config(d, h, BASE.block_size, BASE.group) for d in CUDA_TYPES for h in HEAD_DIMS]
     out += [Config(BASE.dtype, BASE.head_dim, b, BASE.group) for b in BLOCK_SIZES]
-    out += [Config(BASE.dtype, BASE.head_dim, BASE.block_size, g) for g in GROUPS]
-    out += [Config(d, h, BASE.block_size, max(GROUPS)) for d in CUDA_TYPES for h in HEAD_DIMS]
+    out += [Config(BASE.dtype, BASE.head_dim, BASE.block_size, g) for g in SWEEP_GROUPS]
+    out += [Config(d, h, BASE.block_size, g) for d in CUDA_TYPES for h in HEAD_DIMS for g in (8, max(GROUPS))]
+    out.append(Config("float32", BASE.head_dim, BASE.block_size, 13))  # a prime group on CUDA cores: single heads
     return list(dict.fromkeys(out))
 
 
 def fp8_sweep():
     """The representative FP8 configurations (q of float16 or bfloat16 over float8 e4m3 K/V): every q dtype
-    x head_dim at the base block size and group, every block size and every group at the base."""
+    x head_dim at the base block size and group, every block size at the base, and every group of SWEEP_GROUPS at
+    each head_dim."""
     out = [Config(d, h, BASE.block_size, BASE.group, FP8) for d in FP8_DTYPES for h in FP8_HEAD_DIMS]
     out += [Config(BASE.dtype, BASE.head_dim, b, BASE.group, FP8) for b in BLOCK_SIZES]
-    out += [Config(BASE.dtype, h, BASE.block_size, g, FP8) for h in FP8_HEAD_DIMS for g in GROUPS]
+    out += [Config(BASE.dtype, h, BASE.block_size, g, FP8) for h in FP8_HEAD_DIMS for g in SWEEP_GROUPS]
     return list(dict.fromkeys(out))

@@ -10,6 +10,7 @@ from .. import fp8, source
 from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
                    plane, ptr, same_layout)
 from .configs import config, fp8_sweep, sweep
+from .launch import launch
 from .validate import Spans, check_slots
 
 FILE = "write.cu"
@@ -101,7 +102,7 @@ class WritePlan:
             device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
         if self._launch is not None:
             kernel, grid, threads, (stride, slots, num_tokens, heads) = self._launch
-            kernel(grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads, *scales))
+            launch(kernel, grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads, *scales))
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True, k_scale=None, v_scale=None):

@@ -1,0 +1,124 @@
+"""Kernel launches through the driver's ``cuLaunchKernelEx``: programmatic dependent launch (PDL).
+
+CuPy launches a ``RawKernel`` with ``cuLaunchKernel``, which takes no launch attributes. Inside
+:func:`dependent_launches` the plans' launches (``DecodePlan.run``, ``WritePlan.run``, and the decode rows of
+a mixed step) go through :func:`launch_ex` instead, with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+set: each such kernel may start its thread blocks while the kernel before it on the stream finishes, so its
+launch and start overlap that kernel's tail. The kernels stay correct either way: they wait
+(``griddepcontrol.wait``, ``grid_dependency_wait`` in ``cuda_src/common.cuh``) for the kernel before them to
+complete before they touch global memory, which is a no-op when they were launched normally. Only kernels
+that wait may be launched so; every other launch in pagedrt stays CuPy's.
+
+The kernel's handle is the ``CUfunction`` CuPy loaded: ``RawKernel.kernel`` is a ``cupy.cuda.function.Function``
+whose ``ptr`` is what ``cuModuleGetFunction`` returned (the handle ``attention.decode`` already hands to the
+occupancy API). Arguments are NumPy scalars, as CuPy takes them; each is copied into a ctypes value of its
+dtype and the kernel gets an array of their addresses. Graph capture records these launches with their
+programmatic edges (CUDA 12.3 and later).
+
+Whether PDL pays is for the GPU to say (``python3 -m pagedrt.bench.step_layers``); until then it is off by
+default and only this context manager turns it on.
+"""
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+
+import numpy as np
+
+from ..errors import LaunchArgumentError, UnsupportedConfigError
+
+_programmatic = contextvars.ContextVar("pagedrt_programmatic_launch", default=False)
+_CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+           np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int32): ctypes.c_int32,
+           np.dtype(np.float32): ctypes.c_float}
+_configs = {}  # (grid, block, shared_mem, stream, programmatic) -> CUlaunchConfig
+MIN_CAPABILITY = 90  # griddepcontrol and the launch attribute: compute capability 9.0 and later
+
+
+def programmatic():
+    """Whether launches made now go through :func:`launch_ex` with programmatic stream serialization."""
+    return _programmatic.get()
+
+
+@contextlib.contextmanager
+def dependent_launches():
+    """Launch pagedrt's plans' kernels with programmatic dependent launch inside this block (this thread or task).
+
+    Raises UnsupportedConfigError on a device below compute capability 9.0, and BackendUnavailableError
+    without cuda-python."""
+    import cupy
+    _driver()
+    capability = int(cupy.cuda.Device().compute_capability)
+    if capability < MIN_CAPABILITY:
+        raise UnsupportedConfigError(f"programmatic dependent launch needs compute capability 9.0 or later; this "
+                                     f"device has {capability // 10}.{capability % 10}")
+    token = _programmatic.set(True)
+    try:
+        yield
+    finally:
+        _programmatic.reset(token)
+
+
+def kernel_params(args):
+    """(an int address of a ``void*`` array pointing at each argument's value, the ctypes objects that hold
+    them, to keep alive until the launch returns). ``args``: NumPy scalars of the kernel's parameter types."""
+    values = []
+    for i, a in enumerate(args):
+        kind = _CTYPES.get(a.dtype) if isinstance(a, np.generic) else None
+        if kind is None:
+            raise LaunchArgumentError(f"kernel argument {i} is {type(a).__name__}: a launch through cuLaunchKernelEx "
+                                      f"takes NumPy scalars of {', '.join(d.name for d in _CTYPES)}")
+        values.append(kind(a.item()))
+    pointers = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+    return ctypes.addressof(pointers), (values, pointers)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    from .. import driver
+    return driver.load()
+
+
+def _dims(dims):
+    return tuple(max(1, int(x)) for x in (tuple(dims) + (1, 1))[:3])
+
+
+def _config(drv, grid, block, shared_mem, stream, programmatic_serialization):
+    key = (grid, block, shared_mem, stream, programmatic_serialization)
+    config = _configs.get(key)
+    if config is None:
+        config = drv.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = shared_mem
+        config.hStream = drv.CUstream(stream)
+        config.numAttrs = 0
+        if programmatic_serialization:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+        _configs[key] = config
+    return config
+
+
+def launch_ex(kernel, grid, block, args, shared_mem=0, *, programmatic_serialization=True):
+    """Launch ``kernel`` (a ``cupy.RawKernel``) on the current stream with ``cuLaunchKernelEx``; raises
+    CudaError naming the driver's error."""
+    import cupy
+    from ..driver import call
+    drv = _driver()
+    stream = cupy.cuda.get_current_stream().ptr
+    config = _config(drv, _dims(grid), _dims(block), int(shared_mem), stream, programmatic_serialization)
+    params, _values = kernel_params(args)  # _values holds what params points at until the driver copied it
+    call(drv, "cuLaunchKernelEx", config, drv.CUfunction(kernel.kernel.ptr), params, 0)
+
+
+def launch(kernel, grid, block, args, shared_mem=0):
+    """Launch as CuPy does, or through :func:`launch_ex` inside :func:`dependent_launches`."""
+    if _programmatic.get():
+        launch_ex(kernel, grid, block, args, shared_mem)
+    else:
+        kernel(grid, block, args, shared_mem=shared_mem)
