@@ -223,6 +223,16 @@ def publish(benchmark, out, info, rows, table, **extra):
         write_record(out, record(benchmark, info, rows, table, **extra))
 
 
+def case_names(ap, text, known):
+    """The comma-separated case names in ``text``, each one of ``known``; any other stops the run through
+    ``ap.error``, naming it."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown cases {unknown}")
+    return names
+
+
 def parser(module, doc, *, backend=False, **kwargs):
     """The command line every benchmark shares: ``python3 -m MODULE``, its docstring's first line, ``--out``
     (a JSON record of the run) and, for those that also run without a GPU, ``--backend``."""

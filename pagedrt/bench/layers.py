@@ -133,10 +133,7 @@ def parser():
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in FP16_CASES]
-    if unknown:
-        ap.error(f"unknown cases {unknown}")
+    names = harness.case_names(ap, args.cases, FP16_CASES)
     import cupy as cp
     info = harness.device_info(cp)
     bandwidth = harness.ceilings(harness.Timer(cp), 10)

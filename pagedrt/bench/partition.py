@@ -153,10 +153,7 @@ def parser():
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in BENCH_DECODE_CASES]
-    if unknown:
-        ap.error(f"unknown cases {unknown}")
+    names = harness.case_names(ap, args.cases, BENCH_DECODE_CASES)
     model = dict(stream_tb_s=args.stream_tb_s, start_us=args.start_us, empty_us=args.empty_us)
     rows = [partition(BENCH_DECODE_CASES[n], args.sms, {"standard": args.per_sm, "short": 2 * args.per_sm},
                       args.splits, **model) for n in names]

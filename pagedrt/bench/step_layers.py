@@ -141,10 +141,7 @@ def parser():
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        ap.error(f"unknown cases {unknown}")
+    names = harness.case_names(ap, args.cases, CASES)
     import cupy as cp
     info = harness.device_info(cp)
     timer = harness.Timer(cp)
