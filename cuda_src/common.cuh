@@ -27,6 +27,9 @@ template <typename X, X VALUE> struct integral_constant { static constexpr X val
 // Whether A and B are one type (NVRTC has no <type_traits> and no __is_same builtin).
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+// conditional_type<C, A, B>::type: A when C, else B (std::conditional, which NVRTC does not have either).
+template <bool C, typename A, typename B> struct conditional_type { using type = A; };
+template <typename A, typename B> struct conditional_type<false, A, B> { using type = B; };
 
 // Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream serialization
 // (pagedrt/kernels/launch.py) may start while the kernel before it on the stream still runs.
@@ -167,6 +170,24 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], unsigned
                  "{%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Where the tensor-core paths store 16-byte chunk x of row r of a staged tile, for rows of ROW_CHUNKS chunks:
+// x ^ (r % 8), so an ldmatrix of 8 rows touches 8 different banks; rows of 4 chunks (FP8 at head_dim
+// 64: two rows per 128 bytes) xor with (r / 2) % 4 instead.
+template <int ROW_CHUNKS> __device__ __forceinline__ int swizzle(int x, int r) {
+    static_assert(ROW_CHUNKS >= 8 || ROW_CHUNKS == 4, "rows of 4 or at least 8 chunks");
+    return ROW_CHUNKS >= 8 ? x ^ (r % 8) : x ^ ((r >> 1) % ROW_CHUNKS);
+}
+
+// 32-bit words of shared memory at a shared-space address: 4 (16-byte aligned) or 2 (8-byte aligned).
+template <int WORDS> __device__ __forceinline__ void load_shared(unsigned (&w)[WORDS], unsigned addr);
+template <> __device__ __forceinline__ void load_shared<4>(unsigned (&w)[4], unsigned addr) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
+}
+template <> __device__ __forceinline__ void load_shared<2>(unsigned (&w)[2], unsigned addr) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr) : "memory");
 }
 
 // --- float8 e4m3 (sm_89+): K/V storage, converted in registers ----------------------

@@ -68,14 +68,6 @@ namespace pagedrt {
 constexpr int pow2_floor(int x) { int p = 1; while (2 * p <= x) p *= 2; return p; }
 constexpr int min_int(int a, int b) { return a < b ? a : b; }
 
-// Where the MMA path stores 16-byte chunk x of token row r in a stage, for rows of ROW_CHUNKS chunks:
-// x ^ (r % 8), so an ldmatrix of 8 rows touches 8 different banks; rows of 4 chunks (FP8 at head_dim
-// 64: two rows per 128 bytes) xor with (r / 2) % 4 instead.
-template <int ROW_CHUNKS> __device__ __forceinline__ int swizzle(int x, int r) {
-    static_assert(ROW_CHUNKS >= 8 || ROW_CHUNKS == 4, "rows of 4 or at least 8 chunks");
-    return ROW_CHUNKS >= 8 ? x ^ (r % 8) : x ^ ((r >> 1) % ROW_CHUNKS);
-}
-
 // Work decomposition of one thread block. THREADS, LANES, TILE, STAGES and IDS_WINDOW come from
 // the planner (pagedrt/attention/planner.py: geometry), which also sizes shared memory.
 template <typename T, int HEAD_DIM, int GROUP, int THREADS, int LANES, int TILE, int STAGES, int IDS_WINDOW>
@@ -278,16 +270,6 @@ __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, 
             mma_16816<T>(o[x + 1], pa[0], pa[1], pa[2], pa[3], b[2], b[3]);
         }
     }
-}
-
-// 32-bit words of shared memory at a shared-space address: 4 (16-byte aligned) or 2 (8-byte aligned).
-template <int WORDS> __device__ __forceinline__ void load_shared(unsigned (&w)[WORDS], unsigned addr);
-template <> __device__ __forceinline__ void load_shared<4>(unsigned (&w)[4], unsigned addr) {
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
-}
-template <> __device__ __forceinline__ void load_shared<2>(unsigned (&w)[2], unsigned addr) {
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "r"(addr) : "memory");
 }
 
 // consume_mma over float8 e4m3 K/V: rows of HEAD_DIM bytes, 16-byte chunk x of row r at swizzle(x, r).

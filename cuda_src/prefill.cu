@@ -24,21 +24,32 @@
 // queries and kv_len keys sees keys 0 .. kv_len - q_len + i; the key loop stops at the tile's
 // last row's limit, and only key tiles that cross a row's limit (or the sequence's end) mask.
 // At the end the output is normalised, staged in Q's shared memory and stored in 16-byte vectors.
+//
+// prefill_fp8: the same over float8 e4m3 K/V (rows of HEAD_DIM bytes) with float32 scales per KV
+// head, as decode_fp8 reads them (decode.cu): K and V are converted to f16 in registers
+// (cvt.rn.f16x2.e4m3x2, exact) and both products are f16 mma. Q's A fragments are built once from
+// shared memory, converted to f16 with scale * log2(e) * k_scale folded in, their dims permuted as an
+// ldmatrix of e4m3 K rows delivers them; P V pairs V's bytes with a byte permute, so output column n of
+// dim tile j is dim n * HEAD_DIM / 8 + j, an order the final store undoes (times the V scale).
 #include "common.cuh"
 
 namespace pagedrt {
 
 // Work decomposition of one thread block; TILE_M, TILE_N, STAGES and THREADS come from the planner
 // (pagedrt/attention/planner.py: prefill_geometry), which also sizes shared memory.
-template <typename T, int HEAD_DIM, int THREADS, int TILE_M, int TILE_N, int STAGES>
+// KV: the stored K/V element (T, or e4m3 for FP8).
+template <typename T, typename KV, int HEAD_DIM, int THREADS, int TILE_M, int TILE_N, int STAGES>
 struct PrefillShape {
-    static constexpr int kVec = Vec16<T>::kElems;             // elements per 16-byte chunk
-    static constexpr int kRowVecs = HEAD_DIM / kVec;          // chunks in one row of Q, K, V or out
+    static constexpr int kVec = Vec16<T>::kElems;             // elements per 16-byte chunk of Q and out
+    static constexpr int kRowVecs = HEAD_DIM / kVec;          // chunks in one row of Q or out
     static constexpr int kRowBytes = HEAD_DIM * (int)sizeof(T);
     static constexpr int kRowsPerRound = THREADS / kRowVecs;  // rows one 16-byte copy per thread covers
-    static constexpr int kCopies = TILE_N / kRowsPerRound;    // copies per thread per key tile (K, and again V)
     static constexpr int kRowCopies = TILE_M / kRowsPerRound; // copies per thread of the Q (and out) tile
-    static constexpr int kTileBytes = TILE_N * kRowBytes;     // one stage of K (and again of V)
+    static constexpr int kKVRowBytes = HEAD_DIM * (int)sizeof(KV);  // a K or V row
+    static constexpr int kKVRowVecs = kKVRowBytes / 16;
+    static constexpr int kKVRowsPerRound = THREADS / kKVRowVecs;
+    static constexpr int kCopies = TILE_N / kKVRowsPerRound;  // copies per thread per key tile (K, and again V)
+    static constexpr int kTileBytes = TILE_N * kKVRowBytes;   // one stage of K (and again of V)
     static constexpr int kQOffset = STAGES * 2 * kTileBytes;  // the Q tile, after the stages
     static constexpr int kSmemBytes = kQOffset + TILE_M * kRowBytes;
     static constexpr bool kQInRegisters = HEAD_DIM <= 128;
@@ -46,16 +57,16 @@ struct PrefillShape {
     static_assert(sizeof(T) == 2, "tensor cores: half or bfloat16");
     static_assert(TILE_M == 16 * (THREADS / 32), "a warp per 16 packed rows");
     static_assert(TILE_N % 16 == 0 && HEAD_DIM % 16 == 0, "whole mma k-steps of keys and of head_dim");
-    static_assert(kRowVecs % 8 == 0, "the swizzle permutes groups of 8 chunks");
-    static_assert(THREADS % kRowVecs == 0 && TILE_N % kRowsPerRound == 0 && TILE_M % kRowsPerRound == 0,
-                  "whole copy rounds");
+    static_assert(kRowVecs % 8 == 0, "Q rows: the swizzle permutes groups of 8 chunks");
+    static_assert(THREADS % kRowVecs == 0 && THREADS % kKVRowVecs == 0 && TILE_N % kKVRowsPerRound == 0
+                  && TILE_M % kRowsPerRound == 0, "whole copy rounds");
     static_assert(STAGES >= 2, "the pipeline needs at least two stages");
 };
 
-// Byte offset of 16-byte chunk x of row r in a staged tile of ROW_BYTES rows (stored at chunk x ^ (r % 8)).
+// Byte offset of 16-byte chunk x of row r in a staged tile of ROW_BYTES rows (at chunk swizzle(x, r)).
 template <int ROW_BYTES>
 __device__ __forceinline__ unsigned swizzled(int row, int chunk) {
-    return row * ROW_BYTES + ((chunk ^ (row % 8)) << 4);
+    return row * ROW_BYTES + (swizzle<ROW_BYTES / 16>(chunk, row) << 4);
 }
 
 // q, out:       [num_tokens, num_kv_heads * group, HEAD_DIM], contiguous
@@ -64,16 +75,23 @@ __device__ __forceinline__ unsigned swizzled(int row, int chunk) {
 // kv_lens:      [batch] int32 (keys after the step: cached and new), clamped to [0, max_blocks*BLOCK_SIZE]
 // items:        [gridDim.x] (batch row, its first query token, its query count, the tile's first packed row)
 // grid:         (work items, num_kv_heads); causal: nonzero for the bottom-right causal mask
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int THREADS, int TILE_M, int TILE_N, int STAGES>
-__global__ void __launch_bounds__(THREADS)
-prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
-        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
-        const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
-        float scale_log2, T* __restrict__ out) {
-    using S = PrefillShape<T, HEAD_DIM, THREADS, TILE_M, TILE_N, STAGES>;
+// k_scales, v_scales: FP8 only (KV = e4m3): float32 [num_kv_heads], the value of a stored byte b of KV
+//               head h is e4m3(b) * scale[h]; the element type of k, v and block_stride is KV.
+template <typename T, typename KV, int HEAD_DIM, int BLOCK_SIZE, int THREADS, int TILE_M, int TILE_N, int STAGES>
+__device__ __forceinline__ void
+prefill_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v, long long block_stride,
+             const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+             const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+             float scale_log2, T* __restrict__ out, const float* __restrict__ k_scales,
+             const float* __restrict__ v_scales) {
+    using S = PrefillShape<T, KV, HEAD_DIM, THREADS, TILE_M, TILE_N, STAGES>;
     constexpr int V = S::kVec, NV = S::kRowVecs, ROW = S::kRowBytes, COPIES = S::kCopies;
+    constexpr int KNV = S::kKVRowVecs, KROW = S::kKVRowBytes;
     constexpr int KSTEPS = HEAD_DIM / 16, DIM_TILES = HEAD_DIM / 8, KEY_TILES = TILE_N / 8;
     constexpr unsigned V_SMEM = STAGES * S::kTileBytes;  // a V stage's offset from its K stage, bytes
+    constexpr bool FP8 = !same_type<KV, T>::value;
+    using MT = typename conditional_type<FP8, __half, T>::type;  // the mma's input type
+    static_assert(!FP8 || (same_type<KV, e4m3>::value && S::kQInRegisters), "FP8: e4m3 K/V, head_dim <= 128");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const unsigned smem = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
@@ -105,16 +123,16 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         cp_async16_shared(smem_q + swizzled<ROW>(r, x), live ? q + row_offset(p) + x * V : q, live ? 16 : 0);
     }
 
-    // Copy c of a key tile moves chunk tid % NV of key row c * kRowsPerRound + tid / NV, K and V.
+    // Copy c of a key tile moves chunk tid % KNV of key row c * kKVRowsPerRound + tid / KNV, K and V.
     const char* const k_bytes = reinterpret_cast<const char*>(k);
-    const long long stride_bytes = block_stride * (long long)sizeof(T);
+    const long long stride_bytes = block_stride * (long long)sizeof(KV);
     const long long v_minus_k = reinterpret_cast<const char*>(v) - k_bytes;  // same offset in the V plane
-    const int copy_row = tid / NV, copy_chunk = tid % NV;
+    const int copy_row = tid / KNV, copy_chunk = tid % KNV;
     int ids[COPIES];  // block id of each copy's key, -1 past the sequence: read one tile before the copies
     auto fetch = [&](int tile) {
 #pragma unroll
         for (int c = 0; c < COPIES; ++c) {
-            const int key = tile * TILE_N + c * S::kRowsPerRound + copy_row;
+            const int key = tile * TILE_N + c * S::kKVRowsPerRound + copy_row;
             ids[c] = key < kv_len ? __ldg(table_row + key / BLOCK_SIZE) : -1;
         }
     };
@@ -122,13 +140,13 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const unsigned stage = smem + (tile % STAGES) * S::kTileBytes;
 #pragma unroll
         for (int c = 0; c < COPIES; ++c) {
-            const int r = c * S::kRowsPerRound + copy_row, slot = (tile * TILE_N + r) % BLOCK_SIZE;
+            const int r = c * S::kKVRowsPerRound + copy_row, slot = (tile * TILE_N + r) % BLOCK_SIZE;
             const bool live = ids[c] >= 0;  // else zero-fill, reading nothing
             const char* const from = live ? k_bytes + ids[c] * stride_bytes
                                                 + (((long long)kv_head * BLOCK_SIZE + slot) * HEAD_DIM
-                                                   + copy_chunk * V) * (long long)sizeof(T)
+                                                   + copy_chunk * (16 / (int)sizeof(KV))) * (long long)sizeof(KV)
                                           : reinterpret_cast<const char*>(q);
-            const unsigned dst = stage + swizzled<ROW>(r, copy_chunk);
+            const unsigned dst = stage + swizzled<KROW>(r, copy_chunk);
             cp_async16_shared(dst, from, live ? 16 : 0);
             cp_async16_shared(dst + V_SMEM, live ? from + v_minus_k : from, live ? 16 : 0);
         }
@@ -166,20 +184,40 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         float s[KEY_TILES][4];
 #pragma unroll
         for (int j = 0; j < KEY_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        // ldmatrix.x4 of K: matrix i covers dims +8 for odd i, keys +8 for i >= 2
-        const int k_row = (lane & 7) + ((lane >> 4) << 3), k_upper = (lane >> 3) & 1;
-        // unrolled whole when Q is in registers (its fragments are indexed by kk); from shared memory, four
-        // k-steps at a time, which keeps head_dim 256 clear of spills
-#pragma unroll(S::kQInRegisters ? KSTEPS : 4)
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-            unsigned a[4];
-            q_fragment(kk, a);
+        if constexpr (FP8) {
+            // ldmatrix.x4 of e4m3 K: matrix i covers keys +8 for i >= 2, the next 16-dim chunk (k-step) for
+            // odd i; lane l gets bytes 4(l%4)..+3 of its key's chunk, converted to f16 pairs
+            const int k_row = (lane & 7) + ((lane >> 4) << 3), k_upper = (lane >> 3) & 1;
 #pragma unroll
-            for (int j = 0; j < KEY_TILES / 2; ++j) {
-                unsigned b[4];
-                ldmatrix_x4(b, sk + swizzled<ROW>(16 * j + k_row, 2 * kk + k_upper));
-                mma_16816<T>(s[2 * j], a[0], a[1], a[2], a[3], b[0], b[1]);
-                mma_16816<T>(s[2 * j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+#pragma unroll
+                for (int j = 0; j < KEY_TILES / 2; ++j) {
+                    unsigned b[4];
+                    ldmatrix_x4(b, sk + swizzled<KROW>(16 * j + k_row, kk + k_upper));
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {  // b[i]: key tile 2j + i / 2, k-step kk + i % 2
+                        const unsigned (&a)[4] = qa[kk + i % 2];
+                        mma_16816<__half>(s[2 * j + i / 2], a[0], a[1], a[2], a[3], e4m3x2_to_half2(b[i] & 0xffffu),
+                                          e4m3x2_to_half2(b[i] >> 16));
+                    }
+                }
+            }
+        } else {
+            // ldmatrix.x4 of K: matrix i covers dims +8 for odd i, keys +8 for i >= 2
+            const int k_row = (lane & 7) + ((lane >> 4) << 3), k_upper = (lane >> 3) & 1;
+            // unrolled whole when Q is in registers (its fragments are indexed by kk); from shared memory,
+            // four k-steps at a time, which keeps head_dim 256 clear of spills
+#pragma unroll(S::kQInRegisters ? KSTEPS : 4)
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                unsigned a[4];
+                q_fragment(kk, a);
+#pragma unroll
+                for (int j = 0; j < KEY_TILES / 2; ++j) {
+                    unsigned b[4];
+                    ldmatrix_x4(b, sk + swizzled<ROW>(16 * j + k_row, 2 * kk + k_upper));
+                    mma_16816<T>(s[2 * j], a[0], a[1], a[2], a[3], b[0], b[1]);
+                    mma_16816<T>(s[2 * j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                }
             }
         }
         // s[j][e]: row row_c + 8 * (e / 2), key tile * TILE_N + 8 * j + 2 * quad_col + e % 2
@@ -188,7 +226,7 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         for (int j = 0; j < KEY_TILES; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[j][e] *= scale_log2;
+                if constexpr (!FP8) s[j][e] *= scale_log2;  // FP8: folded into Q's fragments
                 if (MASK && tile * TILE_N + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2]) s[j][e] = neg_inf();
                 top[e / 2] = fmaxf(top[e / 2], s[j][e]);
             }
@@ -220,15 +258,41 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_next = lane >> 4;
 #pragma unroll
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
-            const unsigned a0 = pack2<T>(s[2 * kk][0], s[2 * kk][1]), a1 = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            const unsigned a2 = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const unsigned a3 = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const unsigned a0 = pack2<MT>(s[2 * kk][0], s[2 * kk][1]), a1 = pack2<MT>(s[2 * kk][2], s[2 * kk][3]);
+            const unsigned a2 = pack2<MT>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            const unsigned a3 = pack2<MT>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            if constexpr (FP8) {
+                // lane (r = l/4, c = l%4) reads keys 2c, 2c+1, 2c+8, 2c+9 of the 16 (P's k order), bytes
+                // [r * HEAD_DIM / 8, (r + 1) * HEAD_DIM / 8) of each, and pairs each dim's two keys
+                constexpr int LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
+                const int byte = (lane / 4) * LANE_BYTES;
+                unsigned w[4][WORDS];
 #pragma unroll
-            for (int j = 0; j < DIM_TILES; j += 2) {
-                unsigned b[4];
-                ldmatrix_x4_trans(b, sv + swizzled<ROW>(16 * kk + v_row, j + v_next));
-                mma_16816<T>(o[j], a0, a1, a2, a3, b[0], b[1]);
-                mma_16816<T>(o[j + 1], a0, a1, a2, a3, b[2], b[3]);
+                for (int t = 0; t < 4; ++t) {
+                    const int key = 16 * kk + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+                    load_shared<WORDS>(w[t], sv + swizzled<KROW>(key, byte / 16) + byte % 16);
+                }
+#pragma unroll
+                for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: dim tiles j and j + 1
+                        const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of 2h + 1
+                        const unsigned lo = __byte_perm(w[0][i], w[1][i], select);
+                        const unsigned hi = __byte_perm(w[2][i], w[3][i], select);
+                        const int j = 4 * i + 2 * h;
+                        mma_16816<__half>(o[j], a0, a1, a2, a3, e4m3x2_to_half2(lo & 0xffffu),
+                                          e4m3x2_to_half2(hi & 0xffffu));
+                        mma_16816<__half>(o[j + 1], a0, a1, a2, a3, e4m3x2_to_half2(lo >> 16),
+                                          e4m3x2_to_half2(hi >> 16));
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < DIM_TILES; j += 2) {
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, sv + swizzled<ROW>(16 * kk + v_row, j + v_next));
+                    mma_16816<T>(o[j], a0, a1, a2, a3, b[0], b[1]);
+                    mma_16816<T>(o[j + 1], a0, a1, a2, a3, b[2], b[3]);
+                }
             }
         }
     };
@@ -247,7 +311,22 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         if (ahead < num_tiles) issue(ahead);
         cp_async_commit();
         if (ahead + 1 < num_tiles) fetch(ahead + 1);
-        if constexpr (S::kQInRegisters) {
+        if constexpr (FP8) {
+            if (tile == 0) {  // a0, a2 (rows row_c) and a1, a3 (row_c + 8): dims 16kk + 4c .. + 3, scaled
+                const float q_scale = scale_log2 * __ldg(k_scales + kv_head);
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int d = 16 * kk + 4 * quad_col;
+                        unsigned w[2];
+                        load_shared<2>(w, smem_q + swizzled<ROW>(row_c + 8 * h, d / V) + (d % V) * (int)sizeof(T));
+                        const T* const x = reinterpret_cast<const T*>(w);
+                        qa[kk][h] = pack2<__half>(to_float(x[0]) * q_scale, to_float(x[1]) * q_scale);
+                        qa[kk][2 + h] = pack2<__half>(to_float(x[2]) * q_scale, to_float(x[3]) * q_scale);
+                    }
+            }
+        } else if constexpr (S::kQInRegisters) {
             if (tile == 0) {
 #pragma unroll
                 for (int kk = 0; kk < KSTEPS; ++kk)
@@ -261,6 +340,8 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // Normalise, stage the output tile where Q was (every warp is done with it), store 16 bytes at a time.
     cp_async_wait<0>();
     __syncthreads();
+    float v_scale = 1.f;
+    if constexpr (FP8) v_scale = __ldg(v_scales + kv_head);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
@@ -269,8 +350,17 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const int r = row_c + 8 * h;
 #pragma unroll
         for (int j = 0; j < DIM_TILES; ++j) {
-            *reinterpret_cast<unsigned*>(smem_raw + S::kQOffset + swizzled<ROW>(r, j) + 4 * quad_col) =
-                pack2<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+            if constexpr (FP8) {  // column n of dim tile j is dim n * HEAD_DIM / 8 + j
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int d = (2 * quad_col + e) * (HEAD_DIM / 8) + j;
+                    *reinterpret_cast<T*>(smem_raw + S::kQOffset + swizzled<ROW>(r, d / V) + (d % V) * sizeof(T)) =
+                        from_float<T>(o[j][2 * h + e] * inv * v_scale);
+                }
+            } else {
+                *reinterpret_cast<unsigned*>(smem_raw + S::kQOffset + swizzled<ROW>(r, j) + 4 * quad_col) =
+                    pack2<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+            }
         }
     }
     __syncthreads();
@@ -282,6 +372,32 @@ prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 *reinterpret_cast<const uint4*>(smem_raw + S::kQOffset + swizzled<ROW>(r, x));
         }
     }
+}
+
+// The kernel over K/V of the input type (arguments: see prefill_body).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int THREADS, int TILE_M, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(THREADS)
+prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
+        const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+        const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+        float scale_log2, T* __restrict__ out) {
+    prefill_body<T, T, HEAD_DIM, BLOCK_SIZE, THREADS, TILE_M, TILE_N, STAGES>(
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, kv_lens, items, group, causal, scale_log2,
+        out, nullptr, nullptr);
+}
+
+// The kernel over float8 e4m3 K/V (q and out: __half or __nv_bfloat16): the arguments of prefill, then the
+// scales.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int THREADS, int TILE_M, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(THREADS)
+prefill_fp8(const T* __restrict__ q, const e4m3* __restrict__ k, const e4m3* __restrict__ v, long long block_stride,
+            const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+            const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+            float scale_log2, T* __restrict__ out, const float* __restrict__ k_scales,
+            const float* __restrict__ v_scales) {
+    prefill_body<T, e4m3, HEAD_DIM, BLOCK_SIZE, THREADS, TILE_M, TILE_N, STAGES>(
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, kv_lens, items, group, causal, scale_log2,
+        out, k_scales, v_scales);
 }
 
 }  // namespace pagedrt

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pagedrt import PagedKVCache, fp8, kernels
-from pagedrt.attention import DecodePlan, PrefillPlan, contiguous_decode, decode, paged_decode, planner, reference
+from pagedrt.attention import (DecodePlan, PrefillPlan, contiguous_decode, decode, paged_decode, paged_prefill, planner,
+                               reference)
 from pagedrt.errors import LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs, write
 from pagedrt.snapshot import load_snapshot
@@ -120,13 +121,42 @@ def test_decode_refuses_missing_or_bad_scales_and_fp8_where_unsupported():
         big = np.zeros((4, 2, 16, 256), np.uint8)
         paged_decode(np.zeros((1, 8, 256), np.float16), big, big, table[:1, :1], lens[:1], k_scale=SCALES,
                      v_scale=SCALES)
-    with pytest.raises(UnsupportedConfigError, match="prefill"):
-        PrefillPlan(q, kc, table, lens, np.arange(len(lens) + 1, dtype=np.int32))
+    with pytest.raises(UnsupportedConfigError, match="head_dim"):  # prefill too: FP8 at head_dim 64 and 128
+        big = np.zeros((4, 2, 16, 256), np.uint8)
+        PrefillPlan(np.zeros((1, 8, 256), np.float16), big, table[:1, :1], lens[:1], np.array([0, 1], np.int32))
     with pytest.raises(UnsupportedConfigError, match="contiguous"):
         contiguous = np.zeros((5, 3, 2, 16, 128), np.uint8)
         contiguous_decode(q, contiguous, contiguous, lens.clip(1, 48))
     with pytest.raises(LaunchArgumentError, match="FP8"):
         kernels.write_kv(q[:, :2].copy(), q[:, :2].copy(), kc, vc, np.arange(5, dtype=np.int64), k_scale=SCALES)
+
+
+def test_prefill_attends_over_the_dequantised_values_and_checks_its_scales():
+    """A prefill over FP8 planes (on NumPy: the reference over the dequantised values, with float64 K/V) equals
+    prefill over the dequantised planes themselves; every row is the prefill kernel's; scales are checked as
+    decode checks them."""
+    q, kc, vc, table, lens = case(lens=(1, 40, 17, 300))
+    new = np.array([1, 7, 17, 30])
+    qo = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    rng = np.random.default_rng(4)
+    queries = rng.standard_normal((int(qo[-1]), q.shape[1], 128)).astype(np.float16)
+    v_scale = SCALES[::-1].copy()
+    plan = PrefillPlan(queries, kc, table, lens, qo, query_lens=new)
+    assert plan.decode_rows.size == 0  # the one-token row too: FP8 has no decode rows
+    out = plan.run(queries, kc, vc, k_scale=SCALES, v_scale=v_scale)
+    want = reference.prefill(queries, fp8.dequantise(kc, SCALES), fp8.dequantise(vc, v_scale), table, lens, qo)
+    assert out.dtype == np.float16 and np.array_equal(out, want)
+    full = paged_prefill(queries, kc, vc, table, lens, qo, causal=False, k_scale=SCALES, v_scale=v_scale)
+    assert np.array_equal(full, reference.prefill(queries, fp8.dequantise(kc, SCALES), fp8.dequantise(vc, v_scale),
+                                                  table, lens, qo, causal=False))
+    for scales in ({}, {"k_scale": SCALES}, {"k_scale": SCALES[:1], "v_scale": SCALES}):
+        with pytest.raises(LaunchArgumentError, match="scale"):
+            plan.run(queries, kc, vc, **scales)
+    fp16 = kc.astype(np.float16)
+    with pytest.raises(LaunchArgumentError, match="FP8"):
+        paged_prefill(queries, fp16, fp16, table, lens, qo, k_scale=SCALES, v_scale=SCALES)
+    with pytest.raises(UnsupportedConfigError, match="float16, bfloat16"):
+        PrefillPlan(queries.astype(np.float32), kc, table, lens, qo)
 
 
 def test_fp8_kernels_are_named_and_planned_with_twice_the_stages():

@@ -2,8 +2,9 @@
 
 Decode over FP8 planes against the float64 reference on the dequantised values (every FP8 configuration,
 both geometries, unsplit and split, outputs NaN-poisoned, slots no sequence owns holding NaN bits);
-write_kv's device quantisation bit for bit against the NumPy reference; and the accuracy of FP8 attention
-against fp16 attention over the same values, printed (run with -s to see it).
+write_kv's device quantisation bit for bit against the NumPy reference; prefill over FP8 planes (causal and
+not, prompts, chunks after cached tokens and one-token rows, groups up to 40) against the same reference; and
+the accuracy of FP8 attention against fp16 attention over the same values, printed (run with -s to see it).
 """
 
 import numpy as np
@@ -12,13 +13,15 @@ import pytest
 from helpers import compile_all, to_host
 from kernel_cases import rel_error
 from pagedrt import fp8, kernels
-from pagedrt.attention import DecodePlan, decode, planner, reference
+from pagedrt.attention import DecodePlan, PrefillPlan, decode, planner, prefill, reference
 from pagedrt.kernels import configs, validate, write
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 CONFIGS = configs.fp8_sweep()
+PREFILL = [c for c in CONFIGS if (c.block_size, c.group) == (16, 4)] + [
+    configs.Config("float16", 128, 8, 1, configs.FP8), configs.Config("bfloat16", 64, 128, 40, configs.FP8)]
 
 
 def _dtype(name):
@@ -36,7 +39,7 @@ def compiled():
     compile_all(decode.instances(CONFIGS, paged=(True,)), write.instances(CONFIGS), decode.instances(
         [configs.Config(d, h, 16, 4) for d in configs.FP8_DTYPES for h in configs.FP8_HEAD_DIMS], paged=(True,)),
         write.instances([configs.Config(d, h, 16, 1) for d in configs.FP8_DTYPES for h in configs.FP8_HEAD_DIMS]),
-        validate.instances())
+        prefill.instances(PREFILL, capability="80"), validate.instances())
 
 
 def make_case(cfg, lens, seed=0, kv=2):
@@ -83,6 +86,31 @@ def test_decode_equals_the_reference_on_dequantised_values(cfg, num_splits, geom
     assert np.isfinite(out.astype(np.float32)).all()
     for row in range(len(lens)):
         assert rel_error(out[row], want[row]) < TOLERANCE[cfg.dtype], (row, plan.split)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("cfg", PREFILL, ids=lambda c: f"{c.dtype}-d{c.head_dim}-b{c.block_size}-g{c.group}")
+def test_prefill_equals_the_reference_on_dequantised_values(cfg, causal):
+    """Rows of 1, 7, 17 and 130 new tokens after 0, 40, bs and 300 cached ones, a row with no queries, over FP8
+    planes; every row on the prefill kernel (no decode rows over FP8), NaN-poisoned out."""
+    import cupy
+    bs = cfg.block_size
+    prefixes, new = [300, 40, bs, 0, 5], [1, 7, 17, 130, 0]
+    q1, kc, vc, table, lens, ks, vs = make_case(cfg, [p + n for p, n in zip(prefixes, new)], seed=cfg.group + bs)
+    qo = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    rng = np.random.default_rng(cfg.head_dim)
+    q = rng.standard_normal((int(qo[-1]),) + q1.shape[1:]).astype(np.float32).astype(q1.dtype)
+    dev = [cupy.asarray(a) for a in (q, kc, vc, table, lens, qo, ks, vs)]
+    plan = PrefillPlan(dev[0], dev[1], dev[3], dev[4], dev[5], query_lens=np.array(new), causal=causal)
+    assert plan.decode_rows.size == 0 and plan.kernel.startswith("pagedrt::prefill_fp8<")
+    out = cupy.asarray(np.full(q.shape, np.nan, np.float32).astype(q.dtype))
+    assert plan.run(dev[0], dev[1], dev[2], out, k_scale=dev[6], v_scale=dev[7]) is out
+    got = to_host(out)
+    want = reference.prefill(q.astype(np.float64), kc, vc, table, lens, qo, causal=causal, k_scale=ks, v_scale=vs)
+    assert np.isfinite(got.astype(np.float32)).all()
+    for row in range(len(new)):
+        if new[row]:
+            assert rel_error(got[qo[row]:qo[row + 1]], want[qo[row]:qo[row + 1]]) < TOLERANCE[cfg.dtype], row
 
 
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.group == 4 and c.block_size in (16, 128)],

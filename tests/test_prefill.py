@@ -14,6 +14,7 @@ from pagedrt.attention import PrefillPlan, paged_decode, paged_prefill, planner,
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs, write_kv
 from pagedrt.kernels.configs import Config
+from pagedrt.supported import FP8_HEAD_DIMS
 
 BASE = Config("float16", 128, 16, 4)
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
@@ -194,10 +195,15 @@ def test_work_items_cover_every_packed_row_once(counts, group, tile):
 
 def test_instances_name_every_prefill_capable_config_of_the_sweep():
     names = prefill.instances()["prefill.cu"]
-    capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
+    capable = [c for c in configs.sweep() + configs.fp8_sweep()
+               if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
     assert set(names) == {prefill.kernel_name(c) for c in capable}
+    assert set(prefill.instances()["prefill_sm90.cu"]) == {prefill.sm90_kernel_name(c) for c in capable if not c.fp8}
+    assert set(prefill.instances(capability="90")["prefill.cu"]) == {prefill.kernel_name(c) for c in capable
+                                                                    if c.fp8}  # FP8 runs on mma.sync everywhere
     for cfg in capable:
         geo = planner.prefill_geometry(cfg)
+        assert prefill.kernel_name(cfg).startswith("pagedrt::prefill_fp8<" if cfg.fp8 else "pagedrt::prefill<")
         args = prefill.kernel_name(cfg).split("<")[1][:-1].split(", ")
         assert args == [cfg.cuda_type, *map(str, (cfg.head_dim, cfg.block_size, geo.threads, geo.tile_m,
                                                   geo.tile_n, geo.stages))]
@@ -214,6 +220,12 @@ def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
     assert geo.threads % row_vecs == 0 and geo.tile_n % rows_per_round == 0 and geo.tile_m % rows_per_round == 0
     assert geo.stages >= 2 and geo.smem_bytes == (2 * geo.stages * geo.tile_n + geo.tile_m) * head_dim * 2
     assert geo.smem_bytes <= 227 * 1024
+    if head_dim in FP8_HEAD_DIMS:  # FP8 K/V: stages of head_dim-byte rows, a whole number of copy rounds
+        fp8 = planner.prefill_geometry(Config(dtype, head_dim, 16, 4, "float8_e4m3"))
+        kv_vecs = head_dim // 16
+        assert (kv_vecs % 8 == 0 or kv_vecs == 4) and geo.threads % kv_vecs == 0
+        assert fp8.tile_n % (fp8.threads // kv_vecs) == 0
+        assert fp8.smem_bytes == 2 * fp8.stages * fp8.tile_n * head_dim + fp8.tile_m * head_dim * 2
 
 
 def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
@@ -224,8 +236,10 @@ def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
         geo = planner.prefill_sm90_geometry(cfg)
         args = prefill.sm90_kernel_name(cfg).split("<")[1][:-1].split(", ")
         assert args == [cfg.cuda_type, str(cfg.head_dim), str(geo.tile_n), str(geo.stages)]
-    assert prefill.instances(capability="90") == {prefill.FILE_SM90: both[prefill.FILE_SM90]}
+    fp8 = tuple(prefill.kernel_name(c) for c in configs.fp8_sweep() if c.head_dim in planner.PREFILL_HEAD_DIMS)
+    assert prefill.instances(capability="90") == {prefill.FILE_SM90: both[prefill.FILE_SM90], prefill.FILE: fp8}
     assert prefill.instances(capability="80") == {prefill.FILE: both[prefill.FILE]}
+    assert prefill.instances(capable, capability="90") == {prefill.FILE_SM90: both[prefill.FILE_SM90]}
     assert source.options(prefill.FILE_SM90) == source.OPTIONS + ("-arch=sm_90a",)
     assert source.options(prefill.FILE) == source.options("decode.cu") == source.OPTIONS
 

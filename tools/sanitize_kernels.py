@@ -9,7 +9,7 @@ errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), decode unsplit and split with the last segment's merge
 (with empty segments), each in both geometries, both again over FP8 K/V (compute capability 8.9
-or later), the contiguous baseline, prefill (causal and
+or later; prefill too, causal and not), the contiguous baseline, prefill (causal and
 not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
 and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
 block copy, and validation (a good table, then a bad one refused), on the base configuration; decode at groups
@@ -87,7 +87,8 @@ def run():
                  prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
                  validate.instances(), *(() if fp8_cfg is None else (
                      decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, "float8_e4m3")],
-                                      paged=(True,)), write.instances([fp8_cfg])))):
+                                      paged=(True,)), write.instances([fp8_cfg]),
+                     prefill.instances([fp8_cfg], capability="80")))):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)
@@ -147,6 +148,15 @@ def run():
                                    k_scale=d_scales[0], v_scale=d_scales[1])
                 expect(f"paged_decode FP8, {splits} splits, {geometry_name} geometry",
                        rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+        qo = np.concatenate([[0], np.cumsum(QUERIES)]).astype(np.int32)
+        pq = rng.standard_normal((int(qo[-1]), KV_HEADS * GROUP, DIM)).astype(np.float16)
+        for causal in (True, False):
+            out = paged_prefill(cupy.asarray(pq), k8, v8, d_table, d_lens, cupy.asarray(qo), causal=causal,
+                                k_scale=d_scales[0], v_scale=d_scales[1])
+            ref = reference.prefill(pq.astype(np.float64), host_k8, host_v8, table, lens, qo, causal=causal,
+                                    k_scale=scales[0], v_scale=scales[1])
+            expect(f"paged_prefill FP8, {'causal' if causal else 'not causal'}",
+                   rel_error(cupy.asnumpy(out), ref) <= 2e-3)
 
     dense = [np.stack([p[table[i]] for i in range(len(LENS))]) for p in (host_k, host_v)]
     out = contiguous_decode(d_q, cupy.asarray(dense[0]), cupy.asarray(dense[1]), d_lens)

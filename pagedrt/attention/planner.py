@@ -144,12 +144,13 @@ def prefill_geometry(cfg):
     """The :class:`PrefillGeometry` of configuration ``cfg`` (fp16/bf16, head_dim in PREFILL_HEAD_DIMS).
 
     Four warps of 16 packed rows each, PREFILL_STAGES stages of 64 keys (32 at head_dim
-    256, where a thread holds 128 floats of output and 64 more of scores would spill).
+    256, where a thread holds 128 floats of output and 64 more of scores would spill). FP8
+    K/V stages hold rows of head_dim bytes; the Q tile stays in q's dtype.
     """
-    row = cfg.head_dim * cfg.itemsize
     tile_n = 32 if cfg.head_dim > 128 else 64
     return PrefillGeometry(PREFILL_TILE_M, tile_n, PREFILL_STAGES,
-                           (PREFILL_STAGES * 2 * tile_n + PREFILL_TILE_M) * row)
+                           PREFILL_STAGES * 2 * tile_n * cfg.head_dim * cfg.kv_itemsize
+                           + PREFILL_TILE_M * cfg.head_dim * cfg.itemsize)
 
 
 def prefill_sm90_geometry(cfg):
@@ -191,10 +192,10 @@ def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):
 def decode_rows(query_lens):
     """The rows of a prefill batch the decode kernel attends for (int64, ascending): a mixed step's decode rows.
 
-    Those of one query token, the first MAX_DECODE_ROWS of them; the prefill kernel takes the others. The decode kernel
-    streams a row's K/V at memory speed, where the prefill kernel gives the row a tile of its own
-    (``group`` of its 64 packed rows). A one-token row sees every key of its sequence, causal or
-    not, so the two kernels compute the same thing.
+    Those of one query token, the first MAX_DECODE_ROWS of them; the prefill kernel takes the
+    others. The decode kernel streams a row's K/V at memory speed, where the prefill kernel gives
+    the row a tile of its own (``group`` of its 64 packed rows). A one-token row sees every key of
+    its sequence, causal or not, so the two kernels compute the same thing.
     """
     return np.flatnonzero(np.asarray(query_lens) == 1)[:MAX_DECODE_ROWS].astype(np.int64)
 

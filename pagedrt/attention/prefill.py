@@ -19,6 +19,10 @@ work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.pref
 are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
 the host (``query_lens``).
 
+Over FP8 K/V (uint8 planes of float8 e4m3 bits, scales per KV head given at each run) every row runs
+``prefill_fp8``, the mma.sync kernel converting K and V to f16 in registers (``cuda_src/prefill.cu``), on
+every GPU: the sm_90a kernel and the decode rows' kernel read fp16/bf16 planes only.
+
 A mixed step's decode rows (one query token each:
 :func:`~pagedrt.attention.planner.decode_rows`) go to the decode kernel
 (``cuda_src/decode.cu``, through :func:`pagedrt.attention.decode.rows_launch`), which
@@ -34,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import source
-from ..errors import BlockTableError, UnsupportedConfigError
-from ..kernels.args import (array_module, c_contiguous, check, device_pointers, int_array, multiprocessors, plane,
-                            ptr, RunArrays, store)
-from ..kernels.configs import config, sweep
+from ..errors import BlockTableError
+from ..kernels.args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array,
+                            multiprocessors, plane, ptr, RunArrays, store)
+from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..supported import check as check_supported
 from . import decode, reference
@@ -59,10 +63,11 @@ def supported(cfg):
 
 
 def kernel_name(cfg):
-    """The prefill kernel's name expression for configuration ``cfg`` (the group is a kernel argument)."""
+    """The prefill kernel's name expression for configuration ``cfg`` (the group is a kernel argument): the
+    mma.sync kernel, or its FP8 twin for FP8 K/V."""
     geo = prefill_geometry(cfg)
-    return (f"pagedrt::prefill<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {geo.threads}, {geo.tile_m}, "
-            f"{geo.tile_n}, {geo.stages}>")
+    return (f"pagedrt::prefill{'_fp8' if cfg.fp8 else ''}<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, "
+            f"{geo.threads}, {geo.tile_m}, {geo.tile_n}, {geo.stages}>")
 
 
 def sm90_kernel_name(cfg):
@@ -72,12 +77,17 @@ def sm90_kernel_name(cfg):
 
 
 def instances(configs=None, capability=None):
-    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweep):
-    of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it runs."""
-    capable = [c for c in (configs or sweep()) if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
+    """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweeps,
+    FP8's too): of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it
+    runs (FP8 configurations: the mma.sync kernel's FP8 twin, on every device)."""
+    capable = [c for c in (configs or sweep() + fp8_sweep())
+               if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
     out = {FILE: tuple(dict.fromkeys(kernel_name(c) for c in capable)),
-           FILE_SM90: tuple(dict.fromkeys(sm90_kernel_name(c) for c in capable))}
-    return out if capability is None else {k: out[k] for k in (FILE_SM90 if capability == SM90 else FILE,)}
+           FILE_SM90: tuple(dict.fromkeys(sm90_kernel_name(c) for c in capable if not c.fp8))}
+    if capability == SM90:
+        out[FILE] = tuple(kernel_name(c) for c in capable if c.fp8)
+    return out if capability is None else {k: out[k] for k in ((FILE_SM90, FILE) if capability == SM90 else (FILE,))
+                                           if out[k]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,8 +120,9 @@ class _Launch:
     smem: int
     middle: tuple  # the arguments between v and out: block stride ... scale (sm_90a: block shift ... heads)
 
-    def __call__(self, q, k, v, out):
-        self.function(self.grid, self.threads, (q, k, v, *self.middle, out), shared_mem=self.smem)
+    def __call__(self, q, k, v, out, scales=()):
+        """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
+        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *scales), shared_mem=self.smem)
 
 
 def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, sm90):
@@ -235,6 +246,10 @@ class PrefillPlan:
     head_dim, splits)`` bytes, with DecodePlan's rules (one plan at a time, runs on the
     stream the plan was made on), or in one the plan allocates and holds when none is
     given. On NumPy arrays every row runs the reference.
+
+    FP8 planes (uint8 float8 e4m3 bits; q and out float16 or bfloat16; head_dim 64 or 128) run every row on the
+    mma.sync kernel's FP8 twin, with no decode rows, and :meth:`run` takes the layer's ``k_scale`` and
+    ``v_scale``.
     """
 
     def __init__(self, q, k_cache, block_tables, kv_lens, qo_indptr, *, query_lens=None, causal=True, scale=None,
@@ -245,15 +260,15 @@ class PrefillPlan:
         c_contiguous("q", q, 3)
         pk = plane("k_cache", k_cache)
         num_tokens, q_heads, head_dim = (int(x) for x in q.shape)
-        if k_cache.dtype == np.uint8:
-            raise UnsupportedConfigError("prefill does not read FP8 (float8_e4m3) K/V: it runs over float16 or "
-                                         "bfloat16 planes; FP8 planes are read by DecodePlan only")
-        check(q.dtype == k_cache.dtype, lambda: f"q is {q.dtype} but the K/V cache is {k_cache.dtype}: they must match")
+        fp8 = k_cache.dtype == np.uint8  # FP8 planes: float8 e4m3 bits
+        check(fp8 or q.dtype == k_cache.dtype,
+              lambda: f"q is {q.dtype} but the K/V cache is {k_cache.dtype}: they must match")
         check(head_dim == pk.head_dim, lambda: f"q has head_dim {head_dim} but the K/V cache has {pk.head_dim}")
         check(q_heads % pk.num_kv_heads == 0,
               lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
         check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
-        cfg = supported(config(k_cache.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads))
+        cfg = supported(config(q.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads,
+                               kv_dtype=k_cache.dtype if fp8 else None))
         int_array("block_tables", block_tables, np.int32, 2)
         batch, width = (int(x) for x in block_tables.shape)
         check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
@@ -285,7 +300,8 @@ class PrefillPlan:
             lens = np.asarray(kv_lens if xp is np else kv_lens.get(), np.int64)
             _check_lengths(lens, counts, width, pk.block_size)
             check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
-        self._decode_rows = decode_rows(counts)
+        self._decode_rows = np.zeros(0, np.int64) if fp8 else decode_rows(counts)  # FP8: every row on prefill_fp8
+        self._kv_heads = pk.num_kv_heads if fp8 else None  # FP8: the length of the scales a run takes
         self._arrays = RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype),
                                  "K plane", spans)
         self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
@@ -302,7 +318,7 @@ class PrefillPlan:
                 longest, mean = int(lens[rows].max()), float(lens[rows].mean())
             self._decode = decode.rows_launch(cfg, q_heads, pk.block_stride, block_tables, kv_lens, rows,
                                               offsets[rows], scale, longest, mean, workspace)
-        sm90 = _sm90(self._device) and scale > 0  # the sm_90a kernel folds a positive scale into exp2
+        sm90 = _sm90(self._device) and scale > 0 and not fp8  # sm_90a: a positive scale, fp16/bf16 planes
         self._items = cupy.asarray(prefill_items(counts, cfg.group, _geometry(cfg, sm90).tile_m, skip=rows))
         if self._items.shape[0]:
             self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device,
@@ -318,17 +334,24 @@ class PrefillPlan:
         others (:func:`~pagedrt.attention.planner.decode_rows`)."""
         return self._decode_rows
 
-    def run(self, q, k_cache, v_cache, out=None):
-        """Prefill attention of ``q`` over one layer's K and V; returns ``out``."""
+    def run(self, q, k_cache, v_cache, out=None, *, k_scale=None, v_scale=None):
+        """Prefill attention of ``q`` over one layer's K and V; returns ``out``. FP8 planes need that layer's
+        ``k_scale`` and ``v_scale`` (float32 [kv_heads]); other planes take none."""
         k, v = k_cache, v_cache
         self._arrays.check(q, k, v, out)
+        check_scales(self._kv_heads, self._arrays.array_type, k_scale, v_scale)
         if self._arrays.array_type is np.ndarray:
-            return store(self._reference(q, k, v), out)
+            scales = {} if self._kv_heads is None else {"k_scale": k_scale, "v_scale": v_scale}
+            return store(self._reference(q, k, v, **scales), out)
         import cupy
         if self._decode is not None:
             self._decode.check()
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
+        if self._kv_heads is not None:  # FP8: every row is the prefill kernel's
+            if self._prefill is not None:
+                self._prefill(*pointers, device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
+            return out
         if self._forked is not None:  # the decode rows on the side stream, beside the prompt rows
             fork, join, side = self._forked
             main = cupy.cuda.get_current_stream()
@@ -347,14 +370,15 @@ class PrefillPlan:
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, *, out=None, query_lens=None, causal=True,
-                  scale=None, block_mask=None, validate=True, workspace=None):
+                  scale=None, block_mask=None, validate=True, workspace=None, k_scale=None, v_scale=None):
     """Attention of each sequence's query rows over its paged K/V; returns ``out``.
 
     Arguments as for :class:`PrefillPlan`, which this makes and runs once; ``validate``
     checks the V plane too. For many layers over the same step, make one
-    :class:`PrefillPlan` and run it per layer.
+    :class:`PrefillPlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits) need ``k_scale`` and
+    ``v_scale``, float32 [kv_heads], as :func:`~pagedrt.attention.paged_decode` does.
     """
     plan = PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, query_lens=query_lens, causal=causal,
                        scale=scale, block_mask=block_mask, validate=validate, workspace=workspace,
                        _v_cache=v_cache)
-    return plan.run(q, k_cache, v_cache, out)
+    return plan.run(q, k_cache, v_cache, out, k_scale=k_scale, v_scale=v_scale)

@@ -115,15 +115,19 @@ def contiguous_decode(q, k, v, seq_lens, scale=None, *, num_splits=1, max_seq_le
     return _decode(q, keys, scale, num_splits, max_seq_len or width * block_size, block_size)
 
 
-def prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, scale=None, causal=True):
+def prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, scale=None, causal=True, k_scale=None,
+            v_scale=None):
     """Reference of :func:`pagedrt.attention.paged_prefill` (no checks), in q's dtype.
 
     Sequence b's query rows are q[qo_indptr[b]:qo_indptr[b + 1]] (n of them) over its
     kv_lens[b] keys gathered through the table; causal: its row i sees keys
-    0..kv_lens[b] - n + i (the last n keys are the rows' own).
+    0..kv_lens[b] - n + i (the last n keys are the rows' own). With ``k_scale`` and ``v_scale`` the planes
+    hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`).
     """
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     block_size = k_cache.shape[2]
+    if k_scale is not None:
+        k_cache, v_cache = fp8.dequantise(k_cache, k_scale), fp8.dequantise(v_cache, v_scale)
     out = np.zeros(q.shape, np.float64)
     for b in range(block_tables.shape[0]):
         first, end, n = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_lens[b])

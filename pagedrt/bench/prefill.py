@@ -1,6 +1,7 @@
 """Prefill attention on the standard prefill workloads: time, TFLOP/s, and what paging costs.
 
     python3 -m pagedrt.bench.prefill [--cases p1,p16,chunk,mixed,var] [--repeats 20] [--out FILE]
+    python3 -m pagedrt.bench.prefill --kv-dtype float8_e4m3 [--cases ...]   # K/V stored as FP8
 
 The cases of ../shared/WORKLOADS.md ("Standard prefill workloads"): fp16, 32 query heads,
 8 KV heads, head_dim 128, block size 16, block ids a seeded random permutation, the new
@@ -14,6 +15,10 @@ decode rows' K/V bytes at the read-only streaming ceiling plus the prompt's FLOP
 best dense rate of this run, the time against it, and each part run alone (a plan over the
 prompt row only, and one over the decode rows only), which shows how much of one the plan
 hides behind the other.
+
+``--kv-dtype float8_e4m3`` runs the same cases over FP8 planes (random finite e4m3 bytes, a scale per KV
+head): every row on ``prefill_fp8`` (the mma.sync kernel converting K and V in registers), so ``mixed`` has no
+decode rows and no parts.
 """
 
 import numpy as np
@@ -54,8 +59,8 @@ def attended_keys(prefix, new):
     return int((n * p + n * (n + 1) // 2).sum())
 
 
-def run_case(cp, timer, prefix, new, repeats):
-    """(paged us, contiguous us, whether both gave the same output) of one case."""
+def run_case(cp, timer, prefix, new, repeats, fp8=False):
+    """(paged us, contiguous us, whether both gave the same output) of one case; ``fp8``: over FP8 planes."""
     from .. import attention
     prefix, new = np.asarray(prefix, np.int64), np.asarray(new, np.int64)
     lens = prefix + new
@@ -74,7 +79,12 @@ def run_case(cp, timer, prefix, new, repeats):
         tables.append(cp.asarray(table))
     shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
     gen = cp.random.default_rng(0)
-    k, v = (gen.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in range(2))
+    if fp8:  # bit 3 and the sign cleared: finite, positive e4m3 values (never the NaN code 0x7F)
+        k, v = (gen.integers(0, 256, shape, dtype=np.uint8) & np.uint8(0x77) for _ in range(2))
+    else:
+        k, v = (gen.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in range(2))
+    scales = {"k_scale": cp.full(KV_HEADS, 0.02, np.float32), "v_scale": cp.full(KV_HEADS, 0.05, np.float32)}
+    scales = scales if fp8 else {}
     q = gen.standard_normal((int(new.sum()), Q_HEADS, HEAD_DIM), dtype=np.float32).astype(np.float16)
     qo = np.zeros(lens.size + 1, np.int64)
     np.cumsum(new, out=qo[1:])
@@ -85,7 +95,7 @@ def run_case(cp, timer, prefix, new, repeats):
     for table, (k_plane, v_plane) in zip(tables, planes):
         plan = attention.PrefillPlan(q, k_plane, table, d_lens, d_qo, query_lens=new, validate=False)
         out = cp.empty_like(q)
-        times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out), repeats, flush_l2=True))
+        times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out, **scales), repeats, flush_l2=True))
         outs.append(out)
     same = bool(cp.array_equal(outs[0], outs[1]))
     return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo)
@@ -111,6 +121,8 @@ def parser():
     ap = harness.parser("pagedrt.bench.prefill", __doc__)
     ap.add_argument("--cases", default=",".join(cases()), help="comma-separated case names")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    ap.add_argument("--kv-dtype", choices=("same", "float8_e4m3"), default="same",
+                    help="what the planes hold: fp16 (standard), or float8 e4m3 (FP8 K/V)")
     return ap
 
 
@@ -124,18 +136,19 @@ def main(argv=None):
     rows = []
     for name in args.cases.split(","):
         prefix, new = table[name]
-        paged, contiguous, same, arrays = run_case(cp, timer, prefix, new, args.repeats)
+        fp8 = args.kv_dtype == "float8_e4m3"
+        paged, contiguous, same, arrays = run_case(cp, timer, prefix, new, args.repeats, fp8)
         flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix, new)
         rows.append({"case": name, "tokens": int(sum(new)), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,
                      "contiguous_us": contiguous, "paging": paged / contiguous - 1, "flops": flops,
                      "note": "" if same else "paged and contiguous outputs differ"})
-        if name == "mixed":
+        if name == "mixed" and not fp8:
             rows[-1]["prompt_us"], rows[-1]["decode_us"] = parts_us(cp, timer, arrays, np.asarray(new), args.repeats)
         del arrays
         cp.get_default_memory_pool().free_all_blocks()
     dense = max((r["tflops"] for r in rows if r["case"] != "mixed"), default=None)
     for r in rows:
-        if r["case"] == "mixed" and dense:
+        if r["case"] == "mixed" and dense and args.kv_dtype == "same":  # the floor counts fp16 decode bytes
             prefix, new = table["mixed"]
             decode_bytes = 2 * sum(prefix[1:]) * KV_HEADS * HEAD_DIM * 2
             prompt_flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix[:1], new[:1])
@@ -145,7 +158,7 @@ def main(argv=None):
                     harness.format_table(COLUMNS, rows) + "\nmedian us, L2 flushed; contig: the same kernel over "
                     "block ids in order; floor (mixed): decode K/V at the stream ceiling + prompt FLOPs at the "
                     "best dense rate above; prompt, decode (mixed): a plan over the prompt row alone, and one over "
-                    "the decode rows alone", repeats=args.repeats, ceilings=bandwidth)
+                    "the decode rows alone", repeats=args.repeats, ceilings=bandwidth, kv_dtype=args.kv_dtype)
 
 
 if __name__ == "__main__":
