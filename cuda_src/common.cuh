@@ -211,4 +211,54 @@ __device__ __forceinline__ unsigned short float2_to_e4m3x2(float lo, float hi) {
     return (unsigned short)(b0 | (b1 << 8));
 }
 
+// The two tensor-core products over e4m3 K/V tiles in shared memory (rows of HEAD_DIM bytes, 16-byte
+// chunk x of row r at swizzle(x, r)), shared by decode_fp8 and prefill_fp8. Both are f16 mma with K and V
+// converted in registers; the A fragments (q, P) are f16.
+//
+// S += q K^T for 16 keys and two k-steps: `addr` is this lane's address for an ldmatrix.x4 whose matrix i
+// covers keys +8 for i >= 2 and the next 16-byte chunk (k-step) for odd i. Lane l gets bytes 4(l%4)..+3 of
+// its key's chunk: dims 4c, 4c+1 serve as k = 2c, 2c+1 of the k-step and 4c+2, 4c+3 as k = 2c+8, 2c+9, so
+// q's A fragments (a for the first k-step, a_next for the second) must carry the same permutation.
+// s0, s1: the C fragments of keys 0-7 and 8-15.
+__device__ __forceinline__ void qk_e4m3(unsigned addr, const unsigned (&a)[4], const unsigned (&a_next)[4],
+                                        float (&s0)[4], float (&s1)[4]) {
+    unsigned b[4];
+    ldmatrix_x4(b, addr);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned (&q)[4] = i % 2 ? a_next : a;
+        mma_16816<__half>(i < 2 ? s0 : s1, q[0], q[1], q[2], q[3], e4m3x2_to_half2(b[i] & 0xffffu),
+                          e4m3x2_to_half2(b[i] >> 16));
+    }
+}
+
+// o += P V for keys [key0, key0 + 16) of a V tile (pa: P's A fragment of that k-step). Lane (r = l/4,
+// c = l%4) reads keys 2c, 2c+1, 2c+8, 2c+9 (P's k order), bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each
+// with one shared load, and pairs each dim's two keys with a byte permute: column n of dim tile j is dim
+// n*HEAD_DIM/8 + j, an order the caller's final store undoes.
+template <int HEAD_DIM>
+__device__ __forceinline__ void pv_e4m3(unsigned sv, int key0, int lane, const unsigned (&pa)[4],
+                                        float (&o)[HEAD_DIM / 8][4]) {
+    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
+    const int byte = (lane / 4) * LANE_BYTES, quad_col = lane % 4;
+    unsigned w[4][WORDS];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const int key = key0 + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+        load_shared<WORDS>(w[t], sv + key * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, key) << 4) + byte % 16);
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: dim tiles j and j + 1
+            const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
+            const unsigned lo = __byte_perm(w[0][i], w[1][i], select), hi = __byte_perm(w[2][i], w[3][i], select);
+            const int j = 4 * i + 2 * h;
+            mma_16816<__half>(o[j], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo & 0xffffu),
+                              e4m3x2_to_half2(hi & 0xffffu));
+            mma_16816<__half>(o[j + 1], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo >> 16),
+                              e4m3x2_to_half2(hi >> 16));
+        }
+}
+
 }  // namespace pagedrt

@@ -272,70 +272,35 @@ __device__ __forceinline__ void consume_mma(unsigned sk, unsigned sv, int live, 
     }
 }
 
-// consume_mma over float8 e4m3 K/V: rows of HEAD_DIM bytes, 16-byte chunk x of row r at swizzle(x, r).
-// Both products are f16 mma with K and V converted in registers (e4m3 -> f16 is exact, one
-// cvt.rn.f16x2.e4m3x2 per two values); the scales are outside (q and the output carry them).
-// S = q K^T: an ldmatrix (a b16 view of the bytes) gives lane l bytes 4(l%4)..+3 of token row l/4's
-// 16-dim chunk; dims 4c, 4c+1 serve as k = 2c, 2c+1 of the k-step and 4c+2, 4c+3 as k = 2c+8, 2c+9, and
-// q's A fragments are loaded with the same permutation (the dot product does not depend on the order).
-// o += P V: lane (r = l/4, c = l%4) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16 (P's k order),
-// bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each, and pairs the two tokens of each dim with a byte
-// permute: column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes. Chunks,
-// tokens, rows and UPPER as for consume_mma.
+// consume_mma over float8 e4m3 K/V (rows of HEAD_DIM bytes): the products of common.cuh's qk_e4m3 and
+// pv_e4m3 (K and V converted to f16 in registers; q's A fragments permuted as qk_e4m3 reads K; output
+// column n of n-tile j is dim n*HEAD_DIM/8 + j, an order the final merge undoes). The scales are outside
+// (q and the output carry them). Chunks, tokens, rows and UPPER as for consume_mma.
 template <int HEAD_DIM, bool MASK, bool UPPER, int CH>
 __device__ __forceinline__ void consume_mma_fp8(unsigned sk, unsigned sv, int live, int first, int lane,
                                                 const unsigned (&qa)[HEAD_DIM / 16][4], float (&o)[HEAD_DIM / 8][4],
                                                 float (&m_row)[2], float (&l_row)[2]) {
-    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
-    const int quad_col = lane % 4;
+    constexpr int ROW_CHUNKS = HEAD_DIM / 16;
     float sc[2 * CH][4];
 #pragma unroll
     for (int j = 0; j < 2 * CH; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-    {
-        // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, the next chunk
-        // (k-step) for odd i
-        const int row = (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
+    // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: tokens +8 for i >= 2, the next chunk
+    // (k-step) for odd i
+    const int row = (lane & 7) + ((lane >> 4) << 3), upper = (lane >> 3) & 1;
 #pragma unroll
-        for (int kk = 0; kk < ROW_CHUNKS; kk += 2) {
+    for (int kk = 0; kk < ROW_CHUNKS; kk += 2)
 #pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                const int tok = first + 16 * c + row;
-                unsigned b[4];
-                ldmatrix_x4(b, sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4));
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {  // b[i]: n-tile i / 2, k-step kk + i % 2
-                    const unsigned (&a)[4] = qa[kk + i % 2];
-                    mma_16816<__half>(sc[2 * c + i / 2], a[0], a[1], a[2], a[3], e4m3x2_to_half2(b[i] & 0xffffu),
-                                      e4m3x2_to_half2(b[i] >> 16));
-                }
-            }
+        for (int c = 0; c < CH; ++c) {
+            const int tok = first + 16 * c + row;
+            qk_e4m3(sk + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(kk + upper, tok) << 4), qa[kk], qa[kk + 1],
+                    sc[2 * c], sc[2 * c + 1]);
         }
-    }
-    softmax_mma<HEAD_DIM, MASK, UPPER, 2 * CH>(sc, live, first, quad_col, o, m_row, l_row);
-    const int byte = (lane / 4) * LANE_BYTES;
+    softmax_mma<HEAD_DIM, MASK, UPPER, 2 * CH>(sc, live, first, lane % 4, o, m_row, l_row);
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
         unsigned pa[4];
         pack_p<__half, UPPER>(sc[2 * c], sc[2 * c + 1], pa);
-        unsigned w[4][WORDS];  // tokens 2c, 2c+1, 2c+8, 2c+9 of the chunk
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const int tok = first + 16 * c + 2 * quad_col + (t & 1) + 8 * (t >> 1);
-            load_shared<WORDS>(w[t], sv + tok * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, tok) << 4) + byte % 16);
-        }
-#pragma unroll
-        for (int i = 0; i < WORDS; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: n-tiles j and j + 1
-                const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of byte 2h + 1
-                const unsigned lo = __byte_perm(w[0][i], w[1][i], select);
-                const unsigned hi = __byte_perm(w[2][i], w[3][i], select);
-                const int j = 4 * i + 2 * h;
-                mma_16816<__half>(o[j], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo & 0xffffu),
-                                  e4m3x2_to_half2(hi & 0xffffu));
-                mma_16816<__half>(o[j + 1], pa[0], pa[1], pa[2], pa[3], e4m3x2_to_half2(lo >> 16),
-                                  e4m3x2_to_half2(hi >> 16));
-            }
+        pv_e4m3<HEAD_DIM>(sv, first + 16 * c, lane, pa, o);
     }
 }
 

@@ -185,23 +185,15 @@ prefill_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __rest
 #pragma unroll
         for (int j = 0; j < KEY_TILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         if constexpr (FP8) {
-            // ldmatrix.x4 of e4m3 K: matrix i covers keys +8 for i >= 2, the next 16-dim chunk (k-step) for
-            // odd i; lane l gets bytes 4(l%4)..+3 of its key's chunk, converted to f16 pairs
+            // ldmatrix.x4 of e4m3 K (common.cuh, qk_e4m3): matrix i covers keys +8 for i >= 2, the next
+            // 16-dim chunk (k-step) for odd i
             const int k_row = (lane & 7) + ((lane >> 4) << 3), k_upper = (lane >> 3) & 1;
 #pragma unroll
-            for (int kk = 0; kk < KSTEPS; kk += 2) {
+            for (int kk = 0; kk < KSTEPS; kk += 2)
 #pragma unroll
-                for (int j = 0; j < KEY_TILES / 2; ++j) {
-                    unsigned b[4];
-                    ldmatrix_x4(b, sk + swizzled<KROW>(16 * j + k_row, kk + k_upper));
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {  // b[i]: key tile 2j + i / 2, k-step kk + i % 2
-                        const unsigned (&a)[4] = qa[kk + i % 2];
-                        mma_16816<__half>(s[2 * j + i / 2], a[0], a[1], a[2], a[3], e4m3x2_to_half2(b[i] & 0xffffu),
-                                          e4m3x2_to_half2(b[i] >> 16));
-                    }
-                }
-            }
+                for (int j = 0; j < KEY_TILES / 2; ++j)
+                    qk_e4m3(sk + swizzled<KROW>(16 * j + k_row, kk + k_upper), qa[kk], qa[kk + 1], s[2 * j],
+                            s[2 * j + 1]);
         } else {
             // ldmatrix.x4 of K: matrix i covers dims +8 for odd i, keys +8 for i >= 2
             const int k_row = (lane & 7) + ((lane >> 4) << 3), k_upper = (lane >> 3) & 1;
@@ -254,38 +246,17 @@ prefill_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __rest
                 s[j][e] = exp2f(s[j][e] - shift[e / 2]);
                 l[e / 2] += s[j][e];
             }
-        // ldmatrix.x4.trans of V: matrix i covers keys +8 for odd i, the next 8 dims for i >= 2
-        const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_next = lane >> 4;
 #pragma unroll
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
             const unsigned a0 = pack2<MT>(s[2 * kk][0], s[2 * kk][1]), a1 = pack2<MT>(s[2 * kk][2], s[2 * kk][3]);
             const unsigned a2 = pack2<MT>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
             const unsigned a3 = pack2<MT>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
             if constexpr (FP8) {
-                // lane (r = l/4, c = l%4) reads keys 2c, 2c+1, 2c+8, 2c+9 of the 16 (P's k order), bytes
-                // [r * HEAD_DIM / 8, (r + 1) * HEAD_DIM / 8) of each, and pairs each dim's two keys
-                constexpr int LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
-                const int byte = (lane / 4) * LANE_BYTES;
-                unsigned w[4][WORDS];
-#pragma unroll
-                for (int t = 0; t < 4; ++t) {
-                    const int key = 16 * kk + 2 * quad_col + (t & 1) + 8 * (t >> 1);
-                    load_shared<WORDS>(w[t], sv + swizzled<KROW>(key, byte / 16) + byte % 16);
-                }
-#pragma unroll
-                for (int i = 0; i < WORDS; ++i)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h and + 1: dim tiles j and j + 1
-                        const unsigned select = h ? 0x7362u : 0x5140u;  // (t0, t1) of byte 2h, then of 2h + 1
-                        const unsigned lo = __byte_perm(w[0][i], w[1][i], select);
-                        const unsigned hi = __byte_perm(w[2][i], w[3][i], select);
-                        const int j = 4 * i + 2 * h;
-                        mma_16816<__half>(o[j], a0, a1, a2, a3, e4m3x2_to_half2(lo & 0xffffu),
-                                          e4m3x2_to_half2(hi & 0xffffu));
-                        mma_16816<__half>(o[j + 1], a0, a1, a2, a3, e4m3x2_to_half2(lo >> 16),
-                                          e4m3x2_to_half2(hi >> 16));
-                    }
+                const unsigned pa[4] = {a0, a1, a2, a3};
+                pv_e4m3<HEAD_DIM>(sv, 16 * kk, lane, pa, o);  // V rows are the tile's keys
             } else {
+                // ldmatrix.x4.trans of V: matrix i covers keys +8 for odd i, the next 8 dims for i >= 2
+                const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_next = lane >> 4;
 #pragma unroll
                 for (int j = 0; j < DIM_TILES; j += 2) {
                     unsigned b[4];
