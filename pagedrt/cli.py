@@ -17,7 +17,7 @@ import click
 
 from .errors import PagedRTError
 from .memory import BACKENDS
-from .supported import BLOCK_SIZES, DTYPES, GROUPS, HEAD_DIMS
+from .supported import BLOCK_SIZES, DTYPES, FP8, GROUPS, HEAD_DIMS
 
 DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1  # the JSON records, documented in docs/SNAPSHOT.md
 INFO_SCHEMA, INFO_VERSION = "pagedrt-info", 1
@@ -401,10 +401,12 @@ def show_snapshot(path, snap, style, as_json, clear):
               help="Sequences in the cache at once.")
 @click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False),
               help="Write the cache's snapshot here just before the first sequence ends (for `pagedrt map`).")
+@click.option("--kv-dtype", type=click.Choice(["float16", FP8]), default="float16", show_default=True,
+              help=f"What the KV cache stores: the model's float16, or {FP8} (half the bytes, a scale of 1).")
 @backend_option
 @named_errors
 def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model, raw, max_seqs, snapshot_path,
-             backend):
+             kv_dtype, backend):
     """Generate text for PROMPT with a Llama-family GGUF model, its KV cache in pagedrt's paged pool.
 
     Streams the tokens (of one sample), then prints the prompt's and the decode's time and speed. With
@@ -415,11 +417,11 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
     from .engine import Engine, SamplingParams, model_path
     path = model_path(model, say=lambda text: click.echo(text, err=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n)
-    with Engine(path, backend=backend, max_seqs=max_seqs) as engine:
+    with Engine(path, backend=backend, max_seqs=max_seqs, kv_dtype=kv_dtype) as engine:
         c = engine.config
         click.echo(f"model    {path.name}: {c.num_layers} layers, {c.q_heads} query / {c.kv_heads} KV heads x "
-                   f"{c.head_dim}, vocabulary {c.vocab_size}; {engine.cache.dtype.name} on the "
-                   f"{engine.cache.pool.backend} backend", err=True)
+                   f"{c.head_dim}, vocabulary {c.vocab_size}; {engine.cache.dtype.name}, K/V stored as "
+                   f"{engine.cache.kv_dtype}, on the {engine.cache.pool.backend} backend", err=True)
         engine.warm_up()
         if batch_file:
             prompts = [line.strip() for line in open(batch_file, encoding="utf-8") if line.strip()]

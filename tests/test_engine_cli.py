@@ -39,6 +39,13 @@ def test_generate_streams_and_reports_speed(tiny):
     assert "prompt " in result.stderr and "tokens/s" in result.stderr and "decode   7 tokens" in result.stderr
 
 
+def test_generate_over_an_fp8_kv_cache(tiny):
+    result = generate(PROMPT, "--model", tiny, "--max-tokens", "8", "--kv-dtype", "float8_e4m3")
+    assert "float16, K/V stored as float8_e4m3, on the host backend" in result.stderr
+    assert result.stdout.strip() and "decode   7 tokens" in result.stderr
+    generate(PROMPT, "--model", tiny, "--kv-dtype", "float8", code=2)  # not a choice: click's usage error
+
+
 def test_parallel_samples_and_the_map_of_their_blocks(tiny, tmp_path):
     snap = tmp_path / "snap.json"
     result = generate(PROMPT, "--model", tiny, "--n", "3", "--temperature", "0.9", "--seed", "1",

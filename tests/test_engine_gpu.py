@@ -69,10 +69,11 @@ def test_ops_match_references():
         np.testing.assert_allclose(to_host(od).astype(np.float32), oh.astype(np.float32), rtol=1e-2, atol=5e-2)
 
 
-def drive(gguf, backend, graphs, fed=None, steps=6):
+def drive(gguf, backend, graphs, fed=None, steps=6, kv_dtype=None):
     """A fixed schedule on ``backend``: two prompts (one chunked over two steps, the other finding its first two
     blocks cached), a fork (copy-on-write), then decode steps. Each step's tokens are the greedy ones, or those
-    of ``fed`` (teacher forcing). Returns (logits per step, tokens fed per step)."""
+    of ``fed`` (teacher forcing). ``kv_dtype``: the cache's (FP8: scales of 1). Returns (logits per step, tokens
+    fed per step)."""
     from pagedrt import PagedKVCache
     from pagedrt.engine.model import LlamaModel
     c = gguf.config
@@ -89,7 +90,7 @@ def drive(gguf, backend, graphs, fed=None, steps=6):
         return fed[len(inputs)] if len(inputs) < len(fed) else None
 
     with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=4096, max_seqs=8,
-                      backend=backend) as cache:
+                      backend=backend, kv_dtype=kv_dtype) as cache:
         model = LlamaModel(gguf, cache, graphs=graphs)
         with model.stream:
             step = cache.step(arrivals=[a], arrival_tokens=40)
@@ -107,13 +108,13 @@ def drive(gguf, backend, graphs, fed=None, steps=6):
     return logits, inputs
 
 
-def compare(gguf, tolerance):
+def compare(gguf, tolerance, kv_dtype=None):
     """GPU (graphs and eager) against the host path on the host's tokens: the largest |difference| of a step's
     logits over the std of the host's, and the share of rows whose greedy token agrees."""
-    host, fed = drive(gguf, "host", False)
+    host, fed = drive(gguf, "host", False, kv_dtype=kv_dtype)
     results = {}
     for graphs in (False, True):
-        gpu, _ = drive(gguf, "cuda", graphs, fed)
+        gpu, _ = drive(gguf, "cuda", graphs, fed, kv_dtype=kv_dtype)
         worst = max(float(np.abs(g - h).max() / h.std()) for g, h in zip(gpu, host))
         agree = np.mean(np.concatenate([g.argmax(1) == h.argmax(1) for g, h in zip(gpu, host)]))
         results[graphs] = gpu
@@ -126,6 +127,14 @@ def compare(gguf, tolerance):
 def test_tiny_model_gpu_matches_host(tiny):
     from pagedrt.engine import loader
     compare(loader.load(tiny), 0.02)
+
+
+def test_tiny_model_over_an_fp8_cache_gpu_matches_host(tiny):
+    """The schedule over FP8 caches: the device's prefill_fp8 and decode_fp8 (in and out of graphs) against
+    the host's references on dequantised values; looser than fp16's, as fp16 activations round a few K/V
+    values to the other side of an e4m3 step."""
+    from pagedrt.engine import loader
+    compare(loader.load(tiny), 0.05, kv_dtype="float8_e4m3")
 
 
 def test_real_model_gpu_matches_host():

@@ -106,10 +106,13 @@ class Engine:
     ``backend``: the cache's ("auto", "cuda", "host"); ``max_seqs``: sequences at once; ``kv_tokens``: the
     cache's capacity (address space reserved; memory is mapped as blocks are used); ``step_tokens``: the most
     new tokens one step computes (decode tokens and prompt chunks); ``graphs``: decode steps as CUDA graphs.
+    ``kv_dtype``: what the cache stores (default: ``dtype``), or ``"float8_e4m3"``: K and V as float8 e4m3 with
+    a scale of 1 per layer and KV head (what engines use without a calibration pass), half the cache's bytes;
+    the model's head_dim must then be 64 or 128.
     """
 
     def __init__(self, model_path, *, backend="auto", max_seqs=256, kv_tokens=DEFAULT_KV_TOKENS, block_size=16,
-                 step_tokens=2048, graphs=True, dtype="float16"):
+                 step_tokens=2048, graphs=True, dtype="float16", kv_dtype=None):
         gguf = loader.load(model_path)
         self.config, self.path = gguf.config, gguf.path
         self.tokenizer = Tokenizer(gguf.vocab)
@@ -118,7 +121,7 @@ class Engine:
         self.step_tokens = step_tokens
         self.cache = PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, block_size, dtype, max_tokens=kv_tokens,
                                   max_seqs=max_seqs, max_seq_len=self.max_seq_len,
-                                  max_step_tokens=step_tokens + max_seqs, backend=backend)
+                                  max_step_tokens=step_tokens + max_seqs, backend=backend, kv_dtype=kv_dtype)
         try:
             self.model = LlamaModel(gguf, self.cache, graphs=graphs)
         except BaseException:

@@ -10,7 +10,9 @@ row has one new token, else ``attention.PrefillPlan``: prompts, prompt chunks af
 cached tokens, mixed batches), the output projection, then RMSNorm and SwiGLU (one
 GEMM for gate and up). The residual stream is float32; weights and activations are the
 cache's dtype on a GPU, float32 on the host (where q, k and v are cast to the cache's
-dtype for the attention references).
+dtype for the attention references). Over an FP8 cache (``kv_dtype="float8_e4m3"``) the
+write quantises and the attention dequantises with the layer's scales
+(``cache.k_scale(layer)``, ``cache.v_scale(layer)``); q, k and v stay in the model's dtype.
 
 Decode steps on a GPU run as CUDA graphs, one per batch size (the step's arrays are
 fixed buffers, so a graph captured over one step reads each later step's): the first
@@ -129,12 +131,14 @@ class LlamaModel:
         delta = None
         for layer, w in enumerate(self.layers):
             k, v = cache.k(layer), cache.v(layer)
+            scales = {} if cache.k_scale(layer) is None else {"k_scale": cache.k_scale(layer),
+                                                              "v_scale": cache.v_scale(layer)}
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
             yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
             yield "rope", partial(ops.rope_split, b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens,
                                   self.inv_freq)
-            yield "write_kv", partial(writer.run, b["k"], b["v"], k, v)
-            yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"])
+            yield "write_kv", partial(writer.run, b["k"], b["v"], k, v, **scales)
+            yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"], **scales)
             yield "gemm_o", partial(ops.gemm, attn, w["o"], b["delta"])
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], b["delta"], w["ffn_norm"], b["h"], eps)
             yield "gemm_gate_up", partial(ops.gemm, b["h"], w["gate_up"], b["gate_up"])
