@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrt.attention.planner import SplitPlan
-from pagedrt.bench import cases, harness, partition, prefix, step, step_layers
+from pagedrt.bench import cases, groups, harness, partition, prefix, step, step_layers
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("decode", "generate", "launch", "layers", "partition", "pool", "prefill", "prefix", "step", "step_layers",
-              "swap")
+BENCHMARKS = ("decode", "generate", "groups", "launch", "layers", "partition", "pool", "prefill", "prefix", "step",
+              "step_layers", "swap")
 
 
 class FakeCuda:
@@ -237,3 +237,16 @@ def test_step_layers_writes_each_sequences_newest_token_and_counts_its_bytes():
     per_token = cases.KV_HEADS * cases.HEAD_DIM * 2
     assert step_layers.step_bytes([17, 16], 2, 2) == 2 * 33 * per_token + 2 * 2 * 32 * 128 * 2 + 4 * 2 * per_token
     assert "skew" in step_layers.CASES and "big-bf16" not in step_layers.CASES
+
+
+@pytest.mark.parametrize("argv, message", [(["--groups", "0,4"], "groups run from 1 to 64"),
+                                           (["--groups", "65"], "groups run from 1 to 64"),
+                                           (["--cases", "b8,nope"], None)])
+def test_groups_and_case_lists_are_checked_before_any_device_work(argv, message, capsys):
+    """Bad group widths (bench.groups) and unknown case names (harness.case_names, bench.step_layers) stop with a
+    usage error naming them, before CuPy is imported."""
+    main = groups.main if message else step_layers.main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert (message or "unknown cases ['nope']") in capsys.readouterr().err
