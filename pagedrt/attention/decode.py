@@ -25,7 +25,8 @@ import numpy as np
 
 from .. import source
 from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
-                            multiprocessors, plane, positive_int, ptr, RunArrays, check_scales, store)
+                            multiprocessors, plane, positive_int, ptr, RunArrays, check_scales, scale_keywords,
+                            scale_pointers, store)
 from ..errors import UnsupportedConfigError
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.launch import launch
@@ -278,15 +279,13 @@ class _Plan:
         self._arrays.check(q, k, v, out)
         check_scales(self._kv_heads, self._arrays.array_type, k_scale, v_scale)
         if self._arrays.array_type is np.ndarray:
-            scales = {} if self._kv_heads is None else {"k_scale": k_scale, "v_scale": v_scale}
-            return store(self._reference(q, k, v, **scales), out)
+            return store(self._reference(q, k, v, **scale_keywords(self._kv_heads, k_scale, v_scale)), out)
         import cupy
         if self._bound is not None:
             self._bound.check()
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
-        scales = () if self._kv_heads is None else tuple(
-            device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
+        scales = scale_pointers(self._device, self._kv_heads, k_scale, v_scale)
         if self._bound is not None:
             self._bound.launch(*pointers, scales)
         return out

@@ -40,7 +40,7 @@ import numpy as np
 from .. import source
 from ..errors import BlockTableError
 from ..kernels.args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array,
-                            multiprocessors, plane, ptr, RunArrays, store)
+                            multiprocessors, plane, ptr, RunArrays, scale_keywords, scale_pointers, store)
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..supported import check as check_supported
@@ -341,8 +341,7 @@ class PrefillPlan:
         self._arrays.check(q, k, v, out)
         check_scales(self._kv_heads, self._arrays.array_type, k_scale, v_scale)
         if self._arrays.array_type is np.ndarray:
-            scales = {} if self._kv_heads is None else {"k_scale": k_scale, "v_scale": v_scale}
-            return store(self._reference(q, k, v, **scales), out)
+            return store(self._reference(q, k, v, **scale_keywords(self._kv_heads, k_scale, v_scale)), out)
         import cupy
         if self._decode is not None:
             self._decode.check()
@@ -350,7 +349,7 @@ class PrefillPlan:
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
         if self._kv_heads is not None:  # FP8: every row is the prefill kernel's
             if self._prefill is not None:
-                self._prefill(*pointers, device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
+                self._prefill(*pointers, scale_pointers(self._device, self._kv_heads, k_scale, v_scale))
             return out
         if self._forked is not None:  # the decode rows on the side stream, beside the prompt rows
             fork, join, side = self._forked

@@ -165,6 +165,20 @@ def check_scales(kv_heads, array_type, k_scale, v_scale):
                       f"{getattr(a, 'shape', '')}")
 
 
+def scale_keywords(kv_heads, k_scale, v_scale):
+    """The scales as a reference takes them: ``k_scale=``, ``v_scale=`` for FP8 planes (``kv_heads`` not None),
+    none for other planes."""
+    return {} if kv_heads is None else {"k_scale": k_scale, "v_scale": v_scale}
+
+
+def scale_pointers(device, kv_heads, k_scale, v_scale):
+    """The scales as a kernel takes them, after its other arguments: their pointers for FP8 planes (``kv_heads``
+    not None; checked as :func:`device_pointers` checks), nothing for other planes."""
+    if kv_heads is None:
+        return ()
+    return tuple(device_pointers(device, ("k_scale", "v_scale"), (k_scale, v_scale)))
+
+
 def store(result, out):
     """A plan's host result, written into ``out`` when the caller gave one."""
     if out is None:

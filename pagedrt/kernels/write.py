@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import fp8, source
 from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
-                   plane, ptr, same_layout)
+                   plane, ptr, same_layout, scale_pointers)
 from .configs import config, fp8_sweep, sweep
 from .launch import launch
 from .validate import Spans, check_slots
@@ -98,8 +98,7 @@ class WritePlan:
             write_kv_reference(k, v, k_cache, v_cache, self._slots, k_scale=k_scale, v_scale=v_scale)
             return
         pk, pv, pkc, pvc = device_pointers(self._device, ("k", "v", "k_cache", "v_cache"), (k, v, k_cache, v_cache))
-        scales = () if self._kv_heads is None else tuple(
-            device_pointers(self._device, ("k_scale", "v_scale"), (k_scale, v_scale)))
+        scales = scale_pointers(self._device, self._kv_heads, k_scale, v_scale)
         if self._launch is not None:
             kernel, grid, threads, (stride, slots, num_tokens, heads) = self._launch
             launch(kernel, grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads, *scales))
