@@ -232,6 +232,13 @@ def test_an_fp8_kv_cache_quantises_what_fp16_stores_and_attends_over_it(tiny, to
     assert 0 < error < 0.1, error
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", 3, "float32"])
+def test_a_kv_dtype_the_cache_cannot_store_is_a_named_error(tiny, kv_dtype):
+    from pagedrt.errors import UnsupportedConfigError
+    with pytest.raises(UnsupportedConfigError, match="K/V|kv_dtype"):
+        Engine(tiny, backend="host", max_seqs=2, kv_tokens=1 << 10, kv_dtype=kv_dtype)
+
+
 def test_top_p_keeps_the_most_likely_tokens():
     from pagedrt.engine.sampler import sample
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
