@@ -49,12 +49,14 @@
 // Block ids: IDS_WINDOW table entries at a time are staged in shared memory
 // after the pipeline's stages, read by the whole thread block with coalesced loads.
 //
-// Programmatic dependent launch (PDL, pagedrt/kernels/launch.py): every thread block waits for the
-// kernel before it on the stream (grid_dependency_wait) before any global access, since that kernel
-// may have written what it reads (the layer's K/V write) or still use what it writes (the previous
-// layer's attention, over the same split workspace): it is the block's first statement. A block lets
-// the next kernel start once its tiles are consumed (launch_dependents), so the next kernel's blocks
-// take the SMs this grid's tail leaves idle. Launched normally, both are no-ops.
+// Programmatic dependent launch (PDL, pagedrt/kernels/launch.py): a block lets the next kernel launch
+// at once (launch_dependents), and itself streams what the kernel before it on the stream cannot be
+// writing (the table, the lengths, q, and every token but each sequence's newest) before it waits for
+// that kernel (grid_dependency_wait): the wait comes before the tile holding the sequence's newest
+// token (the layer's K/V write stores it) and before the block writes anything (out, and the split
+// workspace, which the previous layer's attention may still be merging from). So a layer's attention
+// streams its K/V while the previous layer's tail and merge finish. The write kernel waits for the
+// attention before it, so a kernel's wait covers every earlier one. Launched normally, both are no-ops.
 //
 // Split-K: with a partial-output workspace (part_o != nullptr) a block writes
 // its unnormalised output, m and l for its segment and counts itself in; the
@@ -415,7 +417,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     static_assert(MMA || GROUP <= 8, "CUDA cores: at most 8 heads a thread block (wider groups come in chunks)");
     static_assert(PARTS * GROUP * (HEAD_DIM + 2) * 4 <= S::kSmemBytes,
                   "the final merge reuses the pipeline's shared memory");
-    grid_dependency_wait();  // before any global access (PDL, above)
+    launch_dependents();  // PDL (above): the next kernel may launch now
 
     // 128-byte aligned: stages 16 bytes off a 128-byte boundary (what a static __shared__
     // variable placed before them does) made every case markedly slower (docs/KERNELS.md).
@@ -495,6 +497,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     if (split >= live) return;
     const bool merged = part_o != nullptr && live > 1;
     if (begin >= end) {  // an empty sequence: its output is zero
+        grid_dependency_wait();  // PDL: before any write
         for (int i = tid; i < GROUP * HEAD_DIM; i += NT) out[q_row * HEAD_DIM + i] = from_float<T>(0.f);
         return;
     }
@@ -577,6 +580,8 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
         else fetch(tile, integral_constant<bool, false>());
     };
     auto issue_tile = [&](int tile) {
+        // PDL: the tile holding the sequence's newest token waits for the kernel before (its K/V write)
+        if (end == len && begin + (tile + 1) * TILE >= len) grid_dependency_wait();
         if (is_full(tile)) issue(tile, integral_constant<bool, true>());
         else issue(tile, integral_constant<bool, false>());
     };
@@ -708,7 +713,7 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     // Merge the lane groups' states through shared memory (the pipeline's, now idle).
     cp_async_wait<0>();
     __syncthreads();
-    launch_dependents();  // the tiles are consumed: the next kernel's blocks may take this SM's free space
+    grid_dependency_wait();  // PDL: the kernel before is complete before this block writes (done if it waited)
     float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [PARTS][GROUP][HEAD_DIM]
     float* const red_m = red_acc + PARTS * GROUP * HEAD_DIM;     // [PARTS][GROUP]
     float* const red_l = red_m + PARTS * GROUP;                  // [PARTS][GROUP]

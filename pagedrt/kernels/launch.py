@@ -4,10 +4,15 @@ CuPy launches a ``RawKernel`` with ``cuLaunchKernel``, which takes no launch att
 :func:`dependent_launches` the plans' launches (``DecodePlan.run``, ``WritePlan.run``, and the decode rows of
 a mixed step) go through :func:`launch_ex` instead, with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
 set: each such kernel may start its thread blocks while the kernel before it on the stream finishes, so its
-launch and start overlap that kernel's tail. The kernels stay correct either way: they wait
-(``griddepcontrol.wait``, ``grid_dependency_wait`` in ``cuda_src/common.cuh``) for the kernel before them to
-complete before they touch global memory, which is a no-op when they were launched normally. Only kernels
-that wait may be launched so; every other launch in pagedrt stays CuPy's.
+launch and start overlap that kernel's tail. The kernels wait (``griddepcontrol.wait``,
+``grid_dependency_wait`` in ``cuda_src/common.cuh``) for the kernel before them to complete, a no-op when they
+were launched normally: the write before it touches memory; the decode before it reads each sequence's newest
+token and before it writes anything, so it streams the rest of its K/V during the previous kernels' tails.
+Hence the contract inside :func:`dependent_launches`: what a decode reads but the newest token of each
+sequence (its K/V, the tables, the lengths, q) is complete when the kernel two launches before it is (the
+step's upload and the model's kernels are, being launched normally; a write of one token per sequence is
+what a decode step makes). Only kernels that wait may be launched so; every other launch in pagedrt stays
+CuPy's.
 
 The kernel's handle is the ``CUfunction`` CuPy loaded: ``RawKernel.kernel`` is a ``cupy.cuda.function.Function``
 whose ``ptr`` is what ``cuModuleGetFunction`` returned (the handle ``attention.decode`` already hands to the
