@@ -832,16 +832,17 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 }
 
 // The paged kernel over float8 e4m3 K/V on tensor cores (q and out: __half or __nv_bfloat16); the arguments
-// of decode, rows unused (null), then the scales. At least 2 blocks an SM, as the planner counts on: left
-// to itself ptxas capped some instances at 168 registers and spilled.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int THREADS, int TILE, int STAGES, int IDS_WINDOW>
+// of decode (rows: INDEXED only, else null), then the scales. At least 2 blocks an SM, as the planner counts
+// on: left to itself ptxas capped some instances at 168 registers and spilled.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int THREADS, int TILE, int STAGES, int IDS_WINDOW,
+          bool INDEXED>
 __global__ void __launch_bounds__(THREADS, 2)
 decode_fp8(const T* __restrict__ q, const e4m3* __restrict__ k, const e4m3* __restrict__ v, long long block_stride,
            const int* __restrict__ block_tables, long long table_stride, int max_blocks,
            const int* __restrict__ seq_lens, float scale_log2, int segment_tokens, int group_chunks,
            T* __restrict__ out, float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
            const int2* __restrict__ rows, const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
-    decode_body<T, e4m3, HEAD_DIM, BLOCK_SIZE, GROUP, true, THREADS, 32, TILE, STAGES, true, IDS_WINDOW, false>(
+    decode_body<T, e4m3, HEAD_DIM, BLOCK_SIZE, GROUP, true, THREADS, 32, TILE, STAGES, true, IDS_WINDOW, INDEXED>(
         q, k, v, block_stride, block_tables, table_stride, max_blocks, seq_lens, scale_log2, segment_tokens,
         group_chunks, out, part_o, part_ml, arrivals, rows, k_scales, v_scales);
 }

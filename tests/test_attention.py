@@ -322,8 +322,9 @@ def test_instances_name_every_swept_kernel_with_its_geometry():
                                                                           geo.stages)),
                                 "true" if geo.mma else "false", str(geo.ids_window),
                                 "true" if indexed else "false"]
-    fp8 = {decode.kernel_name(c, True, g) for c in configs.fp8_sweep() for g in planner.GEOMETRIES}
-    assert set(with_indexed) == expected | fp8  # FP8: the plain paged kernel only
+    fp8 = {decode.kernel_name(c, True, g, i) for c in configs.fp8_sweep() for g in planner.GEOMETRIES
+           for i in (False, True)}
+    assert set(with_indexed) == expected | fp8  # FP8: paged kernels only
 
 
 # --- launcher checks ----------------------------------------------------------------------------

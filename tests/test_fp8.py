@@ -142,7 +142,7 @@ def test_prefill_attends_over_the_dequantised_values_and_checks_its_scales():
     queries = rng.standard_normal((int(qo[-1]), q.shape[1], 128)).astype(np.float16)
     v_scale = SCALES[::-1].copy()
     plan = PrefillPlan(queries, kc, table, lens, qo, query_lens=new)
-    assert plan.decode_rows.size == 0  # the one-token row too: FP8 has no decode rows
+    assert plan.decode_rows.tolist() == [0]  # the one-token row: decode_fp8's indexed variant on a device
     out = plan.run(queries, kc, vc, k_scale=SCALES, v_scale=v_scale)
     want = reference.prefill(queries, fp8.dequantise(kc, SCALES), fp8.dequantise(vc, v_scale), table, lens, qo)
     assert out.dtype == np.float16 and np.array_equal(out, want)
@@ -162,7 +162,9 @@ def test_prefill_attends_over_the_dequantised_values_and_checks_its_scales():
 def test_fp8_kernels_are_named_and_planned_with_twice_the_stages():
     cfg = configs.config("bfloat16", 64, 32, 8, kv_dtype=np.uint8)
     assert cfg.fp8 and cfg.kv_itemsize == 1
-    assert decode.kernel_name(cfg, True, "standard") == "pagedrt::decode_fp8<__nv_bfloat16, 64, 32, 8, 128, 64, 6, 256>"
+    assert decode.kernel_name(cfg, True, "standard") == ("pagedrt::decode_fp8<__nv_bfloat16, 64, 32, 8, 128, 64, 6, 256, "
+                                                         "false>")
+    assert decode.kernel_name(cfg, True, "standard", indexed=True).endswith(", 256, true>")  # mixed steps' rows
     assert write.kernel_name(cfg) == "pagedrt::write_kv_fp8<__nv_bfloat16, 64, 32>"
     fp16 = planner.geometry(configs.config("bfloat16", 64, 32, 8))
     geo = planner.geometry(cfg)

@@ -39,7 +39,8 @@ def compiled():
     compile_all(decode.instances(CONFIGS, paged=(True,)), write.instances(CONFIGS), decode.instances(
         [configs.Config(d, h, 16, 4) for d in configs.FP8_DTYPES for h in configs.FP8_HEAD_DIMS], paged=(True,)),
         write.instances([configs.Config(d, h, 16, 1) for d in configs.FP8_DTYPES for h in configs.FP8_HEAD_DIMS]),
-        prefill.instances(PREFILL, capability="80"), validate.instances())
+        prefill.instances(PREFILL, capability="80"), decode.instances(PREFILL, paged=(True,), indexed=(True,)),
+        validate.instances())
 
 
 def make_case(cfg, lens, seed=0, kv=2):
@@ -92,7 +93,7 @@ def test_decode_equals_the_reference_on_dequantised_values(cfg, num_splits, geom
 @pytest.mark.parametrize("cfg", PREFILL, ids=lambda c: f"{c.dtype}-d{c.head_dim}-b{c.block_size}-g{c.group}")
 def test_prefill_equals_the_reference_on_dequantised_values(cfg, causal):
     """Rows of 1, 7, 17 and 130 new tokens after 0, 40, bs and 300 cached ones, a row with no queries, over FP8
-    planes; every row on the prefill kernel (no decode rows over FP8), NaN-poisoned out."""
+    planes; the one-token row on decode_fp8's indexed variant, the others on prefill_fp8; NaN-poisoned out."""
     import cupy
     bs = cfg.block_size
     prefixes, new = [300, 40, bs, 0, 5], [1, 7, 17, 130, 0]
@@ -102,7 +103,7 @@ def test_prefill_equals_the_reference_on_dequantised_values(cfg, causal):
     q = rng.standard_normal((int(qo[-1]),) + q1.shape[1:]).astype(np.float32).astype(q1.dtype)
     dev = [cupy.asarray(a) for a in (q, kc, vc, table, lens, qo, ks, vs)]
     plan = PrefillPlan(dev[0], dev[1], dev[3], dev[4], dev[5], query_lens=np.array(new), causal=causal)
-    assert plan.decode_rows.size == 0 and plan.kernel.startswith("pagedrt::prefill_fp8<")
+    assert plan.decode_rows.tolist() == [0] and plan.kernel.startswith("pagedrt::prefill_fp8<")
     out = cupy.asarray(np.full(q.shape, np.nan, np.float32).astype(q.dtype))
     assert plan.run(dev[0], dev[1], dev[2], out, k_scale=dev[6], v_scale=dev[7]) is out
     got = to_host(out)

@@ -88,7 +88,8 @@ def run():
                  validate.instances(), *(() if fp8_cfg is None else (
                      decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, "float8_e4m3")],
                                       paged=(True,)), write.instances([fp8_cfg]),
-                     prefill.instances([fp8_cfg], capability="80")))):
+                     prefill.instances([fp8_cfg], capability="80"),
+                     decode.instances([fp8_cfg], paged=(True,), indexed=(True,))))):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file
     rng = np.random.default_rng(0)

@@ -51,10 +51,10 @@ def kernel_name(cfg, paged, geometry_name, indexed=False):
     Its GROUP is the heads one thread block takes (:func:`~pagedrt.attention.planner.kernel_group`)."""
     geo = geometry(cfg, geometry_name)
     heads = kernel_group(cfg)[0]
+    flag = lambda b: "true" if b else "false"  # noqa: E731
     if cfg.fp8:
         return (f"pagedrt::decode_fp8<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {heads}, {geo.threads}, "
-                f"{geo.tile}, {geo.stages}, {geo.ids_window}>")
-    flag = lambda b: "true" if b else "false"  # noqa: E731
+                f"{geo.tile}, {geo.stages}, {geo.ids_window}, {flag(indexed)}>")
     return (f"pagedrt::decode<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}, {heads}, {flag(paged)}, "
             f"{geo.threads}, {geo.lanes}, {geo.tile}, {geo.stages}, {flag(geo.mma)}, {geo.ids_window}, "
             f"{flag(indexed)}>")
@@ -63,9 +63,9 @@ def kernel_name(cfg, paged, geometry_name, indexed=False):
 def instances(configs=None, paged=(True, False), indexed=(False,)):
     """{file: name expressions} for ``configs`` (default: the representative sweeps, FP8's too), in every geometry;
     ``indexed=(False, True)`` adds the paged kernels' row-indexed variants (a mixed step's decode rows). FP8
-    configurations have the plain paged kernel only."""
+    configurations have paged kernels only."""
     names = [kernel_name(c, p, name, i) for c in (configs or sweep() + fp8_sweep()) for p in paged for i in indexed
-             if (p or not i) and (not c.fp8 or (p and not i)) for name in GEOMETRIES]
+             if (p or not i) and (not c.fp8 or p) for name in GEOMETRIES]
     return {FILE: tuple(dict.fromkeys(names))}
 
 

@@ -19,9 +19,10 @@ work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.pref
 are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
 the host (``query_lens``).
 
-Over FP8 K/V (uint8 planes of float8 e4m3 bits, scales per KV head given at each run) every row runs
-``prefill_fp8``, the mma.sync kernel converting K and V to f16 in registers (``cuda_src/prefill.cu``), on
-every GPU: the sm_90a kernel and the decode rows' kernel read fp16/bf16 planes only.
+Over FP8 K/V (uint8 planes of float8 e4m3 bits, scales per KV head given at each run) the rows that are not
+decode rows run ``prefill_fp8``, the mma.sync kernel converting K and V to f16 in registers
+(``cuda_src/prefill.cu``), on every GPU (the sm_90a kernel reads fp16/bf16 planes only); the decode rows run
+``decode_fp8``'s indexed variant.
 
 A mixed step's decode rows (one query token each:
 :func:`~pagedrt.attention.planner.decode_rows`) go to the decode kernel
@@ -247,9 +248,9 @@ class PrefillPlan:
     stream the plan was made on), or in one the plan allocates and holds when none is
     given. On NumPy arrays every row runs the reference.
 
-    FP8 planes (uint8 float8 e4m3 bits; q and out float16 or bfloat16; head_dim 64 or 128) run every row on the
-    mma.sync kernel's FP8 twin, with no decode rows, and :meth:`run` takes the layer's ``k_scale`` and
-    ``v_scale``.
+    FP8 planes (uint8 float8 e4m3 bits; q and out float16 or bfloat16; head_dim 64 or 128) run the prompt rows
+    on the mma.sync kernel's FP8 twin and the decode rows on decode_fp8's indexed variant, and :meth:`run` takes
+    the layer's ``k_scale`` and ``v_scale``.
     """
 
     def __init__(self, q, k_cache, block_tables, kv_lens, qo_indptr, *, query_lens=None, causal=True, scale=None,
@@ -300,7 +301,7 @@ class PrefillPlan:
             lens = np.asarray(kv_lens if xp is np else kv_lens.get(), np.int64)
             _check_lengths(lens, counts, width, pk.block_size)
             check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
-        self._decode_rows = np.zeros(0, np.int64) if fp8 else decode_rows(counts)  # FP8: every row on prefill_fp8
+        self._decode_rows = decode_rows(counts)
         self._kv_heads = pk.num_kv_heads if fp8 else None  # FP8: the length of the scales a run takes
         self._arrays = RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype),
                                  "K plane", spans)
@@ -347,24 +348,21 @@ class PrefillPlan:
             self._decode.check()
         out = cupy.empty_like(q) if out is None else out
         pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
-        if self._kv_heads is not None:  # FP8: every row is the prefill kernel's
-            if self._prefill is not None:
-                self._prefill(*pointers, scale_pointers(self._device, self._kv_heads, k_scale, v_scale))
-            return out
+        scales = scale_pointers(self._device, self._kv_heads, k_scale, v_scale)
         if self._forked is not None:  # the decode rows on the side stream, beside the prompt rows
             fork, join, side = self._forked
             main = cupy.cuda.get_current_stream()
             fork.record(main)
             side.wait_event(fork)
             with side:
-                self._decode.launch(*pointers)
+                self._decode.launch(*pointers, scales)
             join.record(side)
-            self._prefill(*pointers)
+            self._prefill(*pointers, scales)
             main.wait_event(join)
         elif self._prefill is not None:
-            self._prefill(*pointers)
+            self._prefill(*pointers, scales)
         elif self._decode is not None:
-            self._decode.launch(*pointers)
+            self._decode.launch(*pointers, scales)
         return out
 
 
