@@ -114,6 +114,32 @@ def test_prefill_equals_the_reference_on_dequantised_values(cfg, causal):
             assert rel_error(got[qo[row]:qo[row + 1]], want[qo[row]:qo[row + 1]]) < TOLERANCE[cfg.dtype], row
 
 
+def test_scales_may_be_views_one_float_off_a_16_byte_boundary():
+    """A cache's scales are views of one [layers, 2, KV heads] array: with one KV head, v_scale(layer) starts 4
+    bytes past a 16-byte boundary. The kernels read scales one float at a time, so write and decode take it."""
+    import cupy
+    cfg = configs.Config("float16", 128, 16, 4, configs.FP8)
+    q, kc, vc, table, lens, ks, vs = make_case(cfg, [1, 17, 300], seed=11, kv=1)
+    scales = cupy.asarray(np.stack([ks, vs])[None])  # [1 layer, K then V, 1 KV head]
+    k_view, v_view = scales[0, 0], scales[0, 1]
+    assert v_view.data.ptr % 16 == 4
+    dev = [cupy.asarray(a) for a in (q, kc, vc, table, lens)]
+    out = cupy.asarray(np.full(q.shape, np.nan, np.float16))
+    DecodePlan(dev[0], dev[1], dev[3], dev[4]).run(dev[0], dev[1], dev[2], out, k_scale=k_view, v_scale=v_view)
+    want = reference.paged_decode(q.astype(np.float64), kc, vc, table, lens, k_scale=ks, v_scale=vs)
+    for row in range(len(lens)):
+        assert rel_error(to_host(out)[row], want[row]) < TOLERANCE["float16"], row
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((5, 1, 128)).astype(np.float16) for _ in range(2))
+    slots = np.array([0, 3, 17, -1, 40], np.int64)
+    want_k, want_v = np.zeros(kc.shape, np.uint8), np.zeros(kc.shape, np.uint8)
+    kernels.write_kv_reference(k, v, want_k, want_v, slots, k_scale=ks, v_scale=vs)
+    got_k, got_v = cupy.zeros(kc.shape, np.uint8), cupy.zeros(kc.shape, np.uint8)
+    kernels.write_kv(cupy.asarray(k), cupy.asarray(v), got_k, got_v, cupy.asarray(slots), k_scale=k_view,
+                     v_scale=v_view)
+    assert np.array_equal(to_host(got_k), want_k) and np.array_equal(to_host(got_v), want_v)
+
+
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.group == 4 and c.block_size in (16, 128)],
                          ids=lambda c: f"{c.dtype}-d{c.head_dim}-b{c.block_size}")
 def test_write_kv_quantises_bit_for_bit_as_the_reference(cfg):

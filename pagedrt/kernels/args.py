@@ -173,10 +173,13 @@ def scale_keywords(kv_heads, k_scale, v_scale):
 
 def scale_pointers(device, kv_heads, k_scale, v_scale):
     """The scales as a kernel takes them, after its other arguments: their pointers for FP8 planes (``kv_heads``
-    not None; checked as :func:`device_pointers` checks), nothing for other planes."""
+    not None; on the plan's device, as :func:`device_pointers` checks; a kernel reads them one float at a time,
+    so a view such as ``cache.v_scale(layer)``, 4 bytes past a 16-byte boundary with one KV head, will do),
+    nothing for other planes."""
     if kv_heads is None:
         return ()
-    return tuple(device_pointers(device, ("k_scale", "v_scale"), (k_scale, v_scale)))
+    on_device(device, (k_scale, v_scale))
+    return ptr(k_scale), ptr(v_scale)
 
 
 def store(result, out):
@@ -190,14 +193,19 @@ def store(result, out):
 def device_pointers(device, names, arrays):
     """Kernel arguments for device arrays (a plan's run): on the plan's ``device``, which must be the
     current one, and 16-byte aligned."""
-    import cupy
-    check(cupy.cuda.Device().id == device and all(a.device.id == device for a in arrays),
-          lambda: f"the plan was made on device {device}: run it there, with arrays on that device")
+    on_device(device, arrays)
     pointers = [a.data.ptr for a in arrays]
     if any(p % 16 for p in pointers):
         for name, a in zip(names, arrays):
             aligned(name, a)
     return [np.uint64(p) for p in pointers]
+
+
+def on_device(device, arrays):
+    """Check that the current device is the plan's ``device`` and that ``arrays`` are on it."""
+    import cupy
+    check(cupy.cuda.Device().id == device and all(a.device.id == device for a in arrays),
+          lambda: f"the plan was made on device {device}: run it there, with arrays on that device")
 
 
 def ptr(a):
