@@ -24,8 +24,15 @@
 // Shared memory tiles use the 128-byte swizzle that wgmma reads (hopper.cuh: smem_descriptor):
 // rows of 64-element panels, chunk c of row r at c ^ (r % 8), tiles 1024-byte aligned.
 // Masking (causal aligned bottom-right, and the sequence's end) is applied only to the tiles that
-// cross some row's limit. At the end each consumer normalises its rows, stages them where its Q
-// rows were and stores them in 16-byte vectors.
+// cross some row's limit. At the end each consumer normalises its rows and stores them.
+//
+// Split-K (a wide group's decode, pagedrt/attention/decode.py; head_dim up to 128, where a consumer has the
+// registers for the merge: at 256 num_splits is taken as 1): with num_splits > 1 a unit is also one
+// segment of split_tiles key tiles of its (item, KV head); segments past the keys are skipped by producer
+// and consumers alike. A consumer of a unit with more than one live segment writes its rows' unnormalised
+// output and (max, sum) into the workspace (decode.cu's layout: row = query token x query heads + head) and
+// counts itself in on the arrival count of its first row; the consumer that arrives last merges the
+// segments of its rows and resets the count. Unsplit (num_splits 1) the workspace pointers are null.
 #include "common.cuh"
 #include "hopper.cuh"
 
@@ -46,6 +53,8 @@ struct PrefillSm90Shape {
     static constexpr int kVOffset = kKOffset + STAGES * kStageBytes;
     static constexpr int kSmemBytes = kVOffset + STAGES * kStageBytes + 1024;  // + the 1024-byte alignment
     static constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 = 384 x 168
+    // Split-K up to head_dim 128: at 256 a consumer thread holds 128 floats of output, and the merge spilled
+    static constexpr bool kSplitK = HEAD_DIM <= 128;
 
     static_assert(sizeof(T) == 2, "tensor cores: half or bfloat16");
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 128-byte panels; wgmma N <= 256");
@@ -61,8 +70,9 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 }
 
 // Arguments as prefill.cu's, but the block size is a run-time power of two (block_shift = log2), and the
-// grid is persistent: thread block b takes units b, b + gridDim.x, ... of the num_items * num_kv_heads units
-// (unit u: work item u / num_kv_heads for KV head u % num_kv_heads).
+// grid is persistent: thread block b takes units b, b + gridDim.x, ... of the num_items * num_kv_heads *
+// num_splits units (unit u: segment u % num_splits of work item u / num_splits / num_kv_heads for KV head
+// u / num_splits % num_kv_heads).
 // q, out:       [num_tokens, num_kv_heads * group, HEAD_DIM], contiguous
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at
 //               b*block_stride + ((h << block_shift) + s)*HEAD_DIM + d
@@ -70,18 +80,26 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 // kv_lens:      [batch] int32 (keys after the step: cached and new), clamped to [0, max_blocks << block_shift]
 // items:        [num_items] (batch row, its first query token, its query count, the tile's first packed row)
 // causal:       nonzero for the bottom-right causal mask; scale_log2 > 0
+// num_splits, split_tiles: segments per (item, KV head) and key tiles per segment (split_tiles covers every
+//               tile when num_splits is 1)
+// part_o, part_ml, arrivals: split partials, float32 [num_tokens * q_heads, num_splits, HEAD_DIM], float2
+//               [num_tokens * q_heads, num_splits] (max in the log2 domain, sum), int [num_tokens * q_heads]
+//               zeroed before the first launch (each merge resets its count); null when unsplit
 template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
              const int* __restrict__ block_tables, long long table_stride, int max_blocks,
              const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
-             float scale_log2, int block_shift, int num_items, int num_kv_heads, T* __restrict__ out) {
+             float scale_log2, int block_shift, int num_items, int num_kv_heads, int num_splits, int split_tiles,
+             float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+             T* __restrict__ out) {
     using S = PrefillSm90Shape<T, HEAD_DIM, TILE_N, STAGES>;
     constexpr int NV = S::kRowVecs, RPR = S::kRowsPerRound, TILE_M = S::kTileM;
 
     extern __shared__ unsigned char smem_raw[];
     // mbarriers: Q landed, Q free; per stage: K landed, V landed, K free, V free
     __shared__ __align__(8) unsigned long long barriers[2 + 4 * STAGES];
+    __shared__ int merges[2];  // split-K: whether each consumer arrived last on its rows' count
     const unsigned smem = (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
     const unsigned smem_q = smem, smem_k = smem + S::kKOffset, smem_v = smem + S::kVOffset;
     const unsigned q_full = static_cast<unsigned>(__cvta_generic_to_shared(barriers)), q_empty = q_full + 8;
@@ -102,21 +120,28 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     }
     __syncthreads();
 
-    const int num_units = num_items * num_kv_heads, q_heads = num_kv_heads * group;
-    // One unit's work: its sequence, query tokens, packed rows [p_first, p_end), keys and key tiles.
+    const int num_units = num_items * num_kv_heads * (S::kSplitK ? num_splits : 1), q_heads = num_kv_heads * group;
+    // One unit's work: its sequence, query tokens, packed rows [p_first, p_end), keys, its segment (key tiles
+    // [tile0, tile0 + num_tiles) of its (item, KV head)'s, whose first `live` segments hold keys).
     struct Unit {
-        int seq, q_first, q_len, p_first, p_end, kv_head, kv_len, num_tiles, consumers;
+        int seq, q_first, q_len, p_first, p_end, kv_head, kv_len, tile0, num_tiles, consumers, split, live;
     };
     auto unit_of = [&](int u) {
-        const int4 item = items[u / num_kv_heads];
+        const int splits = S::kSplitK ? num_splits : 1, seg_tiles = S::kSplitK ? split_tiles : 0x7fffffff;
+        const int pair = u / splits;
+        const int4 item = items[pair / num_kv_heads];
         Unit w;
         w.seq = item.x, w.q_first = item.y, w.q_len = item.z, w.p_first = item.w;
         w.p_end = min(w.p_first + TILE_M, w.q_len * group);
-        w.kv_head = u % num_kv_heads;
+        w.kv_head = pair % num_kv_heads;
+        w.split = u % splits;
         w.kv_len = min(max(kv_lens[w.seq], 0), max_blocks << block_shift);
         // the tile's last row sees the most keys
         const int tile_keys = causal ? min(w.kv_len, w.kv_len - w.q_len + (w.p_end - 1) / group + 1) : w.kv_len;
-        w.num_tiles = tile_keys > 0 ? (tile_keys + TILE_N - 1) / TILE_N : 0;
+        const int all_tiles = tile_keys > 0 ? (tile_keys + TILE_N - 1) / TILE_N : 0;
+        w.live = all_tiles <= seg_tiles ? 1 : (all_tiles - 1) / seg_tiles + 1;  // a keyless unit: one
+        w.tile0 = w.split * seg_tiles;
+        w.num_tiles = w.split < w.live ? min(all_tiles - w.tile0, seg_tiles) : 0;
         w.consumers = w.p_end - w.p_first > 64 ? 2 : 1;  // a consumer without a live row passes the tiles on
         return w;
     };
@@ -146,8 +171,9 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const int qrow0 = copy_row * QRPT;
         const unsigned qdst0 = panel_offset<TILE_M>(qrow0, chunk & ~7);
         int tiles = 0;  // tiles produced so far: stage tiles % STAGES, round tiles / STAGES
-        for (int u = blockIdx.x, n = 0; u < num_units; u += gridDim.x, ++n) {
+        for (int u = blockIdx.x, n = 0; u < num_units; u += gridDim.x) {
             const Unit w = unit_of(u);
+            if (w.split >= w.live) continue;  // a segment past the keys
             // The Q tile, rows past the tile zero-filled, once the consumers are done with the last unit's.
             // This thread copies chunk `chunk` of the packed rows [qrow0, qrow0 + QRPT), stepping through them.
             sm90::mbarrier_wait(q_empty, (n & 1) ^ 1);
@@ -165,6 +191,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 }
             }
             sm90::cp_async_arrive(q_full);
+            ++n;
 
             const int* const table_row = block_tables + w.seq * table_stride;
             const long long within = ((long long)w.kv_head << block_shift) * HEAD_DIM + chunk * 8;  // in a block
@@ -185,7 +212,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 }
             };
             for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
-                const int s = tiles % STAGES, first_key = t * TILE_N;
+                const int s = tiles % STAGES, first_key = (w.tile0 + t) * TILE_N;
                 const unsigned parity = ((tiles / STAGES) & 1) ^ 1;  // the stage's previous round was released
                 // lane j: the id of the tile's j-th block (-1 past the sequence: never read)
                 const int block = (first_key >> block_shift) + lane;
@@ -254,8 +281,10 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // consumer 1's last arrival is taken at the end. At most one arrival is ever pending on either barrier.
     bool pinged = false;  // a pingpong unit has run
     int tiles = 0;        // tiles consumed so far, as the producer counts them
-    for (int u = blockIdx.x, n = 0; u < num_units; u += gridDim.x, ++n) {
+    for (int u = blockIdx.x, n = -1; u < num_units; u += gridDim.x) {
         const Unit w = unit_of(u);
+        if (w.split >= w.live) continue;  // a segment past the keys
+        ++n;
         const int num_tiles = w.num_tiles, first = tiles;
         tiles += num_tiles;
         auto stage = [&](int t) { return (first + t) % STAGES; };
@@ -291,20 +320,21 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
 #pragma unroll
         for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
-        // The online softmax of tile t's scores (in sc): the running max and sum, sc becomes the
+        // The online softmax of the unit's tile t's scores (in sc): the running max and sum, sc becomes the
         // probabilities; returns (through alpha) the factor the output rows must be rescaled by. MASK:
         // some key of the tile lies past some row's limit, so those scores become -inf. The scale is
         // positive (the plan sends other scales to prefill.cu), so the max is taken over the raw scores
         // and the scale folds into the exponent: exp2(s * scale_log2 - m * scale_log2), one FFMA.
         auto softmax = [&](int t, float (&alpha)[2], auto mask) {
             constexpr bool MASK = decltype(mask)::value;
-            // sc[4j + e]: row row_c + 8 * (e / 2), key t * TILE_N + 8 * j + 2 * quad_col + e % 2
+            const int key0 = (w.tile0 + t) * TILE_N;
+            // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2
             float top[2] = {neg_inf(), neg_inf()};
 #pragma unroll
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    if (MASK && t * TILE_N + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
+                    if (MASK && key0 + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
                         sc[4 * j + e] = neg_inf();
                     top[e / 2] = fmaxf(top[e / 2], sc[4 * j + e]);
                 }
@@ -329,7 +359,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 }
         };
         auto softmax_of = [&](int t, float (&alpha)[2]) {
-            if ((t + 1) * TILE_N <= shared_keys) softmax(t, alpha, integral_constant<bool, false>());
+            if ((w.tile0 + t + 1) * TILE_N <= shared_keys) softmax(t, alpha, integral_constant<bool, false>());
             else softmax(t, alpha, integral_constant<bool, true>());
         };
 
@@ -385,20 +415,80 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             release(v_empty(stage(num_tiles - 1)));
         }
 
-        // Normalise and store this thread's two rows straight from the accumulators (4 bytes a column pair).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
             l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // 0: a row that saw no key (not validated): zeros
-            const int p = w.p_first + row_c + 8 * h;
-            if (p < w.p_end) {
-                T* const row = out + row_offset(w, p) + 2 * quad_col;
+        }
+        // The sums to normalise by: the unit's own, or, split, the merged ones (the output merged into o).
+        float sum[2] = {l[0], l[1]};
+        if (w.live > 1) {
+            // Split-K: this segment's partials, then the consumer arriving last on its rows merges them.
 #pragma unroll
-                for (int j = 0; j < HEAD_DIM / 8; ++j)  // o[4j + 2h + e]: column 8j + 2 * quad_col + e
-                    *reinterpret_cast<unsigned*>(row + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv,
-                                                                         o[4 * j + 2 * h + 1] * inv);
+            for (int h = 0; h < 2; ++h) {
+                const int p = w.p_first + row_c + 8 * h;
+                if (p >= w.p_end) continue;
+                const long long part = (row_offset(w, p) / HEAD_DIM) * num_splits + w.split;
+                float* const po = part_o + part * HEAD_DIM + 2 * quad_col;
+#pragma unroll
+                for (int j = 0; j < HEAD_DIM / 8; ++j)
+                    *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+                if (quad_col == 0)
+                    part_ml[part] = make_float2(m[h] == neg_inf() ? neg_inf() : m[h] * scale_log2, l[h]);
             }
+            __threadfence();
+            sm90::named_barrier_sync(3 + consumer, 128);
+            if (threadIdx.x % 128 == 0) {
+                int* const count = arrivals + row_offset(w, w.p_first + row_base) / HEAD_DIM;
+                const bool last = atomicAdd(count, 1) == w.live - 1;
+                if (last) *count = 0;  // ready for the next launch
+                __threadfence();
+                merges[consumer] = last;
+            }
+            sm90::named_barrier_sync(3 + consumer, 128);
+            if (!merges[consumer]) continue;
+            // o = sum_s o_s 2^(m_s - m), sum = sum_s l_s 2^(m_s - m), m = max_s m_s, for this thread's rows and
+            // columns: a segment's loads (a row's whole slice of o_s) are in flight together.
+            long long part[2];
+            float top[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int p = min(w.p_first + row_c + 8 * h, w.p_end - 1);  // a dead row merges a live one's
+                part[h] = (row_offset(w, p) / HEAD_DIM) * num_splits;
+                top[h] = neg_inf(), sum[h] = 0.f;
+            }
+            for (int s = 0; s < w.live; ++s)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], __ldcg(part_ml + part[h] + s).x);
+#pragma unroll
+            for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                for (int s = 0; s < w.live; ++s) {
+                    const float2 ml = __ldcg(part_ml + part[h] + s);
+                    const float weight = ml.x == neg_inf() ? 0.f : exp2f(ml.x - top[h]);
+                    sum[h] += ml.y * weight;
+                    const float2* const po =
+                        reinterpret_cast<const float2*>(part_o + (part[h] + s) * HEAD_DIM) + quad_col;
+#pragma unroll
+                    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                        const float2 x = __ldcg(po + 4 * j);
+                        o[4 * j + 2 * h] += x.x * weight;
+                        o[4 * j + 2 * h + 1] += x.y * weight;
+                    }
+                }
+        }
+        // Normalise and store this thread's two rows (4 bytes a column pair).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int p = w.p_first + row_c + 8 * h;
+            if (p >= w.p_end) continue;
+            const float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;  // 0: a row that saw no key (an empty sequence)
+            T* const row = out + row_offset(w, p) + 2 * quad_col;
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j)  // o[4j + 2h + e]: column 8j + 2 * quad_col + e
+                *reinterpret_cast<unsigned*>(row + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv,
+                                                                     o[4 * j + 2 * h + 1] * inv);
         }
     }
     if (pinged && consumer == 0) sm90::named_barrier_sync(1, 256);

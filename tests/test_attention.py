@@ -219,6 +219,27 @@ def test_plan_keeps_a_requested_split_count_and_geometry():
     assert plan_splits(0, 8, 100, 32, 512, 396) == SplitPlan(1, 128, "standard")  # an empty batch
 
 
+def test_wide_groups_and_their_split_on_the_sm90a_kernel():
+    """Past WIDE_GROUP heads fp16/bf16 decode goes to the sm_90a prefill kernel (at the head dims it takes), cut
+    for a thread block per SM into whole key tiles of that kernel."""
+    assert not planner.wide_group(Config("float16", 128, 16, planner.WIDE_GROUP))
+    assert planner.wide_group(Config("float16", 128, 16, planner.WIDE_GROUP + 1))
+    assert planner.wide_group(Config("bfloat16", 64, 8, 64))
+    assert not planner.wide_group(Config("bfloat16", 256, 8, 64))  # the sm_90a kernel does not split at 256
+    assert not planner.wide_group(Config("float32", 128, 16, 64))
+    assert not planner.wide_group(Config("float16", 80, 16, 64))
+    assert not planner.wide_group(Config("float16", 128, 16, 64, configs.FP8))
+    cfg = Config("float16", 128, 16, 32)
+    tile = planner.prefill_sm90_geometry(cfg).tile_n
+    one = planner.wide_split(cfg, 1, 8, 32768, 132)
+    assert one.geometry == planner.WGMMA and one.num_splits == 16 and one.segment_tokens % tile == 0
+    assert planner.wide_split(cfg, 64, 2, 4096, 132).num_splits == 1  # 128 units: one wave unsplit
+    for batch in (2, 8, 40):  # never segments shorter than WIDE_SEGMENT_BYTES of K+V
+        split = planner.wide_split(cfg, batch, 2, 8192, 132)
+        assert split.segment_tokens * 2 * 128 * 2 >= planner.WIDE_SEGMENT_BYTES
+    assert planner.wide_split(cfg, 3, 2, 1000, 132, num_splits=5) == SplitPlan(5, 2 * tile, planner.WGMMA)
+
+
 @pytest.mark.parametrize("bad", ["long", "", 1, True])
 def test_plan_and_geometry_refuse_an_unknown_geometry(bad):
     with pytest.raises(LaunchArgumentError, match="geometry"):

@@ -241,6 +241,7 @@ def test_step_layers_writes_each_sequences_newest_token_and_counts_its_bytes():
 
 @pytest.mark.parametrize("argv, message", [(["--groups", "0,4"], "groups run from 1 to 64"),
                                            (["--groups", "65"], "groups run from 1 to 64"),
+                                           (["--batch", "0"], "--batch and --length must be positive"),
                                            (["--cases", "b8,nope"], None)])
 def test_groups_and_case_lists_are_checked_before_any_device_work(argv, message, capsys):
     """Bad group widths (bench.groups) and unknown case names (harness.case_names, bench.step_layers) stop with a

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernel_cases import PrefillCase, naive_prefill, rel_error
 from pagedrt import PagedKVCache, source
-from pagedrt.attention import PrefillPlan, paged_decode, paged_prefill, planner, prefill, reference
+from pagedrt.attention import PrefillPlan, paged_decode, paged_prefill, planner, prefill, prefill_sm90, reference
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs, write_kv
 from pagedrt.kernels.configs import Config
@@ -198,7 +198,7 @@ def test_instances_name_every_prefill_capable_config_of_the_sweep():
     capable = [c for c in configs.sweep() + configs.fp8_sweep()
                if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
     assert set(names) == {prefill.kernel_name(c) for c in capable}
-    assert set(prefill.instances()["prefill_sm90.cu"]) == {prefill.sm90_kernel_name(c) for c in capable if not c.fp8}
+    assert set(prefill.instances()["prefill_sm90.cu"]) == {prefill_sm90.kernel_name(c) for c in capable if not c.fp8}
     assert set(prefill.instances(capability="90")["prefill.cu"]) == {prefill.kernel_name(c) for c in capable
                                                                     if c.fp8}  # FP8 runs on mma.sync everywhere
     for cfg in capable:
@@ -231,16 +231,16 @@ def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
 def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
     capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
     both = prefill.instances()
-    assert set(both[prefill.FILE_SM90]) == {prefill.sm90_kernel_name(c) for c in capable}
+    assert set(both[prefill_sm90.FILE]) == {prefill_sm90.kernel_name(c) for c in capable}
     for cfg in capable:
         geo = planner.prefill_sm90_geometry(cfg)
-        args = prefill.sm90_kernel_name(cfg).split("<")[1][:-1].split(", ")
+        args = prefill_sm90.kernel_name(cfg).split("<")[1][:-1].split(", ")
         assert args == [cfg.cuda_type, str(cfg.head_dim), str(geo.tile_n), str(geo.stages)]
     fp8 = tuple(prefill.kernel_name(c) for c in configs.fp8_sweep() if c.head_dim in planner.PREFILL_HEAD_DIMS)
-    assert prefill.instances(capability="90") == {prefill.FILE_SM90: both[prefill.FILE_SM90], prefill.FILE: fp8}
+    assert prefill.instances(capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE], prefill.FILE: fp8}
     assert prefill.instances(capability="80") == {prefill.FILE: both[prefill.FILE]}
-    assert prefill.instances(capable, capability="90") == {prefill.FILE_SM90: both[prefill.FILE_SM90]}
-    assert source.options(prefill.FILE_SM90) == source.OPTIONS + ("-arch=sm_90a",)
+    assert prefill.instances(capable, capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE]}
+    assert source.options(prefill_sm90.FILE) == source.OPTIONS + ("-arch=sm_90a",)
     assert source.options(prefill.FILE) == source.options("decode.cu") == source.OPTIONS
 
 

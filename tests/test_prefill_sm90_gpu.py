@@ -18,7 +18,7 @@ import pytest
 
 from helpers import compile_all
 from kernel_cases import PrefillCase
-from pagedrt.attention import PrefillPlan, decode, prefill, reference
+from pagedrt.attention import PrefillPlan, decode, prefill, prefill_sm90, reference
 from pagedrt.kernels.configs import Config
 from test_prefill_gpu import OnDevice, case_of, expected, poisoned, ragged, row_errors, run
 
@@ -38,19 +38,19 @@ def hopper():
     prefill, the mma.sync one of the fallback tests, and the (indexed) decode kernels that the one-token rows at
     groups up to 8 run."""
     import cupy
-    if cupy.cuda.Device().compute_capability != prefill.SM90:
+    if cupy.cuda.Device().compute_capability != prefill_sm90.SM90:
         pytest.skip("the sm_90a kernel needs compute capability 9.0")
     configs = [Config(d, h, b, g) for d in DTYPES for h in HEAD_DIMS for b in BLOCK_SIZES for g in (1, 4, 8)]
     names = [decode.kernel_name(c, True, "standard", indexed=True) for c in configs]
     fallback = {prefill.FILE: [prefill.kernel_name(c) for c in FALLBACK_CONFIGS]}
-    compile_all(prefill.instances(configs, prefill.SM90), fallback, {decode.FILE: names})
+    compile_all(prefill.instances(configs, prefill_sm90.SM90), fallback, {decode.FILE: names})
 
 
 def test_the_plan_picks_the_sm90a_kernel():
     case = case_of(Config("float16", 128, 16, 4), [(3, 20)])
     dev = OnDevice(case)
     plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
-    assert plan.kernel == prefill.sm90_kernel_name(case.cfg) and plan.kernel.startswith("pagedrt::prefill_sm90<")
+    assert plan.kernel == prefill_sm90.kernel_name(case.cfg) and plan.kernel.startswith("pagedrt::prefill_sm90<")
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -92,7 +92,7 @@ def test_a_scale_of_zero_or_below_takes_the_mma_sync_kernel():
 
 @pytest.mark.parametrize("cfg", FALLBACK_CONFIGS, ids=str)
 def test_the_mma_sync_kernel_still_runs_where_the_device_is_not_9_0(cfg, monkeypatch):
-    monkeypatch.setattr(prefill, "_sm90", lambda device_id: False)
+    monkeypatch.setattr(prefill_sm90, "runs_on", lambda device_id: False)
     case = case_of(cfg, ragged(cfg.block_size), seed=11)
     dev = OnDevice(case)
     plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)

@@ -13,7 +13,8 @@ or later; prefill too, causal and not), the contiguous baseline, prefill (causal
 not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
 and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
 block copy, and validation (a good table, then a bad one refused), on the base configuration; decode at groups
-wider than 8 (24 and 40 on tensor cores, 13 on CUDA cores, 40 over FP8 K/V), and a write and a split decode
+wider than 8 (24 and 40 on tensor cores, 13 on CUDA cores, 40 over FP8 K/V; 24 and 40 also on the sm_90a
+prefill kernel, split and not, on compute capability 9.0), and a write and a split decode
 under programmatic dependent launch (compute capability 9.0). Then the
 refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
 decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedrt import source  # noqa: E402
 from pagedrt.attention import contiguous_decode, paged_decode, paged_prefill, reference  # noqa: E402
-from pagedrt.attention import decode, planner, prefill  # noqa: E402
+from pagedrt.attention import decode, planner, prefill, prefill_sm90  # noqa: E402
 from pagedrt.cache import PagedKVCache  # noqa: E402
 from pagedrt.errors import BlockTableError, PoolClosedError  # noqa: E402
 from pagedrt.kernels import copy_blocks, copy_blocks_reference, release_buffers  # noqa: E402
@@ -81,7 +82,7 @@ def run():
     base = configs.Config("float16", DIM, BLOCK, GROUP)
     capability = cupy.cuda.Device().compute_capability
     fp8_cfg = configs.Config("float16", DIM, BLOCK, GROUP, "float8_e4m3") if capability >= "89" else None
-    hopper = capability == prefill.SM90  # then both prefill kernels run
+    hopper = capability == prefill_sm90.SM90  # then both prefill kernels run
     for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
                  decode.instances([configs.Config(d, DIM, BLOCK, g) for d, g in WIDE], paged=(True,)),
                  prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
@@ -166,15 +167,15 @@ def run():
 
     qo = np.concatenate([[0], np.cumsum(QUERIES)]).astype(np.int32)
     pq = rng.standard_normal((int(qo[-1]), KV_HEADS * GROUP, DIM)).astype(np.float16)
-    chosen = prefill._sm90
+    chosen = prefill_sm90.runs_on
     for sm90 in (True, False) if hopper else (False,):  # on 9.0 also the mma.sync kernel the other GPUs run
-        prefill._sm90 = lambda device_id, sm90=sm90: sm90
+        prefill_sm90.runs_on = lambda device_id, sm90=sm90: sm90
         for causal in (True, False):
             out = paged_prefill(cupy.asarray(pq), k, v, d_table, d_lens, cupy.asarray(qo), causal=causal)
             ref = reference.prefill(pq.astype(np.float64), host_k, host_v, table, lens, qo, causal=causal)
             expect(f"paged_prefill ({'sm_90a' if sm90 else 'mma.sync'}), {'causal' if causal else 'not causal'}",
                    rel_error(cupy.asnumpy(out), ref) <= 2e-3)
-    prefill._sm90 = chosen
+    prefill_sm90.runs_on = chosen
 
     mixed(expect, rng)
     wide_groups(expect, rng, fp8_cfg is not None)
@@ -202,7 +203,9 @@ WIDE = (("float16", 24), ("float16", 40), ("float32", 13))  # two and four m16 t
 
 def wide_groups(expect, rng, fp8):
     """Decode at groups wider than 8: unsplit and split, in both geometries, on tensor cores (24, 40: two and
-    four m16 tiles, the last padded), on CUDA cores (13: chunks of one head) and, with FP8, over FP8 K/V (40)."""
+    four m16 tiles, the last padded), on CUDA cores (13: chunks of one head) and, with FP8, over FP8 K/V (40);
+    then in the plan's geometry, which on compute capability 9.0 runs 24 and 40 on the sm_90a prefill kernel
+    (split-K merged in the kernel)."""
     import cupy
     lens = np.array([1, 17, 300], np.int32)
     used = [-(-int(n) // BLOCK) for n in lens]
@@ -225,11 +228,12 @@ def wide_groups(expect, rng, fp8):
         q = rng.standard_normal((3, KV_HEADS * group, DIM)).astype(dtype)
         ref = reference.paged_decode(q.astype(np.float64), *planes, table, lens, 1 / math.sqrt(DIM), **ref_extra)
         k, v = (cupy.asarray(x) for x in planes)
-        for geometry_name in planner.GEOMETRIES:
+        for geometry_name in (*planner.GEOMETRIES, None):  # None: the plan's (past 16 heads on 9.0: wgmma)
             for splits in (1, 12):
                 out = paged_decode(cupy.asarray(q), k, v, d_table, d_lens, num_splits=splits, geometry=geometry_name,
                                    **extra)
-                expect(f"paged_decode group {group} {kv_dtype or dtype}, {splits} splits, {geometry_name} geometry",
+                expect(f"paged_decode group {group} {kv_dtype or dtype}, {splits} splits, "
+                       f"{geometry_name or 'chosen'} geometry",
                        rel_error(cupy.asnumpy(out), ref) <= (1e-5 if dtype == "float32" else 2e-3))
 
 

@@ -14,6 +14,10 @@ segment of a sequence and writes a partial state (m, l, unnormalised o) into the
 plan's workspace; the last segment of each sequence and KV head to finish combines
 them exactly. :func:`~pagedrt.attention.planner.plan_splits` picks the split count
 and the geometry.
+
+Groups of more than 16 query heads a KV head run, on compute capability 9.0, on the sm_90a prefill kernel
+(:mod:`pagedrt.attention.prefill_sm90`): a sequence's heads are the rows of one warpgroup tile, split the same
+way into the same workspace layout.
 """
 
 import functools
@@ -32,7 +36,9 @@ from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
-from .planner import GEOMETRIES, check_geometry, geometry, kernel_group, plan_splits, workspace_layout
+from . import prefill_sm90
+from .planner import (GEOMETRIES, SM90_TILE_M, check_geometry, geometry, kernel_group, plan_splits, prefill_items,
+                      prefill_sm90_geometry, wide_group, wide_split, workspace_layout)
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
@@ -167,19 +173,28 @@ def _bind_workspace(workspace, layout, rows):
     return workspace, tuple(np.uint64(base + offset) for offset in layout[:3])
 
 
+def _split_parts(split, layout, workspace, rows):
+    """(workspace, its partials' pointers, stream, claim) of a :class:`_Bound` on the current stream: for a split
+    plan the workspace laid out (the caller's, claimed, or one allocated) for ``rows`` (batch * q_heads) rows;
+    unsplit, null pointers and no stream."""
+    import cupy
+    if split.num_splits <= 1:
+        return workspace, (NULL, NULL, NULL), None, None
+    claim = None
+    if workspace is not None:
+        claim = (workspace.data.ptr, next(_plan_ids))
+        _layout_owner[claim[0]] = claim[1]
+    workspace, parts = _bind_workspace(workspace, layout, rows)
+    return workspace, parts, cupy.cuda.get_current_stream().ptr, claim
+
+
 def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, lens, scale, split, layout,
              workspace, rows=None):
     """The :class:`_Bound` launch of a checked decode (on the current device and stream). ``lens``: the lengths'
     pointer; ``rows``: a device int32 [batch, 2] of (table row, query token) for the indexed kernel."""
     import cupy
     kern = _kernel(cfg, paged, split.geometry, cupy.cuda.Device().id, rows is not None)
-    parts, stream, claim = (NULL, NULL, NULL), None, None
-    if split.num_splits > 1:
-        stream = cupy.cuda.get_current_stream().ptr
-        if workspace is not None:
-            claim = (workspace.data.ptr, next(_plan_ids))
-            _layout_owner[claim[0]] = claim[1]
-        workspace, parts = _bind_workspace(workspace, layout, batch * q_heads)
+    workspace, parts, stream, claim = _split_parts(split, layout, workspace, batch * q_heads)
     heads, chunks = kernel_group(cfg)
     middle = (np.int64(block_stride), *table_args, np.int32(max_blocks), lens, np.float32(scale * LOG2E),
               np.int32(split.segment_tokens), np.int32(chunks))
@@ -187,6 +202,20 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, l
     launch = _Launch(kern.function, (q_heads // heads, batch, split.num_splits), (kern.geometry.threads,),
                      kern.geometry.smem_bytes, middle, tail)
     return _Bound(launch, workspace, stream, claim, rows)
+
+
+def _prepare_wide(cfg, q_heads, pk, block_tables, seq_lens, scale, split, layout, workspace):
+    """The :class:`_Bound` launch of a checked wide-group decode (:func:`~pagedrt.attention.planner.wide_group`)
+    on the sm_90a prefill kernel: a work item per sequence, its query token's group of heads the tile's rows,
+    non-causal (one query token sees every key), cut as ``split`` says, partials in the decode layout."""
+    import cupy
+    batch = int(seq_lens.shape[0])
+    workspace, parts, stream, claim = _split_parts(split, layout, workspace, batch * q_heads)
+    items = cupy.asarray(prefill_items(np.ones(batch, np.int64), cfg.group, SM90_TILE_M))
+    tiles = split.segment_tokens // prefill_sm90_geometry(cfg).tile_n
+    launch = prefill_sm90.launch(cfg, pk, block_tables, seq_lens, items, False, scale, cupy.cuda.Device().id,
+                                 split.num_splits, tiles, parts)
+    return _Bound(launch, workspace, stream, claim, items)
 
 
 def rows_launch(cfg, q_heads, block_stride, block_tables, kv_lens, rows, tokens, scale, max_seq_len, mean_seq_len,
@@ -251,9 +280,9 @@ def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry_name):
 class _Plan:
     """What a decode plan of either layout does once it is checked: bind the launch, then run per layer."""
 
-    def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, paged,
-              block_stride, table_args, width, seq_lens, spans):
-        """Keep what :meth:`run` checks against, and prepare the launch (device arrays only)."""
+    def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, reference_run, paged, spans, prepare):
+        """Keep what :meth:`run` checks against, and prepare the launch (device arrays of a batch: ``prepare()``
+        returns the :class:`_Bound`)."""
         self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
         self._kv_heads = int(k.shape[-3]) if cfg.fp8 else None  # FP8: the length of the scales a run takes
         self._arrays = RunArrays(type(q), q.shape, q.dtype, (k.shape, k.strides, k.dtype),
@@ -264,8 +293,7 @@ class _Plan:
             return
         self._device = q.device.id
         if q.shape[0]:
-            self._bound = _prepare(cfg, q.shape[0], q.shape[1], paged, block_stride, table_args, width,
-                                   ptr(seq_lens), scale, split, layout, workspace)
+            self._bound = prepare()
 
     @property
     def split(self):
@@ -317,7 +345,11 @@ class DecodePlan(_Plan):
     (``LaunchArgumentError``); give plans that live side by side a workspace each.
     Without one, a split plan allocates its own and holds it. A split
     plan runs on the stream it was made on. ``geometry`` forces the kernel's geometry
-    ("standard" or "short"; None: the plan's choice). On NumPy arrays the plan runs
+    ("standard" or "short"; None: the plan's choice). On a device of compute capability 9.0 the plan's
+    choice for a group of more than 16 query heads a KV head (fp16/bf16 planes at head_dim 64 or 128, a
+    positive scale: :func:`~pagedrt.attention.planner.wide_group`) is the sm_90a prefill kernel, split as
+    :func:`~pagedrt.attention.planner.wide_split` says (:attr:`split`'s geometry "wgmma"), with the same
+    workspace; a forced geometry keeps the decode kernel. On NumPy arrays the plan runs
     the float64 reference, cut as :func:`reference.split` says (``num_splits``
     segments of whole blocks, unsplit by default), and :attr:`split` is that cut.
     Other arguments are those of :func:`paged_decode`.
@@ -348,15 +380,26 @@ class DecodePlan(_Plan):
                   and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
                   lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
                           f"block), got {block_mask.dtype} {block_mask.shape}")
-        split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
+        wide = (xp is not np and geometry is None and scale > 0 and wide_group(cfg)
+                and prefill_sm90.runs_on(q.device.id))
+        if wide:
+            split = wide_split(cfg, q.shape[0], pk.num_kv_heads, max_seq_len, multiprocessors(q.device.id),
+                               num_splits=num_splits, mean_seq_len=mean_seq_len)
+        else:
+            split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
         layout = _workspace_fits(workspace, q.shape[0], q.shape[1], pk.head_dim, split)
         if xp is np or validate:
             check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
         reference_run = functools.partial(_paged_reference, block_tables=block_tables, seq_lens=seq_lens,
                                           scale=scale, num_splits=split.num_splits, max_seq_len=max_seq_len)
-        table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4)) if xp is not np else None
-        self._bind(xp, q, k_cache, cfg, scale, max_seq_len, split, layout, workspace, reference_run, True,
-                   pk.block_stride, table_args, width, seq_lens, spans)
+        if wide:
+            prepare = functools.partial(_prepare_wide, cfg, q.shape[1], pk, block_tables, seq_lens, scale, split,
+                                        layout, workspace)
+        else:
+            prepare = lambda: _prepare(cfg, q.shape[0], q.shape[1], True, pk.block_stride,  # noqa: E731
+                                       (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width,
+                                       ptr(seq_lens), scale, split, layout, workspace)
+        self._bind(xp, q, k_cache, cfg, scale, max_seq_len, split, reference_run, True, spans, prepare)
 
 
 class ContiguousDecodePlan(_Plan):
@@ -391,8 +434,9 @@ class ContiguousDecodePlan(_Plan):
             check_block_tables(None, seq_lens, block_size, 0, width=width)
         reference_run = functools.partial(_contiguous_reference, seq_lens=seq_lens, scale=scale,
                                           num_splits=split.num_splits, max_seq_len=max_seq_len)
-        self._bind(xp, q, k, cfg, scale, max_seq_len, split, layout, workspace, reference_run, False,
-                   kv_heads * block_size * head_dim, (NULL, np.int64(0)), width, seq_lens, spans)
+        prepare = lambda: _prepare(cfg, batch, q.shape[1], False, kv_heads * block_size * head_dim,  # noqa: E731
+                                   (NULL, np.int64(0)), width, ptr(seq_lens), scale, split, layout, workspace)
+        self._bind(xp, q, k, cfg, scale, max_seq_len, split, reference_run, False, spans, prepare)
 
 
 def _paged_reference(q, k, v, *, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale=None,

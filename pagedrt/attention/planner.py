@@ -42,6 +42,9 @@ SM90_THREADS = 384              # sm_90a prefill: a producer warpgroup and two c
 SM90_TILE_M = 128               # packed query rows per work item: 64 per consumer warpgroup
 SM90_SMEM_LIMIT = 227 * 1024    # dynamic shared memory a thread block may have on compute capability 9.0
 MAX_DECODE_ROWS = 65535         # a mixed step's decode rows are the decode kernel's grid dimension y
+WIDE_GROUP = 16                 # decode of wider groups runs on the sm_90a prefill kernel (wide_group)
+WGMMA = "wgmma"                 # the SplitPlan geometry of such a decode
+WIDE_SEGMENT_BYTES = 512 << 10  # K+V of its shortest segment: 8 key tiles at head_dim 128 (wide_split)
 
 
 def _unknown(name):
@@ -168,6 +171,29 @@ def prefill_sm90_geometry(cfg):
                            SM90_THREADS)
 
 
+def wide_group(cfg):
+    """Whether a decode of ``cfg`` runs on the sm_90a prefill kernel on a device of compute capability 9.0 (with
+    a positive scale and the plan's choice of geometry): fp16/bf16 planes, head_dim 64 or 128 (where that kernel
+    splits: at 256 its consumers have no registers left for the merge), and more than WIDE_GROUP query heads a
+    KV head. The group's heads are then the rows of one warpgroup's m64 tile, whose
+    wgmma reads each K/V tile from shared memory once for all of them, where the decode kernel's mma.sync tiles
+    (m16) read it once per 16 heads; past 16 heads that made the decode kernel the slower
+    (docs/KERNELS.md, "Any group size")."""
+    return not cfg.fp8 and cfg.dtype in PREFILL_DTYPES and cfg.head_dim in MMA_HEAD_DIMS and cfg.group > WIDE_GROUP
+
+
+def wide_split(cfg, batch, num_kv_heads, max_seq_len, multiprocessors, *, num_splits=None, mean_seq_len=None):
+    """The :class:`SplitPlan` of a wide group's decode on the sm_90a kernel (geometry WGMMA): as
+    :func:`plan_splits` cuts it for a thread block per SM over the kernel's key tiles, into segments of at least
+    WIDE_SEGMENT_BYTES of K+V. A segment's partials are the whole group's output rows, and the last segment
+    merges them all: shorter segments cost more in writes and merge than they gain in parallel work
+    (docs/KERNELS.md, "Any group size")."""
+    split = plan_splits(batch, num_kv_heads, max_seq_len, prefill_sm90_geometry(cfg).tile_n,
+                        2 * cfg.head_dim * cfg.itemsize, multiprocessors, num_splits=num_splits,
+                        mean_seq_len=mean_seq_len, geometry="standard", min_segment_bytes=WIDE_SEGMENT_BYTES)
+    return SplitPlan(split.num_splits, split.segment_tokens, WGMMA)
+
+
 def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):
     """The work items of a prefill: int32 [n, 4] rows (batch row, its first query token, its query count,
     the item's first packed row), from the host's per-row query counts.
@@ -220,13 +246,13 @@ class SplitPlan:
 
 
 def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, resident_blocks, *, num_splits=None,
-                mean_seq_len=None, geometry=None):
+                mean_seq_len=None, geometry=None, min_segment_bytes=MIN_SEGMENT_BYTES):
     """Cut sequences into segments for split-K; ``num_splits`` overrides the count, ``geometry`` the geometry.
 
     Without a request: ``batch * num_kv_heads`` thread blocks. If they leave some of
     the ``resident_blocks`` (thread blocks the device holds at once: SMs x blocks per
     SM) unused, split each sequence into as many segments as fill them in one wave,
-    but never into segments of fewer than MIN_SEGMENT_BYTES of K+V (each thread block
+    but never into segments of fewer than ``min_segment_bytes`` of K+V (each thread block
     pays a pipeline fill and a share of the final merge). If they fill the device but
     lengths are uneven (the longest over UNEVEN times the mean, when ``mean_seq_len``
     is known), cut segments of about a quarter of the mean length, so that short and
@@ -245,7 +271,7 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     """
     check_geometry(geometry)
     units = batch * num_kv_heads
-    min_tokens = max(1, MIN_SEGMENT_BYTES // bytes_per_token)
+    min_tokens = max(1, min_segment_bytes // bytes_per_token)
     uneven = bool(mean_seq_len) and max_seq_len > UNEVEN * mean_seq_len
     if num_splits is not None:
         wanted = num_splits

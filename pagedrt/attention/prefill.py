@@ -34,24 +34,22 @@ one (an event each way, so a CUDA graph captures both).
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array,
-                            multiprocessors, plane, ptr, RunArrays, scale_keywords, scale_pointers, store)
+from ..kernels.args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, plane,
+                            ptr, RunArrays, scale_keywords, scale_pointers, store)
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..supported import check as check_supported
-from . import decode, reference
+from . import decode, prefill_sm90, reference
 from .planner import (PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items,
                       prefill_sm90_geometry)
+from .prefill_sm90 import Launch
 
 FILE = "prefill.cu"
-FILE_SM90 = "prefill_sm90.cu"  # the kernel of compute capability 9.0 (source.ARCHES compiles it for sm_90a)
-SM90 = "90"  # CuPy's compute_capability of the devices that run FILE_SM90
 LOG2E = 1.4426950408889634
 MAX_GRID_Y = 65535  # KV heads are grid dimension y
 
@@ -71,74 +69,40 @@ def kernel_name(cfg):
             f"{geo.threads}, {geo.tile_m}, {geo.tile_n}, {geo.stages}>")
 
 
-def sm90_kernel_name(cfg):
-    """The sm_90a kernel's name expression for ``cfg`` (the block size and the group are kernel arguments)."""
-    geo = prefill_sm90_geometry(cfg)
-    return f"pagedrt::prefill_sm90<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}>"
-
-
 def instances(configs=None, capability=None):
     """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweeps,
     FP8's too): of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it
     runs (FP8 configurations: the mma.sync kernel's FP8 twin, on every device)."""
     capable = [c for c in (configs or sweep() + fp8_sweep())
                if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
+    sm90 = prefill_sm90.FILE
     out = {FILE: tuple(dict.fromkeys(kernel_name(c) for c in capable)),
-           FILE_SM90: tuple(dict.fromkeys(sm90_kernel_name(c) for c in capable if not c.fp8))}
-    if capability == SM90:
+           sm90: tuple(dict.fromkeys(prefill_sm90.kernel_name(c) for c in capable if not c.fp8))}
+    if capability == prefill_sm90.SM90:
         out[FILE] = tuple(kernel_name(c) for c in capable if c.fp8)
-    return out if capability is None else {k: out[k] for k in ((FILE_SM90, FILE) if capability == SM90 else (FILE,))
-                                           if out[k]}
+    return out if capability is None else {k: out[k] for k in ((sm90, FILE) if capability == prefill_sm90.SM90
+                                                               else (FILE,)) if out[k]}
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90(device_id):
-    """Whether the device runs the sm_90a kernel (compute capability 9.0)."""
-    import cupy
-    return cupy.cuda.Device(device_id).compute_capability == SM90
-
-
-def _geometry(cfg, sm90):
-    """The geometry of the sm_90a kernel (when ``sm90``) or of the mma.sync one for configuration ``cfg``."""
-    return prefill_sm90_geometry(cfg) if sm90 else prefill_geometry(cfg)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel(cfg, device_id, sm90):
-    """The compiled kernel of a configuration (the sm_90a one when ``sm90``), allowed its dynamic shared memory on
-    the device."""
-    fn = source.function(FILE_SM90, sm90_kernel_name(cfg)) if sm90 else source.function(FILE, kernel_name(cfg))
-    fn.max_dynamic_shared_size_bytes = _geometry(cfg, sm90).smem_bytes
+def _kernel(cfg, device_id):
+    """The compiled mma.sync kernel of a configuration, allowed its dynamic shared memory on the device."""
+    fn = source.function(FILE, kernel_name(cfg))
+    fn.max_dynamic_shared_size_bytes = prefill_geometry(cfg).smem_bytes
     return fn
 
 
-@dataclass(frozen=True)
-class _Launch:
-    """A prefill launch but for its per-layer pointers: q, the K and V planes, out."""
-    function: object
-    grid: tuple
-    threads: tuple
-    smem: int
-    middle: tuple  # the arguments between v and out: block stride ... scale (sm_90a: block shift ... heads)
-
-    def __call__(self, q, k, v, out, scales=()):
-        """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
-        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *scales), shared_mem=self.smem)
-
-
 def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, sm90):
-    """The prefill kernel's :class:`_Launch` over the work ``items`` (a device int32 [n, 4], n > 0): the sm_90a
-    kernel's when ``sm90`` (the block size as log2; a persistent grid over the (item, KV head) units, a block per
-    SM), else the mma.sync kernel's."""
-    geo = _geometry(cfg, sm90)
+    """The prefill kernel's :class:`~pagedrt.attention.prefill_sm90.Launch` over the work ``items`` (a device
+    int32 [n, 4], n > 0): the sm_90a kernel's when ``sm90``, else the mma.sync kernel's (a thread block per
+    (item, KV head))."""
+    if sm90:
+        return prefill_sm90.launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device)
+    geo = prefill_geometry(cfg)
     middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
               np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
               np.float32(scale * LOG2E))
-    grid = (items.shape[0], pk.num_kv_heads)
-    if sm90:
-        middle += (np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]), np.int32(pk.num_kv_heads))
-        grid = (min(items.shape[0] * pk.num_kv_heads, multiprocessors(device)),)
-    return _Launch(_kernel(cfg, device, sm90), grid, (geo.threads,), geo.smem_bytes, middle)
+    return Launch(_kernel(cfg, device), (items.shape[0], pk.num_kv_heads), (geo.threads,), geo.smem_bytes, middle)
 
 
 _side_streams = {}  # device id -> the stream a mixed step's decode rows run on beside its prompt rows
@@ -319,12 +283,13 @@ class PrefillPlan:
                 longest, mean = int(lens[rows].max()), float(lens[rows].mean())
             self._decode = decode.rows_launch(cfg, q_heads, pk.block_stride, block_tables, kv_lens, rows,
                                               offsets[rows], scale, longest, mean, workspace)
-        sm90 = _sm90(self._device) and scale > 0 and not fp8  # sm_90a: a positive scale, fp16/bf16 planes
-        self._items = cupy.asarray(prefill_items(counts, cfg.group, _geometry(cfg, sm90).tile_m, skip=rows))
+        sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not fp8  # a positive scale, fp16/bf16 planes
+        tile_m = (prefill_sm90_geometry if sm90 else prefill_geometry)(cfg).tile_m
+        self._items = cupy.asarray(prefill_items(counts, cfg.group, tile_m, skip=rows))
         if self._items.shape[0]:
             self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device,
                                             sm90)
-            self.kernel = (sm90_kernel_name if sm90 else kernel_name)(cfg)
+            self.kernel = (prefill_sm90.kernel_name if sm90 else kernel_name)(cfg)
         if self._prefill is not None and self._decode is not None:
             self._forked = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True),
                             _side_stream(self._device))

@@ -1,0 +1,73 @@
+"""The sm_90a prefill kernel's launcher (``cuda_src/prefill_sm90.cu``: warpgroup MMA, warp-specialised).
+
+Devices of compute capability 9.0 (H100, H200) run it for :class:`~pagedrt.attention.PrefillPlan` (fp16/bf16
+planes, a positive scale) and for a :class:`~pagedrt.attention.DecodePlan` of a wide group
+(:func:`~pagedrt.attention.planner.wide_group`): there a sequence's one query token times the group's heads
+are the rows of its tile, and long sequences are cut into segments (split-K) merged in the kernel, over the
+decode plan's workspace. The grid is persistent: a thread block per SM, over the (work item, KV head,
+segment) units.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import source
+from ..kernels.args import NULL, multiprocessors, ptr
+from .planner import prefill_sm90_geometry
+
+FILE = "prefill_sm90.cu"  # source.ARCHES compiles it for sm_90a
+SM90 = "90"  # CuPy's compute_capability of the devices that run it
+LOG2E = 1.4426950408889634
+ALL_TILES = np.iinfo(np.int32).max  # an unsplit launch's segment: every key tile
+
+
+def kernel_name(cfg):
+    """The kernel's name expression for ``cfg`` (the block size and the group are kernel arguments)."""
+    geo = prefill_sm90_geometry(cfg)
+    return f"pagedrt::prefill_sm90<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}>"
+
+
+def runs_on(device_id):
+    """Whether the device runs this kernel (compute capability 9.0)."""
+    import cupy
+    return cupy.cuda.Device(device_id).compute_capability == SM90
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg, device_id):
+    """The compiled kernel of ``cfg``, allowed its dynamic shared memory on the device."""
+    fn = source.function(FILE, kernel_name(cfg))
+    fn.max_dynamic_shared_size_bytes = prefill_sm90_geometry(cfg).smem_bytes
+    return fn
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A prefill launch (of this kernel or of ``prefill.cu``'s) but for its per-layer pointers: q, the K and V
+    planes, out."""
+    function: object
+    grid: tuple
+    threads: tuple
+    smem: int
+    middle: tuple  # the arguments between v and out
+
+    def __call__(self, q, k, v, out, scales=()):
+        """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
+        self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *scales), shared_mem=self.smem)
+
+
+def launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, num_splits=1, split_tiles=ALL_TILES,
+           parts=(NULL,) * 3):
+    """The :class:`Launch` over the work ``items`` (a device int32 [n, 4], n > 0) of planes ``pk``
+    (:class:`~pagedrt.kernels.args.Plane`): unsplit, or cut into ``num_splits`` segments of ``split_tiles`` key
+    tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers."""
+    geo = prefill_sm90_geometry(cfg)
+    units = items.shape[0] * pk.num_kv_heads * num_splits
+    middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
+              np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
+              np.float32(scale * LOG2E), np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]),
+              np.int32(pk.num_kv_heads), np.int32(num_splits), np.int32(split_tiles), *parts)
+    return Launch(_kernel(cfg, device), (min(units, multiprocessors(device)),), (geo.threads,), geo.smem_bytes,
+                  middle)
