@@ -240,6 +240,17 @@ def test_wide_groups_and_their_split_on_the_sm90a_kernel():
     assert planner.wide_split(cfg, 3, 2, 1000, 132, num_splits=5) == SplitPlan(5, 2 * tile, planner.WGMMA)
 
 
+def test_the_sm90a_launch_refuses_more_units_than_the_kernel_counts():
+    """(item, KV head, segment) units are an int in the kernel: more is a named error before any device work."""
+    from types import SimpleNamespace
+    from pagedrt.attention import prefill_sm90
+    planes = SimpleNamespace(num_kv_heads=8, block_stride=1, block_size=16)
+    items = np.zeros((2**20, 4), np.int32)
+    with pytest.raises(LaunchArgumentError, match="units, over the kernel's"):
+        prefill_sm90.launch(Config("float16", 128, 16, 32), planes, np.zeros((1, 1), np.int32), np.ones(1, np.int32),
+                            items, False, 0.1, 0, num_splits=4096, split_tiles=1)
+
+
 @pytest.mark.parametrize("bad", ["long", "", 1, True])
 def test_plan_and_geometry_refuse_an_unknown_geometry(bad):
     with pytest.raises(LaunchArgumentError, match="geometry"):

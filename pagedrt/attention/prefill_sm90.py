@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import source
-from ..kernels.args import NULL, multiprocessors, ptr
+from ..kernels.args import NULL, check, multiprocessors, ptr
 from .planner import prefill_sm90_geometry
 
 FILE = "prefill_sm90.cu"  # source.ARCHES compiles it for sm_90a
 SM90 = "90"  # CuPy's compute_capability of the devices that run it
 LOG2E = 1.4426950408889634
 ALL_TILES = np.iinfo(np.int32).max  # an unsplit launch's segment: every key tile
+MAX_UNITS = np.iinfo(np.int32).max  # (item, KV head, segment) units the kernel counts in int
 
 
 def kernel_name(cfg):
@@ -65,6 +66,8 @@ def launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, num_spl
     tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers."""
     geo = prefill_sm90_geometry(cfg)
     units = items.shape[0] * pk.num_kv_heads * num_splits
+    check(units <= MAX_UNITS, lambda: f"{items.shape[0]} work items x {pk.num_kv_heads} KV heads x {num_splits} "
+                                      f"segments are {units} units, over the kernel's {MAX_UNITS}: fewer splits")
     middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
               np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
               np.float32(scale * LOG2E), np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]),
