@@ -28,8 +28,9 @@
 //
 // Split-K (a wide group's decode, pagedrt/attention/decode.py; head_dim up to 128, where a consumer has the
 // registers for the merge: at 256 num_splits is taken as 1): with num_splits > 1 a unit is also one
-// segment of split_tiles key tiles of its (item, KV head); segments past the keys are skipped by producer
-// and consumers alike. A consumer of a unit with more than one live segment writes its rows' unnormalised
+// segment of split_tiles key tiles of its (item, KV head), the last segment running on to the keys' end
+// (as the decode kernel's: the plan's lengths only size the split); segments past the keys are skipped by
+// producer and consumers alike. A consumer of a unit with more than one live segment writes its rows' unnormalised
 // output and (max, sum) into the workspace (decode.cu's layout: row = query token x query heads + head) and
 // counts itself in on the arrival count of its first row; the consumer that arrives last merges the
 // segments of its rows and resets the count. Unsplit (num_splits 1) the workspace pointers are null.
@@ -139,9 +140,11 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         // the tile's last row sees the most keys
         const int tile_keys = causal ? min(w.kv_len, w.kv_len - w.q_len + (w.p_end - 1) / group + 1) : w.kv_len;
         const int all_tiles = tile_keys > 0 ? (tile_keys + TILE_N - 1) / TILE_N : 0;
-        w.live = all_tiles <= seg_tiles ? 1 : (all_tiles - 1) / seg_tiles + 1;  // a keyless unit: one
+        // live segments: as many as hold keys (a keyless unit: one), at most the launch's; the last takes the
+        // rest of the keys, more than seg_tiles when the split plan was sized for shorter sequences
+        w.live = all_tiles <= seg_tiles ? 1 : min(splits, (all_tiles - 1) / seg_tiles + 1);
         w.tile0 = w.split * seg_tiles;
-        w.num_tiles = w.split < w.live ? min(all_tiles - w.tile0, seg_tiles) : 0;
+        w.num_tiles = w.split < w.live ? (w.split == w.live - 1 ? all_tiles - w.tile0 : seg_tiles) : 0;
         w.consumers = w.p_end - w.p_first > 64 ? 2 : 1;  // a consumer without a live row passes the tiles on
         return w;
     };

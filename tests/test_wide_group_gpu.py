@@ -4,7 +4,8 @@ device of compute capability 9.0 (skipped elsewhere), against the float64 refere
 A DecodePlan of such a group (fp16/bf16 planes, a positive scale, the plan's geometry) runs
 cuda_src/prefill_sm90.cu over one work item per sequence, split-K as planner.wide_split cuts it, merged in
 the kernel: every dtype x head_dim (64, 128) x block size at groups 17, 24, 40 and 64, split or not and into more
-segments than some sequences have keys; long sequences, a zero-length one, uneven lengths; a caller's dirty
+segments than some sequences have keys; long sequences, a zero-length one, uneven lengths, lengths past the
+plan's max_seq_len (the last segment runs on); a caller's dirty
 workspace whose counts the kernel leaves at zero, and a plan replayed in a CUDA graph. Inputs are fresh
 random data, unowned slots hold NaN and outputs are poisoned (kernel_cases.Case, test_attention_gpu).
 """
@@ -85,6 +86,21 @@ def test_long_and_uneven_sequences_split_by_the_plan():
     for hints in ({}, dict(mean_seq_len=float(np.mean(case.lens)))):
         plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens, **hints)
         assert plan.split.num_splits > 1 and plan.split.segment_tokens % 128 == 0
+        out = run_plan(plan, dev, case)
+        for row in range(len(case.lens)):
+            assert rel_error(out[row], ref[row]) <= TOLERANCE[cfg.dtype], (hints, row)
+
+
+def test_lengths_past_the_plans_hint_run_on_in_the_last_segment():
+    """max_seq_len sizes the split only: a plan cut for shorter sequences still attends every key, its last
+    segment running on to the end (as the decode kernel's)."""
+    cfg = Config("float16", 128, 16, 24)
+    case = Case(cfg, [9000, 40, 3000], seed=21)
+    dev, ref = OnDevice(case), expected(case)
+    for hints in (dict(max_seq_len=1024), dict(max_seq_len=2048, num_splits=3), dict(max_seq_len=600)):
+        plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens, **hints)
+        assert plan.split.geometry == planner.WGMMA
+        assert plan.split.num_splits * plan.split.segment_tokens < 9000  # the hint's cut ends before the longest
         out = run_plan(plan, dev, case)
         for row in range(len(case.lens)):
             assert rel_error(out[row], ref[row]) <= TOLERANCE[cfg.dtype], (hints, row)
