@@ -37,8 +37,8 @@ from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_block_tables
 from . import reference
 from . import prefill_sm90
-from .planner import (GEOMETRIES, SM90_TILE_M, check_geometry, geometry, kernel_group, plan_splits, prefill_items,
-                      prefill_sm90_geometry, wide_group, wide_split, workspace_layout)
+from .planner import (GEOMETRIES, check_geometry, geometry, kernel_group, plan_splits, prefill_sm90_geometry,
+                      wide_group, wide_split, workspace_layout)
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
@@ -207,11 +207,14 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, l
 def _prepare_wide(cfg, q_heads, pk, block_tables, seq_lens, scale, split, layout, workspace):
     """The :class:`_Bound` launch of a checked wide-group decode (:func:`~pagedrt.attention.planner.wide_group`)
     on the sm_90a prefill kernel: a work item per sequence, its query token's group of heads the tile's rows,
-    non-causal (one query token sees every key), cut as ``split`` says, partials in the decode layout."""
+    non-causal (one query token sees every key), cut as ``split`` says, partials in the decode layout. The
+    items, (sequence, its query token, 1 token, packed row 0), are made on the device: no upload, so no wait
+    for the stream's earlier work."""
     import cupy
     batch = int(seq_lens.shape[0])
     workspace, parts, stream, claim = _split_parts(split, layout, workspace, batch * q_heads)
-    items = cupy.asarray(prefill_items(np.ones(batch, np.int64), cfg.group, SM90_TILE_M))
+    seq = cupy.arange(batch, dtype=np.int32)
+    items = cupy.stack([seq, seq, cupy.ones_like(seq), cupy.zeros_like(seq)], axis=1)
     tiles = split.segment_tokens // prefill_sm90_geometry(cfg).tile_n
     launch = prefill_sm90.launch(cfg, pk, block_tables, seq_lens, items, False, scale, cupy.cuda.Device().id,
                                  split.num_splits, tiles, parts)
