@@ -23,12 +23,14 @@
 // MMA (fp16/bf16, LANES = 32: a lane group is a warp): consume_mma does the math
 // of a tile on tensor cores instead of dot_scores/accumulate, over a shared-memory
 // layout whose 16-byte chunks are XOR-swizzled by row; the rest is shared. A tile
-// is 16 tokens per warp: 64 with THREADS = 128, 32 with the short geometry's 64.
+// is 16 tokens per warp: 64 with THREADS = 128, 32 with the short geometry's 64 (FP8
+// up to 16 heads: twice that, so each warp has two chunks in flight).
 // The group's query heads are the rows of m16 tiles: up to 16 heads fill one (8 or
 // fewer leave its upper half zero, and the kernel skips that half's softmax); wider
 // groups take M_TILES = 2 or 4 of them (padded with zero rows), each held by
-// warps / M_TILES warps, and a warp then consumes M_TILES chunks of 16 tokens a tile,
-// so every K/V byte is still read from HBM once, for all the group's heads.
+// warps / M_TILES warps, and a warp then consumes M_TILES chunks of 16 tokens a tile
+// (WARP_CHUNKS in all, two at a time), so every K/V byte is still read from HBM once,
+// for all the group's heads.
 //
 // GROUP_CHUNKS (CUDA cores, groups wider than their registers take): the group is cut
 // into chunks of GROUP heads, one thread block each (blockIdx.x = KV head x chunk); the
@@ -37,7 +39,8 @@
 // decode_fp8: the MMA path over float8 e4m3 K/V (half the bytes of fp16) with float32 scales
 // per KV head: consume_mma_fp8 converts K and V to f16 in registers (cvt.rn.f16x2.e4m3x2, exact)
 // and runs the same f16 mma; the K scale is folded into q's pre-scale and the V scale into the
-// output at the end, so the loop never multiplies by a scale. Stages hold HEAD_DIM bytes a token.
+// output at the end, so the loop never multiplies by a scale. Stages hold HEAD_DIM bytes a token:
+// twice the tokens a tile up to 16 heads, twice the stages past them (the planner's FP8_FACTOR).
 //
 // PAGED=false is the contiguous baseline: block id = seq * max_blocks + logical
 // block, no table read; the rest of the code is shared.
@@ -414,6 +417,10 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     constexpr bool UPPER = MMA && GROUP > 8;
     constexpr int PARTS = MMA ? WARPS / M_TILES : LG;
     static_assert(!MMA || (GROUP <= 64 && WARPS % M_TILES == 0), "MMA: whole warps per m16 tile of heads");
+    // MMA: chunks of 16 tokens a warp consumes a tile (M_TILES when a tile has 16 tokens a warp; FP8's tiles
+    // have twice as many, so that a warp has two chunks' chains in flight)
+    constexpr int WARP_CHUNKS = MMA ? TILE / (16 * PARTS) : 1;
+    static_assert(!MMA || TILE % (16 * PARTS) == 0, "MMA: whole chunks of 16 tokens a warp");
     static_assert(MMA || GROUP <= 8, "CUDA cores: at most 8 heads a thread block (wider groups come in chunks)");
     static_assert(PARTS * GROUP * (HEAD_DIM + 2) * 4 <= S::kSmemBytes,
                   "the final merge reuses the pipeline's shared memory");
@@ -680,13 +687,13 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
             const unsigned sk = smem_k_addr + (tile % STAGES) * S::kTileElems * (unsigned)sizeof(KV);
             const int wl = tid % 32;
             const unsigned sv = sk + V_SMEM;
-            // The warp's part of the tile: M_TILES chunks of 16 tokens, consumed CH at a time (four chunks'
-            // scores at once spill at head_dim 128).
-            constexpr int CH = M_TILES > 2 ? 2 : M_TILES;
+            // The warp's part of the tile: WARP_CHUNKS chunks of 16 tokens, consumed CH at a time (four
+            // chunks' scores at once spill at head_dim 128).
+            constexpr int CH = WARP_CHUNKS > 2 ? 2 : WARP_CHUNKS;
             const bool full = is_full(tile);
 #pragma unroll
-            for (int i = 0; i < M_TILES / CH; ++i) {
-                const int first = 16 * (M_TILES * part + CH * i);
+            for (int i = 0; i < WARP_CHUNKS / CH; ++i) {
+                const int first = 16 * (WARP_CHUNKS * part + CH * i);
                 if constexpr (FP8) {
                     if (full) consume_mma_fp8<HEAD_DIM, false, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
                     else consume_mma_fp8<HEAD_DIM, true, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
@@ -719,7 +726,6 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     float* const red_l = red_m + PARTS * GROUP;                  // [PARTS][GROUP]
     if constexpr (MMA) {  // a lane group is a warp; a row's state is on its quad
         static_assert(LG == WARPS, "MMA: the lane groups are the warps (LANES = 32)");
-        static_assert(TILE == 16 * WARPS, "MMA: 16 tokens of a tile per warp and m16 tile");
         constexpr int HALVES = UPPER ? 2 : 1;
 #pragma unroll
         for (int h = 0; h < HALVES; ++h) {

@@ -159,16 +159,21 @@ def test_prefill_attends_over_the_dequantised_values_and_checks_its_scales():
         PrefillPlan(queries.astype(np.float32), kc, table, lens, qo)
 
 
-def test_fp8_kernels_are_named_and_planned_with_twice_the_stages():
+def test_fp8_kernels_are_named_and_planned_with_the_bytes_of_fp16_in_flight():
+    """To 16 heads an FP8 tile holds twice the tokens (two chunks a warp), past them twice the stages: either
+    way the shared memory of the fp16 kernel."""
     cfg = configs.config("bfloat16", 64, 32, 8, kv_dtype=np.uint8)
     assert cfg.fp8 and cfg.kv_itemsize == 1
-    assert decode.kernel_name(cfg, True, "standard") == ("pagedrt::decode_fp8<__nv_bfloat16, 64, 32, 8, 128, 64, 6, 256, "
-                                                         "false>")
+    assert decode.kernel_name(cfg, True, "standard") == ("pagedrt::decode_fp8<__nv_bfloat16, 64, 32, 8, 128, 128, 3, "
+                                                         "256, false>")
     assert decode.kernel_name(cfg, True, "standard", indexed=True).endswith(", 256, true>")  # mixed steps' rows
     assert write.kernel_name(cfg) == "pagedrt::write_kv_fp8<__nv_bfloat16, 64, 32>"
-    fp16 = planner.geometry(configs.config("bfloat16", 64, 32, 8))
-    geo = planner.geometry(cfg)
-    assert geo.mma and geo.stages == 2 * fp16.stages and geo.smem_bytes == fp16.smem_bytes
+    for group, tile, stages in ((8, 2, 1), (16, 2, 1), (24, 1, 2), (64, 1, 2)):
+        for name in planner.GEOMETRIES:
+            fp16 = planner.geometry(configs.config("bfloat16", 128, 32, group), name)
+            geo = planner.geometry(configs.config("bfloat16", 128, 32, group, kv_dtype=np.uint8), name)
+            assert geo.mma and (geo.tile, geo.stages) == (tile * fp16.tile, stages * fp16.stages), (group, name)
+            assert geo.smem_bytes == fp16.smem_bytes
     names = decode.instances()["decode.cu"]
     assert all(decode.kernel_name(c, True, g) in names for c in configs.fp8_sweep() for g in planner.GEOMETRIES)
     assert not any("decode_fp8" in n for n in decode.instances(configs.sweep())["decode.cu"])

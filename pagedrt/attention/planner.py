@@ -27,7 +27,7 @@ MMA_SHORT_GROUP = 32            # tensor cores: the widest group the short geome
 MMA_STAGES = 3                  # pipeline depth on tensor cores
 MMA_SHORT_THREADS = 64          # the short tensor-core geometry: two warps, a 32-token tile
 MMA_SHORT_STAGES = 3            # and its pipeline depth
-FP8_STAGE_FACTOR = 2            # FP8 K/V: stages of half the bytes, twice as many (the same bytes in flight)
+FP8_FACTOR = 2                  # FP8 K/V: tiles of twice the tokens to 16 heads, else twice the stages
 IDS_WINDOW = 256                # block ids a thread block stages in shared memory at a time
 SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
 SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
@@ -107,8 +107,12 @@ def geometry(cfg, geometry_name="standard"):
     of a 64-token tile, MMA_STAGES stages. Their short geometry has two warps (a
     32-token tile) and stages of half the bytes, so twice as many thread blocks
     share an SM with the same bytes in flight, and each block's start is hidden by
-    the others'. FP8 K/V (tensor cores only) stores a token in half the bytes: twice
-    the stages (FP8_STAGE_FACTOR) keep the same bytes in flight (not yet measured).
+    the others'. FP8 K/V (tensor cores only) stores a token in half the bytes: up to 16
+    heads, tiles of twice the tokens (FP8_FACTOR) keep the bytes of a stage, and each
+    warp consumes two chunks of 16 tokens at once, so that their chains of loads,
+    conversions and mma overlap (with one chunk a warp the FP8 kernel waited on those
+    chains); wider groups, whose warps already take two or four chunks, keep their tile
+    and take twice the stages (more chunks a warp spilled).
     Groups wider than 16 heads take two or four m16 tiles, each held by whole warps: over
     MMA_SHORT_GROUP heads the short geometry's two warps cannot hold them, and such a
     group runs the standard geometry under either name. On CUDA cores the lanes are
@@ -120,8 +124,11 @@ def geometry(cfg, geometry_name="standard"):
     if mma(cfg):
         short = short and cfg.group <= MMA_SHORT_GROUP
         threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
-        stages *= FP8_STAGE_FACTOR if cfg.fp8 else 1
         tile = 16 * threads // 32
+        if cfg.fp8 and cfg.group <= 16:
+            tile *= FP8_FACTOR
+        elif cfg.fp8:
+            stages *= FP8_FACTOR
         return Geometry(32, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW, True, threads)
     vec = 16 // cfg.itemsize
     row_vecs = cfg.head_dim // vec
