@@ -30,10 +30,12 @@
 // registers for the merge: at 256 num_splits is taken as 1): with num_splits > 1 a unit is also one
 // segment of split_tiles key tiles of its (item, KV head), the last segment running on to the keys' end
 // (as the decode kernel's: the plan's lengths only size the split); segments past the keys are skipped by
-// producer and consumers alike. A consumer of a unit with more than one live segment writes its rows' unnormalised
-// output and (max, sum) into the workspace (decode.cu's layout: row = query token x query heads + head) and
-// counts itself in on the arrival count of its first row; the consumer that arrives last merges the
-// segments of its rows and resets the count. Unsplit (num_splits 1) the workspace pointers are null.
+// producer and consumers alike. A consumer of a unit with more than one live segment writes its rows'
+// unnormalised output and (max, sum) into the workspace (decode.cu's layout, by item: row = item x query
+// heads + KV head x group + packed row, so split items are of one query token each: a decode's sequences,
+// a mixed step's decode rows) and counts itself in on the arrival count of its first row; the consumer
+// that arrives last merges the segments of its rows and resets the count. Unsplit (num_splits 1) the
+// workspace pointers are null.
 #include "common.cuh"
 #include "hopper.cuh"
 
@@ -83,9 +85,10 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 // causal:       nonzero for the bottom-right causal mask; scale_log2 > 0
 // num_splits, split_tiles: segments per (item, KV head) and key tiles per segment (split_tiles covers every
 //               tile when num_splits is 1)
-// part_o, part_ml, arrivals: split partials, float32 [num_tokens * q_heads, num_splits, HEAD_DIM], float2
-//               [num_tokens * q_heads, num_splits] (max in the log2 domain, sum), int [num_tokens * q_heads]
-//               zeroed before the first launch (each merge resets its count); null when unsplit
+// part_o, part_ml, arrivals: split partials (items of one query token), float32 [num_items * q_heads,
+//               num_splits, HEAD_DIM], float2 [num_items * q_heads, num_splits] (max in the log2 domain, sum),
+//               int [num_items * q_heads] zeroed before the first launch (each merge resets its count); null
+//               when unsplit
 template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
@@ -126,6 +129,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // [tile0, tile0 + num_tiles) of its (item, KV head)'s, whose first `live` segments hold keys).
     struct Unit {
         int seq, q_first, q_len, p_first, p_end, kv_head, kv_len, tile0, num_tiles, consumers, split, live;
+        long long part_row;  // split-K: the workspace row of packed row 0 (item x q_heads + KV head x group)
     };
     auto unit_of = [&](int u) {
         const int splits = S::kSplitK ? num_splits : 1, seg_tiles = S::kSplitK ? split_tiles : 0x7fffffff;
@@ -136,6 +140,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         w.p_end = min(w.p_first + TILE_M, w.q_len * group);
         w.kv_head = pair % num_kv_heads;
         w.split = u % splits;
+        w.part_row = (long long)(pair / num_kv_heads) * q_heads + w.kv_head * group;
         w.kv_len = min(max(kv_lens[w.seq], 0), max_blocks << block_shift);
         // the tile's last row sees the most keys
         const int tile_keys = causal ? min(w.kv_len, w.kv_len - w.q_len + (w.p_end - 1) / group + 1) : w.kv_len;
@@ -431,7 +436,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             for (int h = 0; h < 2; ++h) {
                 const int p = w.p_first + row_c + 8 * h;
                 if (p >= w.p_end) continue;
-                const long long part = (row_offset(w, p) / HEAD_DIM) * num_splits + w.split;
+                const long long part = (w.part_row + p) * num_splits + w.split;
                 float* const po = part_o + part * HEAD_DIM + 2 * quad_col;
 #pragma unroll
                 for (int j = 0; j < HEAD_DIM / 8; ++j)
@@ -442,7 +447,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             __threadfence();
             sm90::named_barrier_sync(3 + consumer, 128);
             if (threadIdx.x % 128 == 0) {
-                int* const count = arrivals + row_offset(w, w.p_first + row_base) / HEAD_DIM;
+                int* const count = arrivals + w.part_row + w.p_first + row_base;
                 const bool last = atomicAdd(count, 1) == w.live - 1;
                 if (last) *count = 0;  // ready for the next launch
                 __threadfence();
@@ -457,7 +462,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int p = min(w.p_first + row_c + 8 * h, w.p_end - 1);  // a dead row merges a live one's
-                part[h] = (row_offset(w, p) / HEAD_DIM) * num_splits;
+                part[h] = (w.part_row + p) * num_splits;
                 top[h] = neg_inf(), sum[h] = 0.f;
             }
             for (int s = 0; s < w.live; ++s)

@@ -5,7 +5,7 @@ A DecodePlan of such a group (fp16/bf16 planes, a positive scale, the plan's geo
 cuda_src/prefill_sm90.cu over one work item per sequence, split-K as planner.wide_split cuts it, merged in
 the kernel: every dtype x head_dim (64, 128) x block size at groups 17, 24, 40 and 64, split or not and into more
 segments than some sequences have keys; long sequences, a zero-length one, uneven lengths, lengths past the
-plan's max_seq_len (the last segment runs on); a caller's dirty
+plan's max_seq_len (the last segment runs on), a mixed step's decode rows; a caller's dirty
 workspace whose counts the kernel leaves at zero, and a plan replayed in a CUDA graph. Inputs are fresh
 random data, unowned slots hold NaN and outputs are poisoned (kernel_cases.Case, test_attention_gpu).
 """
@@ -18,6 +18,7 @@ from kernel_cases import Case, rel_error
 from pagedrt.attention import DecodePlan, planner, prefill, prefill_sm90, reference, workspace_bytes
 from pagedrt.kernels.configs import Config
 from test_attention_gpu import OnDevice, arrival_counts, expected, poisoned, run_plan
+import test_prefill_gpu as mixed
 
 pytestmark = pytest.mark.gpu
 
@@ -104,6 +105,18 @@ def test_lengths_past_the_plans_hint_run_on_in_the_last_segment():
         out = run_plan(plan, dev, case)
         for row in range(len(case.lens)):
             assert rel_error(out[row], ref[row]) <= TOLERANCE[cfg.dtype], (hints, row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_mixed_steps_decode_rows_run_split_beside_its_prompt(dtype):
+    """A PrefillPlan's one-token rows at a wide group take the same path, split (long rows beside short ones and
+    a prompt chunk), the prompt on the unsplit kernel beside them; causal and not."""
+    cfg = Config(dtype, 128, 16, 32)
+    case = mixed.case_of(cfg, [(6000, 1), (0, 200), (17, 1), (9000, 1), (300, 40), (0, 1)], kv_heads=2, seed=4)
+    dev = mixed.OnDevice(case)
+    for causal in (True, False):
+        bad = mixed.row_errors(mixed.run(dev, case, causal), mixed.expected(case, causal), case)
+        assert not bad, (causal, bad)
 
 
 def test_an_empty_sequence_attends_to_nothing_and_gets_zeros():

@@ -204,42 +204,63 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, l
     return _Bound(launch, workspace, stream, claim, rows)
 
 
-def _prepare_wide(cfg, q_heads, pk, block_tables, seq_lens, scale, split, layout, workspace):
+def _wide(cfg, scale, geometry_name, device_id):
+    """Whether a decode runs on the sm_90a prefill kernel (:func:`~pagedrt.attention.planner.wide_group`): the
+    plan's geometry, a positive scale, a device of compute capability 9.0."""
+    return geometry_name is None and scale > 0 and wide_group(cfg) and prefill_sm90.runs_on(device_id)
+
+
+def _prepare_wide(cfg, q_heads, pk, block_tables, kv_lens, items, scale, split, layout, workspace):
     """The :class:`_Bound` launch of a checked wide-group decode (:func:`~pagedrt.attention.planner.wide_group`)
-    on the sm_90a prefill kernel: a work item per sequence, its query token's group of heads the tile's rows,
-    non-causal (one query token sees every key), cut as ``split`` says, partials in the decode layout. The
-    items, (sequence, its query token, 1 token, packed row 0), are made on the device: no upload, so no wait
-    for the stream's earlier work."""
+    on the sm_90a prefill kernel over ``items``, a device int32 [n, 4] of work items of one query token each
+    (table row, query token, 1 token, packed row 0: a decode's sequences, or a mixed step's decode rows),
+    whose token times the group's heads are the rows of its tile, non-causal (one query token sees every key),
+    cut as ``split`` says, partials in the decode layout by item."""
     import cupy
-    batch = int(seq_lens.shape[0])
-    workspace, parts, stream, claim = _split_parts(split, layout, workspace, batch * q_heads)
-    seq = cupy.arange(batch, dtype=np.int32)
-    items = cupy.stack([seq, seq, cupy.ones_like(seq), cupy.zeros_like(seq)], axis=1)
+    workspace, parts, stream, claim = _split_parts(split, layout, workspace, int(items.shape[0]) * q_heads)
     tiles = split.segment_tokens // prefill_sm90_geometry(cfg).tile_n
-    launch = prefill_sm90.launch(cfg, pk, block_tables, seq_lens, items, False, scale, cupy.cuda.Device().id,
+    launch = prefill_sm90.launch(cfg, pk, block_tables, kv_lens, items, False, scale, cupy.cuda.Device().id,
                                  split.num_splits, tiles, parts)
     return _Bound(launch, workspace, stream, claim, items)
 
 
-def rows_launch(cfg, q_heads, block_stride, block_tables, kv_lens, rows, tokens, scale, max_seq_len, mean_seq_len,
-                workspace):
+def _decode_items_and_prepare(cfg, q_heads, pk, block_tables, seq_lens, scale, split, layout, workspace):
+    """:func:`_prepare_wide` over a decode's sequences, an item each: (sequence, its query token, 1, 0), made on
+    the device (no upload, so no wait for the stream's earlier work at every step's plan)."""
+    import cupy
+    seq = cupy.arange(int(seq_lens.shape[0]), dtype=np.int32)
+    items = cupy.stack([seq, seq, cupy.ones_like(seq), cupy.zeros_like(seq)], axis=1)
+    return _prepare_wide(cfg, q_heads, pk, block_tables, seq_lens, items, scale, split, layout, workspace)
+
+
+def rows_launch(cfg, q_heads, pk, block_tables, kv_lens, rows, tokens, scale, max_seq_len, mean_seq_len, workspace):
     """The launch (a :class:`_Bound`: :meth:`~_Bound.check`, then ``.launch(q, k, v, out)``) of a mixed step's
     decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host ints, one query
     token each, at most MAX_GRID_YZ), row ``rows[i]`` of ``block_tables`` and ``kv_lens`` with query token
-    ``tokens[i]`` of q and out. Arguments are checked (``workspace`` as for :class:`DecodePlan`, holding
-    ``len(rows)`` rows' partials); ``max_seq_len`` and ``mean_seq_len`` size the split plan.
+    ``tokens[i]`` of q and out, over planes ``pk`` (:class:`~pagedrt.kernels.args.Plane`). Arguments are checked
+    (``workspace`` as for :class:`DecodePlan`, holding ``len(rows)`` rows' partials); ``max_seq_len`` and
+    ``mean_seq_len`` size the split plan.
 
     Every placement of the rows runs the indexed variant of :class:`DecodePlan`'s kernel over the (row, token)
     pairs, uploaded here: it costs one load per thread block more, and rows that follow one another gain
-    nothing measurable from the plain kernel over moved pointers (docs/KERNELS.md)."""
+    nothing measurable from the plain kernel over moved pointers (docs/KERNELS.md). A wide group on compute
+    capability 9.0 runs where :class:`DecodePlan` runs it: on the sm_90a kernel, an item a row."""
     import cupy
     n = len(rows)
+    if _wide(cfg, scale, None, cupy.cuda.Device().id):
+        split = wide_split(cfg, n, pk.num_kv_heads, max_seq_len, multiprocessors(cupy.cuda.Device().id),
+                           mean_seq_len=mean_seq_len)
+        layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
+        rows = np.asarray(rows, np.int64)
+        items = cupy.asarray(np.stack([rows, np.asarray(tokens, np.int64), np.ones_like(rows), np.zeros_like(rows)],
+                                      1).astype(np.int32))  # (table row, query token, 1 token, packed row 0)
+        return _prepare_wide(cfg, q_heads, pk, block_tables, kv_lens, items, scale, split, layout, workspace)
     split = _device_split(cfg, n, q_heads, max_seq_len, None, mean_seq_len, None)
     layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
     pairs = cupy.asarray(np.stack([rows, tokens], axis=1).astype(np.int32))
     table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4))
-    return _prepare(cfg, n, q_heads, True, block_stride, table_args, int(block_tables.shape[1]), ptr(kv_lens), scale,
-                    split, layout, workspace, rows=pairs)
+    return _prepare(cfg, n, q_heads, True, pk.block_stride, table_args, int(block_tables.shape[1]), ptr(kv_lens),
+                    scale, split, layout, workspace, rows=pairs)
 
 
 def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, geometry_name,
@@ -383,8 +404,7 @@ class DecodePlan(_Plan):
                   and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
                   lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
                           f"block), got {block_mask.dtype} {block_mask.shape}")
-        wide = (xp is not np and geometry is None and scale > 0 and wide_group(cfg)
-                and prefill_sm90.runs_on(q.device.id))
+        wide = xp is not np and _wide(cfg, scale, geometry, q.device.id)
         if wide:
             split = wide_split(cfg, q.shape[0], pk.num_kv_heads, max_seq_len, multiprocessors(q.device.id),
                                num_splits=num_splits, mean_seq_len=mean_seq_len)
@@ -396,8 +416,8 @@ class DecodePlan(_Plan):
         reference_run = functools.partial(_paged_reference, block_tables=block_tables, seq_lens=seq_lens,
                                           scale=scale, num_splits=split.num_splits, max_seq_len=max_seq_len)
         if wide:
-            prepare = functools.partial(_prepare_wide, cfg, q.shape[1], pk, block_tables, seq_lens, scale, split,
-                                        layout, workspace)
+            prepare = functools.partial(_decode_items_and_prepare, cfg, q.shape[1], pk, block_tables, seq_lens,
+                                        scale, split, layout, workspace)
         else:
             prepare = lambda: _prepare(cfg, q.shape[0], q.shape[1], True, pk.block_stride,  # noqa: E731
                                        (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width,

@@ -25,9 +25,10 @@ decode rows run ``prefill_fp8``, the mma.sync kernel converting K and V to f16 i
 ``decode_fp8``'s indexed variant.
 
 A mixed step's decode rows (one query token each:
-:func:`~pagedrt.attention.planner.decode_rows`) go to the decode kernel
-(``cuda_src/decode.cu``, through :func:`pagedrt.attention.decode.rows_launch`), which
-streams their K/V at memory speed; the prefill kernel takes the other rows. With both,
+:func:`~pagedrt.attention.planner.decode_rows`) go where a :class:`~pagedrt.attention.DecodePlan`
+sends them (through :func:`pagedrt.attention.decode.rows_launch`): the decode kernel
+(``cuda_src/decode.cu``), which streams their K/V at memory speed, or for a wide group on
+compute capability 9.0 the sm_90a kernel, an item a row, split; the prefill kernel takes the other rows. With both,
 a run launches the decode rows on a side stream beside the prompt rows on the current
 one (an event each way, so a CUDA graph captures both).
 """
@@ -281,7 +282,7 @@ class PrefillPlan:
             longest, mean = width * pk.block_size, None
             if validate:
                 longest, mean = int(lens[rows].max()), float(lens[rows].mean())
-            self._decode = decode.rows_launch(cfg, q_heads, pk.block_stride, block_tables, kv_lens, rows,
+            self._decode = decode.rows_launch(cfg, q_heads, pk, block_tables, kv_lens, rows,
                                               offsets[rows], scale, longest, mean, workspace)
         sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not fp8  # a positive scale, fp16/bf16 planes
         tile_m = (prefill_sm90_geometry if sm90 else prefill_geometry)(cfg).tile_m
