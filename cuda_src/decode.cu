@@ -309,6 +309,117 @@ __device__ __forceinline__ void consume_mma_fp8(unsigned sk, unsigned sv, int li
     }
 }
 
+// An 8x8 16-bit matrix held as an mma fragment (lane l: row l/4, columns 2(l%4), 2(l%4) + 1), transposed in
+// registers: the lane gets the same positions of the transpose.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// o^T += V^T P^T for keys [key0, key0 + 16) of an e4m3 V tile, a narrow group's product (consume_mma_fp8_narrow):
+// the A operand is V^T (rows: dims, k: keys), the B operand P^T (p0, p1: keys 2c, 2c+1 and 2c+8, 2c+9 of head
+// r, c = lane%4, r = lane/4). Lane (r, c) reads keys 2c, 2c+1, 2c+8, 2c+9, bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8)
+// of each with one shared load (as pv_e4m3), and pairs each dim's two keys with a byte permute: row r of m-tile t
+// is dim r*HEAD_DIM/8 + 2t and row r + 8 the dim after it.
+template <int HEAD_DIM>
+__device__ __forceinline__ void pv_e4m3_narrow(unsigned sv, int key0, int lane, unsigned p0, unsigned p1,
+                                               float (&o)[HEAD_DIM / 16][4]) {
+    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
+    const int byte = (lane / 4) * LANE_BYTES, quad_col = lane % 4;
+    unsigned w[4][WORDS];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const int key = key0 + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+        load_shared<WORDS>(w[t], sv + key * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, key) << 4) + byte % 16);
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // the lane's bytes 4i + 2h (rows r) and + 1 (rows r + 8): m-tile 2i + h
+            const unsigned select = h ? 0x7362u : 0x5140u;  // (k0, k1) of byte 2h, then of byte 2h + 1
+            const unsigned lo = __byte_perm(w[0][i], w[1][i], select), hi = __byte_perm(w[2][i], w[3][i], select);
+            mma_16816<__half>(o[2 * i + h], e4m3x2_to_half2(lo & 0xffffu), e4m3x2_to_half2(lo >> 16),
+                              e4m3x2_to_half2(hi & 0xffffu), e4m3x2_to_half2(hi >> 16), p0, p1);
+        }
+}
+
+// consume_mma_fp8 for a narrow group (at most 8 heads), transposed: the keys are the rows of the m16 tiles and
+// the heads their 8 columns, S^T = K q^T and o^T += V^T P^T. Heads as rows would leave half of every m16 tile
+// padding; as columns the products take half the mma and o^T half the registers (which lets more thread blocks
+// share an SM: the FP8 kernel is bound by its warps' latencies, not by its bytes). Lane (r, c) = (lane/4,
+// lane%4) holds heads 2c, 2c+1 (its state [0], [1]: m_row, shared by the 8 lanes of one c, and its part of
+// l_row) of keys r and r + 8 of each chunk; o[t] holds dims r*HEAD_DIM/8 + 2t (elements 0, 1: the two heads)
+// and the dim after it (2, 3), an order the final merge undoes. qb[x]: q's B fragment of k-step x, dims
+// 16x + 4c, +1 and 16x + 4c + 2, +3 of head r (the order in which the K bytes come). S^T's C fragment of 16
+// keys is two 8x8 (keys x heads) matrices; transposed in registers (movmatrix) they are P^T's B fragment.
+template <int HEAD_DIM, bool MASK, int CH>
+__device__ __forceinline__ void consume_mma_fp8_narrow(unsigned sk, unsigned sv, int live, int first, int lane,
+                                                       const unsigned (&qb)[HEAD_DIM / 16][2],
+                                                       float (&o)[HEAD_DIM / 16][4], float (&m_row)[2],
+                                                       float (&l_row)[2]) {
+    constexpr int ROW_CHUNKS = HEAD_DIM / 16;
+    float sc[CH][4];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) sc[c][0] = sc[c][1] = sc[c][2] = sc[c][3] = 0.f;
+    // ldmatrix.x4: lanes 8i..8i+7 address the rows of matrix i: keys +8 for odd i, the next chunk for i >= 2
+    const int row = (lane & 7) + (((lane >> 3) & 1) << 3), next = lane >> 4;
+#pragma unroll
+    for (int x = 0; x < ROW_CHUNKS; x += 2)
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+            const int key = first + 16 * c + row;
+            unsigned b[4];
+            ldmatrix_x4(b, sk + key * HEAD_DIM + (swizzle<ROW_CHUNKS>(x + next, key) << 4));
+#pragma unroll
+            for (int h = 0; h < 2; ++h)  // k-step x + h: matrices 2h (keys 0-7, rows r) and 2h + 1 (keys 8-15)
+                mma_16816<__half>(sc[c], e4m3x2_to_half2(b[2 * h] & 0xffffu), e4m3x2_to_half2(b[2 * h + 1] & 0xffffu),
+                                  e4m3x2_to_half2(b[2 * h] >> 16), e4m3x2_to_half2(b[2 * h + 1] >> 16),
+                                  qb[x + h][0], qb[x + h][1]);
+        }
+    // Online softmax: a lane's own maximum decides whether any head's running max must grow (rare after the
+    // first keys); only then are the maxima of the 8 lanes holding a head combined (shuffles over lane/4).
+    const int r = lane / 4;
+    float top[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int c = 0; c < CH; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (MASK && first + 16 * c + r + 8 * (e >> 1) >= live) sc[c][e] = neg_inf();
+            top[e & 1] = fmaxf(top[e & 1], sc[c][e]);
+        }
+    if (__any_sync(0xffffffffu, top[0] > m_row[0] + kRescaleLog2 || top[1] > m_row[1] + kRescaleLog2)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float t = top[h];
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 4));
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 8));
+            t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 16));
+            const bool up = t > m_row[h] + kRescaleLog2;
+            const float alpha = up ? exp2f(m_row[h] - t) : 1.f;  // m = -inf: 0
+            m_row[h] = up ? t : m_row[h];
+            l_row[h] *= alpha;
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 16; ++j) {
+                o[j][h] *= alpha;
+                o[j][h + 2] *= alpha;
+            }
+        }
+    }
+    const float shift[2] = {m_row[0] == neg_inf() ? 0.f : m_row[0], m_row[1] == neg_inf() ? 0.f : m_row[1]};
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            sc[c][e] = exp2f(sc[c][e] - shift[e & 1]);
+            l_row[e & 1] += sc[c][e];
+        }
+        const unsigned p0 = movmatrix_trans(pack2<__half>(sc[c][0], sc[c][1]));  // keys 0-7 x heads, transposed
+        const unsigned p1 = movmatrix_trans(pack2<__half>(sc[c][2], sc[c][3]));  // keys 8-15
+        pv_e4m3_narrow<HEAD_DIM>(sv, first + 16 * c, lane, p0, p1, o);
+    }
+}
+
 // Add to a device-wide count with acquire-release semantics: writes before it (this
 // thread's, and those a barrier made it observe) are visible to whoever reads the count
 // after it, and that reader sees theirs. On sm_90 it is one MEMBAR.ALL.GPU, the atomic
@@ -415,6 +526,9 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     // (each holds a part of the tile's tokens: PARTS states a head to merge at the end).
     constexpr int WARPS = THREADS / 32, M_TILES = !MMA || GROUP <= 16 ? 1 : GROUP <= 32 ? 2 : 4;
     constexpr bool UPPER = MMA && GROUP > 8;
+    // FP8 with at most 8 heads: the narrow, transposed form (consume_mma_fp8_narrow), heads as n8 columns
+    constexpr bool NARROW = FP8 && GROUP <= 8;
+    constexpr int O_TILES = NARROW ? HEAD_DIM / 16 : HEAD_DIM / 8;  // C fragments of the output
     constexpr int PARTS = MMA ? WARPS / M_TILES : LG;
     static_assert(!MMA || (GROUP <= 64 && WARPS % M_TILES == 0), "MMA: whole warps per m16 tile of heads");
     // MMA: chunks of 16 tokens a warp consumes a tile (M_TILES when a tile has 16 tokens a warp; FP8's tiles
@@ -462,11 +576,24 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     float qf[CORE][LV][V];
     // MMA: q as the A operand of m16n8k16, rows = the query heads of the warp's m16 tile (padded
     // with zeros past the group), pre-scaled; qa[kk] = a0..a3 of k-step kk (a1, a3: rows + 8).
+    // NARROW: q as the B operand, qa[kk] = b0, b1 of k-step kk: head quad_row (zeros past the group).
     const int warp = tid / 32, quad_row = (tid % 32) / 4, quad_col = tid % 4;
     const int m_tile = warp / PARTS, part = warp % PARTS;  // MMA: the warp's heads and share of the tile
-    unsigned qa[MMA ? HEAD_DIM / 16 : 1][4];
+    unsigned qa[MMA ? HEAD_DIM / 16 : 1][NARROW ? 2 : 4];
     if constexpr (MMA) {
         if constexpr (FP8) scale_log2 *= __ldg(k_scales + kv_head);  // the K scale joins q's pre-scale
+    }
+    if constexpr (NARROW) {
+        const T* const row = q + (q_row + quad_row) * HEAD_DIM;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // dims 16kk + 4c + 2h, + 1, as consume_mma_fp8_narrow reads K
+                const int d = 16 * kk + 4 * quad_col + 2 * h;
+                qa[kk][h] = quad_row < GROUP ? pack2<__half>(to_float(row[d]) * scale_log2,
+                                                             to_float(row[d + 1]) * scale_log2) : 0u;
+            }
+    } else if constexpr (MMA) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // rows quad_row and quad_row + 8 of the m16 tile
             const int head = 16 * m_tile + quad_row + 8 * r;
@@ -650,9 +777,10 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     // MMA: the state of rows quad_row and quad_row + 8 of the warp's m16 tile (their quad of lanes):
     // output o (C fragments, 8 dims per n-tile), running max and this lane's part of the sum, [0] and
     // [1] (see consume_mma).
-    float o[MMA ? HEAD_DIM / 8 : 1][4], m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
+    // NARROW: heads 2 quad_col and + 1, and o^T (see consume_mma_fp8_narrow).
+    float o[MMA ? O_TILES : 1][4], m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < (MMA ? HEAD_DIM / 8 : 1); ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int j = 0; j < (MMA ? O_TILES : 1); ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
     const int num_tiles = (end - begin + TILE - 1) / TILE;
     if (PAGED) {
@@ -694,7 +822,10 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
 #pragma unroll
             for (int i = 0; i < WARP_CHUNKS / CH; ++i) {
                 const int first = 16 * (WARP_CHUNKS * part + CH * i);
-                if constexpr (FP8) {
+                if constexpr (NARROW) {
+                    if (full) consume_mma_fp8_narrow<HEAD_DIM, false, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                    else consume_mma_fp8_narrow<HEAD_DIM, true, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
+                } else if constexpr (FP8) {
                     if (full) consume_mma_fp8<HEAD_DIM, false, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
                     else consume_mma_fp8<HEAD_DIM, true, UPPER, CH>(sk, sv, live, first, wl, qa, o, m_row, l_row);
                 } else {
@@ -724,7 +855,33 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     float* const red_acc = reinterpret_cast<float*>(smem_raw);  // [PARTS][GROUP][HEAD_DIM]
     float* const red_m = red_acc + PARTS * GROUP * HEAD_DIM;     // [PARTS][GROUP]
     float* const red_l = red_m + PARTS * GROUP;                  // [PARTS][GROUP]
-    if constexpr (MMA) {  // a lane group is a warp; a row's state is on its quad
+    if constexpr (NARROW) {  // a head's state is on the 8 lanes of its quad_col
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 4);
+            l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 8);
+            l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 16);
+            const int head = 2 * quad_col + h;
+            if (quad_row == 0 && head < GROUP) red_m[part * GROUP + head] = m_row[h];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int head = 2 * quad_col + h;
+            if (head < GROUP) {
+                float top = neg_inf();
+                for (int x = 0; x < PARTS; ++x) top = fmaxf(top, red_m[x * GROUP + head]);
+                const float f = exp2f(m_row[h] - (top == neg_inf() ? 0.f : top));
+                if (quad_row == 0) red_l[part * GROUP + head] = l_row[h] * f;
+                float* const dst = red_acc + (part * GROUP + head) * HEAD_DIM + quad_row * (HEAD_DIM / 8);
+#pragma unroll
+                for (int t = 0; t < O_TILES; ++t) {  // rows quad_row and + 8 of m-tile t: dims 2t and 2t + 1
+                    dst[2 * t] = o[t][h] * f;
+                    dst[2 * t + 1] = o[t][h + 2] * f;
+                }
+            }
+        }
+    } else if constexpr (MMA) {  // a lane group is a warp; a row's state is on its quad
         static_assert(LG == WARPS, "MMA: the lane groups are the warps (LANES = 32)");
         constexpr int HALVES = UPPER ? 2 : 1;
 #pragma unroll
@@ -838,11 +995,12 @@ decode(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v
 }
 
 // The paged kernel over float8 e4m3 K/V on tensor cores (q and out: __half or __nv_bfloat16); the arguments
-// of decode (rows: INDEXED only, else null), then the scales. At least 2 blocks an SM, as the planner counts
-// on: left to itself ptxas capped some instances at 168 registers and spilled.
+// of decode (rows: INDEXED only, else null), then the scales. Registers for at least 2 blocks an SM (left to
+// itself ptxas capped some instances at 168 registers and spilled); a narrow group's (at most 8 heads) for
+// 512 threads an SM (128 registers), whose stages the planner sizes to match (planner.geometry).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int THREADS, int TILE, int STAGES, int IDS_WINDOW,
           bool INDEXED>
-__global__ void __launch_bounds__(THREADS, 2)
+__global__ void __launch_bounds__(THREADS, GROUP <= 8 ? 512 / THREADS : 2)
 decode_fp8(const T* __restrict__ q, const e4m3* __restrict__ k, const e4m3* __restrict__ v, long long block_stride,
            const int* __restrict__ block_tables, long long table_stride, int max_blocks,
            const int* __restrict__ seq_lens, float scale_log2, int segment_tokens, int group_chunks,

@@ -27,7 +27,8 @@ MMA_SHORT_GROUP = 32            # tensor cores: the widest group the short geome
 MMA_STAGES = 3                  # pipeline depth on tensor cores
 MMA_SHORT_THREADS = 64          # the short tensor-core geometry: two warps, a 32-token tile
 MMA_SHORT_STAGES = 3            # and its pipeline depth
-FP8_FACTOR = 2                  # FP8 K/V: tiles of twice the tokens to 16 heads, else twice the stages
+FP8_FACTOR = 2                  # FP8 K/V: tiles of twice the tokens to 16 heads, else twice the stages,
+FP8_NARROW_GROUP = 8            # but to this many heads (transposed: keys as m16 rows) fp16's tile and stages
 IDS_WINDOW = 256                # block ids a thread block stages in shared memory at a time
 SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
 SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
@@ -107,8 +108,11 @@ def geometry(cfg, geometry_name="standard"):
     of a 64-token tile, MMA_STAGES stages. Their short geometry has two warps (a
     32-token tile) and stages of half the bytes, so twice as many thread blocks
     share an SM with the same bytes in flight, and each block's start is hidden by
-    the others'. FP8 K/V (tensor cores only) stores a token in half the bytes: up to 16
-    heads, tiles of twice the tokens (FP8_FACTOR) keep the bytes of a stage, and each
+    the others'. FP8 K/V (tensor cores only) stores a token in half the bytes. Up to
+    FP8_NARROW_GROUP heads the kernel runs transposed, with half the output registers, so
+    twice the thread blocks of fp16 fit an SM: fp16's tile and stages, at half the bytes,
+    keep the bytes in flight of fp16 and give twice the warps to hide the conversions'
+    latencies. Up to 16 heads, tiles of twice the tokens (FP8_FACTOR) keep the bytes of a stage, and each
     warp consumes two chunks of 16 tokens at once, so that their chains of loads,
     conversions and mma overlap (with one chunk a warp the FP8 kernel waited on those
     chains); wider groups, whose warps already take two or four chunks, keep their tile
@@ -125,9 +129,9 @@ def geometry(cfg, geometry_name="standard"):
         short = short and cfg.group <= MMA_SHORT_GROUP
         threads, stages = (MMA_SHORT_THREADS, MMA_SHORT_STAGES) if short else (THREADS, MMA_STAGES)
         tile = 16 * threads // 32
-        if cfg.fp8 and cfg.group <= 16:
+        if cfg.fp8 and FP8_NARROW_GROUP < cfg.group <= 16:
             tile *= FP8_FACTOR
-        elif cfg.fp8:
+        elif cfg.fp8 and cfg.group > 16:
             stages *= FP8_FACTOR
         return Geometry(32, tile, stages, stages * 2 * tile * row + 4 * IDS_WINDOW, True, threads)
     vec = 16 // cfg.itemsize
