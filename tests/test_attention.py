@@ -207,6 +207,11 @@ def test_plan_splits_a_full_batch_only_when_lengths_are_uneven():
     assert uneven.geometry == "standard"  # segments cut for unevenness are not the many-short-segments case
     tiny_mean = plan_splits(64, 8, 8192, TILE, PER_TOKEN, resident, mean_seq_len=100)
     assert tiny_mean.segment_tokens * PER_TOKEN >= planner.MIN_SEGMENT_BYTES
+    # a batch that leaves the device room (twice the resident blocks of above) is cut as finely when uneven,
+    # not just once: one wave of whole sequences would still end with the longest alone
+    roomy = plan_splits(64, 8, 8192, TILE, PER_TOKEN, 2 * resident, mean_seq_len=4100)
+    assert (roomy.num_splits, roomy.segment_tokens) == (uneven.num_splits, uneven.segment_tokens)
+    assert plan_splits(64, 8, 8192, TILE, PER_TOKEN, 2 * resident, mean_seq_len=8192).num_splits == 1
 
 
 def test_plan_keeps_a_requested_split_count_and_geometry():

@@ -264,11 +264,11 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     the ``resident_blocks`` (thread blocks the device holds at once: SMs x blocks per
     SM) unused, split each sequence into as many segments as fill them in one wave,
     but never into segments of fewer than ``min_segment_bytes`` of K+V (each thread block
-    pays a pipeline fill and a share of the final merge). If they fill the device but
-    lengths are uneven (the longest over UNEVEN times the mean, when ``mean_seq_len``
-    is known), cut segments of about a quarter of the mean length, so that short and
-    long sequences become work units of similar size and no long sequence runs alone
-    at the end. Segments are whole tiles; splits the rounding left empty are dropped.
+    pays a pipeline fill and a share of the final merge). If lengths are uneven (the
+    longest over UNEVEN times the mean, when ``mean_seq_len`` is known), cut segments of
+    at most about a quarter of the mean length, so that short and long sequences become
+    work units of similar size and no long sequence runs alone at the end (whether or
+    not the thread blocks fill the device: filling it once does not balance it). Segments are whole tiles; splits the rounding left empty are dropped.
     A requested count is kept even if some segments are then empty.
 
     ``tile`` and ``resident_blocks`` are the standard geometry's (the short
@@ -286,12 +286,12 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     uneven = bool(mean_seq_len) and max_seq_len > UNEVEN * mean_seq_len
     if num_splits is not None:
         wanted = num_splits
-    elif 0 < units < resident_blocks:
-        wanted = max(1, min(resident_blocks // units, max_seq_len // min_tokens))
-    elif uneven:
-        wanted = -(-max_seq_len // max(min_tokens, int(mean_seq_len) // 4))
     else:
         wanted = 1
+        if 0 < units < resident_blocks:
+            wanted = max(1, min(resident_blocks // units, max_seq_len // min_tokens))
+        if uneven:
+            wanted = max(wanted, -(-max_seq_len // max(min_tokens, int(mean_seq_len) // 4)))
     segment = -(-max_seq_len // wanted)
     segment = -(-segment // tile) * tile
     if num_splits is None:
