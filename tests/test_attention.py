@@ -214,6 +214,16 @@ def test_plan_splits_a_full_batch_only_when_lengths_are_uneven():
     assert plan_splits(64, 8, 8192, TILE, PER_TOKEN, 2 * resident, mean_seq_len=8192).num_splits == 1
 
 
+def test_split_plans_count_at_most_two_resident_blocks_an_sm():
+    """A kernel four of whose blocks fit an SM (FP8's transposed one) is split as though two did: b32's 256
+    thread blocks stay whole rather than being cut in two to fill 528 slots."""
+    assert planner.split_residency(264, 132) == 264 and planner.split_residency(100, 132) == 100
+    resident = planner.split_residency(528, 132)
+    assert resident == planner.SPLIT_BLOCKS_PER_SM * 132
+    assert plan_splits(32, 8, 4096, TILE, PER_TOKEN // 2, resident).num_splits == 1
+    assert plan_splits(32, 8, 4096, TILE, PER_TOKEN // 2, 528).num_splits == 2
+
+
 def test_plan_keeps_a_requested_split_count_and_geometry():
     plan = plan_splits(2, 8, 100, 32, 512, 396, num_splits=9)
     assert (plan.num_splits, plan.segment_tokens) == (9, 32)

@@ -38,7 +38,7 @@ from ..kernels.validate import Spans, check_block_tables
 from . import reference
 from . import prefill_sm90
 from .planner import (GEOMETRIES, check_geometry, geometry, kernel_group, plan_splits, prefill_sm90_geometry,
-                      wide_group, wide_split, workspace_layout)
+                      split_residency, wide_group, wide_split, workspace_layout)
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
@@ -99,9 +99,9 @@ def _device_split(cfg, batch, q_heads, max_seq_len, num_splits, mean_seq_len, ge
     import cupy
     standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
     units = q_heads // kernel_group(cfg)[0]  # thread blocks an item takes
+    resident = split_residency(standard.resident_blocks, multiprocessors(cupy.cuda.Device().id))
     return plan_splits(batch, units, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.kv_itemsize,
-                       standard.resident_blocks, num_splits=num_splits, mean_seq_len=mean_seq_len,
-                       geometry=geometry_name)
+                       resident, num_splits=num_splits, mean_seq_len=mean_seq_len, geometry=geometry_name)
 
 
 @dataclass(frozen=True)

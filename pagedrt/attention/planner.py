@@ -33,6 +33,7 @@ IDS_WINDOW = 256                # block ids a thread block stages in shared memo
 SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
 SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
+SPLIT_BLOCKS_PER_SM = 2         # split plans count at most this many resident thread blocks an SM (split_residency)
 UNEVEN = 1.5                    # longest / mean length above which a batch that fills the device is split anyway
 PREFILL_DTYPES = ("float16", "bfloat16")  # prefill runs on tensor cores only
 PREFILL_HEAD_DIMS = (64, 128, 256)        # whole groups of 8 16-byte chunks per row (the swizzle's unit)
@@ -254,6 +255,14 @@ class SplitPlan:
             end = length if i == self.num_splits - 1 else min(length, begin + self.segment_tokens)
             out.append((begin, max(begin, end)))
         return out
+
+
+def split_residency(resident_blocks, multiprocessors):
+    """The resident thread blocks a split plan fills: the kernel's (``resident_blocks``), but at most
+    SPLIT_BLOCKS_PER_SM an SM. Two blocks of a decode kernel keep an SM's share of HBM streaming; where more
+    fit (FP8's transposed kernel, whose blocks hold half the registers), cutting sequences further to fill
+    them adds more thread-block starts and merges than it gains (docs/KERNELS.md, "What limits it")."""
+    return min(resident_blocks, SPLIT_BLOCKS_PER_SM * multiprocessors)
 
 
 def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, resident_blocks, *, num_splits=None,
