@@ -236,6 +236,9 @@ def test_step_layers_writes_each_sequences_newest_token_and_counts_its_bytes():
     assert slots.tolist() == [3 * 16, 5 * 16 + 15] and slots.dtype == np.int64
     per_token = cases.KV_HEADS * cases.HEAD_DIM * 2
     assert step_layers.step_bytes([17, 16], 2, 2) == 2 * 33 * per_token + 2 * 2 * 32 * 128 * 2 + 4 * 2 * per_token
+    # FP8: K/V one byte a value, read and stored; q, out and the new tokens read in fp16
+    assert step_layers.step_bytes([17, 16], 2, 2, 1) == (2 * 33 * per_token // 2 + 2 * 2 * 32 * 128 * 2
+                                                         + 2 * 2 * 8 * 128 * 3)
     assert "skew" in step_layers.CASES and "big-bf16" not in step_layers.CASES
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from .. import Pool
 from . import harness, partition
 from .cases import BENCH_DECODE_CASES, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
+from .layers import fill_random_e4m3
 
 COLUMNS = (
     harness.Column("case", "case", width=9, left=True),
@@ -194,10 +195,7 @@ def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
     with contextlib.ExitStack() as stack:
         k, v = pool_planes(stack, shape, chunk, np.uint8)
         for plane in (k, v):
-            for lo in range(0, num_blocks, 4096):  # random finite e4m3 bytes: codes 0..126, either sign
-                part = plane[lo:lo + 4096]
-                codes = cp.random.randint(0, 0x7F, part.shape, dtype=np.int32)
-                part[...] = (codes | (cp.random.randint(0, 2, part.shape, dtype=np.int32) << 7)).astype(np.uint8)
+            fill_random_e4m3(cp, plane)
         k_scale = cp.full(KV_HEADS, 1 / 64, np.float32)
         v_scale = cp.full(KV_HEADS, 1 / 64, np.float32)
         q = random_bits(cp, (case.batch, Q_HEADS, HEAD_DIM), case.dtype).view(dt)

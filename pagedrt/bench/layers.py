@@ -58,6 +58,14 @@ def fill_random(cp, plane):
         plane[lo:lo + n] = tile[:n]
 
 
+def fill_random_e4m3(cp, plane):
+    """Fill an FP8 (uint8) plane with random finite e4m3 bytes: codes 0..126 of either sign (0x7F is NaN)."""
+    for lo in range(0, plane.shape[0], 4096):
+        part = plane[lo:lo + 4096]
+        codes = cp.random.randint(0, 0x7F, part.shape, dtype=np.int32)
+        part[...] = (codes | (cp.random.randint(0, 2, part.shape, dtype=np.int32) << 7)).astype(np.uint8)
+
+
 def run(cp, case, placement, chunk, repeats):
     from .. import attention
     lens_host = np.asarray(case.lengths, np.int32)
