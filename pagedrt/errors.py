@@ -120,6 +120,21 @@ class UnsupportedConfigError(PagedRTError, ValueError):
     """A dtype, head_dim, block_size or shape that the cache or kernels do not support."""
 
 
+# --- several GPUs ----------------------------------------------------------------
+
+class PeerAccessError(PagedRTError, RuntimeError):
+    """A device asked to reach another's memory that it cannot: no such device, or no peer access between the two."""
+
+
+class CommunicatorError(PagedRTError, ValueError):
+    """An NCCL communicator that does not fit the work: the wrong number of ranks, or ranks on other devices."""
+
+
+class ShardError(PagedRTError, ValueError):
+    """Shards that do not fit a sharded cache: KV heads that do not divide among them, devices repeated or
+    missing, or per-shard arrays that do not match the shards."""
+
+
 # --- kernels ------------------------------------------------------------------
 
 class LaunchArgumentError(PagedRTError, ValueError):
