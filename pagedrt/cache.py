@@ -123,6 +123,15 @@ def _kv_scales(kv_dtype, dtype, head_dim, kv_scales, shape):
     return scales
 
 
+def plane_view(pool, layout, layer, kv):
+    """Layer ``layer``'s K (``kv`` 0) or V (1) plane in ``pool`` under ``layout``: ``[max_blocks, num_kv_heads,
+    block_size, head_dim]``, a strided view (no copy)."""
+    lay, e = layout, layout.itemsize
+    shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
+    strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
+    return pool.view(lay.plane_offset(layer, kv), shape, kv_numpy_dtype(lay.dtype), strides, allow_holes=True)
+
+
 class PagedKVCache:
     """K and V of ``num_layers`` layers in blocks of ``block_size`` tokens, over one growable pool.
 
@@ -466,12 +475,7 @@ class PagedKVCache:
         return self._mask
 
     def _plane_view(self, layer, kv):
-        lay = self.layout
-        e = lay.itemsize
-        shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
-        strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
-        return self.pool.view(lay.plane_offset(layer, kv), shape, kv_numpy_dtype(lay.dtype), strides,
-                              allow_holes=True)
+        return plane_view(self.pool, self.layout, layer, kv)
 
     # --- both layers at once ----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ a block-table row alone, so it works on a snapshot as on a live cache.
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -177,9 +178,15 @@ class Translation:
     nbytes: int           # contiguous bytes of this token's head_dim values
     cached: bool = False  # the block is in the prefix cache (named by its tokens' hash chain)
     location: str = "device"  # the block's tier: "device", or "host" (pinned host memory, same pointers)
+    shard: Optional[int] = None   # a sharded cache's shard holding kv_head (offset and address are in its pool)
+    device: Optional[int] = None  # and that shard's device
 
     def as_dict(self):
-        return asdict(self)
+        """The fields as a dict; ``shard`` and ``device`` only for a sharded cache's."""
+        fields = asdict(self)
+        if self.shard is None:
+            del fields["shard"], fields["device"]
+        return fields
 
 
 def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0, cached=()):

@@ -6,9 +6,10 @@ written by another process as on a live cache.
 """
 
 import math
+from dataclasses import replace
 
 from .layout import Layout, translate
-from .errors import InvalidPositionError, UnknownSequenceError
+from .errors import InvalidPositionError, UnknownSequenceError, UnsupportedConfigError
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 COLOURS = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
@@ -39,6 +40,13 @@ def where(record):
     return f"device {node}" if location == "device" else f"host node {node}"
 
 
+def shard_line(shard):
+    """What a sharded cache's snapshot describes: one device's pool, under the tables every shard shares."""
+    first, end = shard["kv_heads"]
+    return (f"shard  {shard['index']} of {shard['of']}, on device {shard['device']}: KV heads {first}..{end - 1} of "
+            f"{shard['num_kv_heads']} in this pool; the block tables below are every shard's")
+
+
 def chunk_table(snap, style=plain):
     """One line per allocator chunk ever mapped: place, VA range, size, state, (with a host tier) where its memory
     lives, blocks held."""
@@ -49,7 +57,8 @@ def chunk_table(snap, style=plain):
     held_in_chunk = {}
     for b in _block_owners(snap):
         held_in_chunk[b // bpc] = held_in_chunk.get(b // bpc, 0) + 1
-    lines = [f"pool   {pool['backend']} range at {pool['base']:#x}, {size(pool['max_bytes'])} reserved, "
+    lines = [] if "shard" not in snap else [shard_line(snap["shard"])]
+    lines += [f"pool   {pool['backend']} range at {pool['base']:#x}, {size(pool['max_bytes'])} reserved, "
              f"{size(sum(c['size'] for c in pool['chunks'] if c['state'] == 'mapped'))} mapped; "
              f"page {size(pool['page_bytes'])}, chunk {size(pool['chunk_bytes'])}"]
     if planes > 1:
@@ -149,8 +158,17 @@ def chain(snap, seq, pos, layer=0, kv="k", head=0):
     if not 0 <= pos < entry["length"]:
         raise InvalidPositionError(f"position {pos} is out of range: sequence {seq} holds {entry['length']} "
                                    f"tokens" + (f", positions 0..{entry['length'] - 1}" if entry["length"] else ""))
-    return translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
-                     seq, pos, layer, kv, head, cached=set(snap["blocks"]["cached"]))
+    shard = snap.get("shard")
+    if shard is None:
+        return translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
+                         seq, pos, layer, kv, head, cached=set(snap["blocks"]["cached"]))
+    first, end = shard["kv_heads"]  # a shard's snapshot: the cache's heads, those of this shard
+    if not isinstance(head, int) or not first <= head < end:
+        raise UnsupportedConfigError(f"kv head {head!r:.40} is not in this snapshot: shard {shard['index']} (device "
+                                     f"{shard['device']}) holds KV heads {first}..{end - 1} of {shard['num_kv_heads']}")
+    tr = translate(Layout(**snap["layout"]), snap["pool"]["base"], entry["blocks"], entry["length"],
+                   seq, pos, layer, kv, head - first, cached=set(snap["blocks"]["cached"]))
+    return replace(tr, kv_head=head, shard=shard["index"], device=shard["device"])
 
 
 def chain_lines(snap, tr, style=plain):
@@ -165,8 +183,11 @@ def chain_lines(snap, tr, style=plain):
     inner = tr.pool_offset - plane - tr.block_id * lay.block_stride_bytes
     where = (f" (chunk {tr.chunk % lay.chunks_per_plane} of plane {tr.chunk // lay.chunks_per_plane})"
              if lay.num_planes > 1 else "")
+    shard = [] if tr.shard is None else [f"shard    kv head {tr.kv_head} is shard {bold(tr.shard)}'s, on device "
+                                         f"{bold(tr.device)}: the addresses below are in that device's pool"]
     return [
         f"token    sequence {tr.seq}, position {tr.pos}, layer {tr.layer}, {tr.kv.upper()}, kv head {tr.kv_head}",
+        *shard,
         f"block    logical block {bold(tr.logical_block)} = {tr.pos} // {lay.block_size}, "
         f"slot {bold(tr.slot)} = {tr.pos} % {lay.block_size}",
         f"table    block_table[{tr.seq}][{tr.logical_block}] = block id {bold(tr.block_id)}   "

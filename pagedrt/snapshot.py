@@ -249,6 +249,24 @@ def _check_layout(snap):
     return lay
 
 
+def _check_shard(snap, lay):
+    """``shard`` (a sharded cache's snapshots only): its index of ``of`` shards, its device, and the cache's KV heads
+    ``[first, end)`` it holds, as many as the layout's, of ``num_kv_heads`` = ``of`` x the layout's."""
+    if "shard" not in snap:
+        return
+    raw, where = snap["shard"], "shard"
+    if not isinstance(raw, dict):
+        _fail(where, f"must be an object, got {_kind(raw)}")
+    of = _int(_get(raw, "of", where), f"{where}.of", 1, MAX_INDEX)
+    index = _int(_get(raw, "index", where), f"{where}.index", 0, of - 1)
+    _int(_get(raw, "device", where), f"{where}.device", 0, MAX_INDEX)
+    _equal(_get(raw, "num_kv_heads", where), of * lay.num_kv_heads, f"{where}.num_kv_heads",
+           f"{of} shards of {lay.num_kv_heads} heads")
+    first = index * lay.num_kv_heads
+    _equal(_get(raw, "kv_heads", where), [first, first + lay.num_kv_heads], f"{where}.kv_heads",
+           f"shard {index}'s {lay.num_kv_heads} heads")
+
+
 def _check_pool(snap, lay):
     pool, where = _get(snap, "pool", "$"), "pool"
     _choice(_get(pool, "backend", where), f"{where}.backend", BACKEND_NAMES)
@@ -387,6 +405,7 @@ def validate_snapshot(snap):
         if not isinstance(taken, (int, float)) or isinstance(taken, bool) or not math.isfinite(taken) or taken < 0:
             _fail("time", f"must be a Unix time (a finite number >= 0), got {_show(taken)}")
         lay = _check_layout(snap)
+        _check_shard(snap, lay)
         mapped, refs = _check_blocks(snap, lay, _check_pool(snap, lay))
         _check_sequences(snap, lay, mapped, refs)
     except _Invalid as exc:
