@@ -19,8 +19,8 @@ KV heads are (with ``group`` query heads per KV head, shard ``s`` takes query he
 heads, are the unsharded cache's. Shards may share a device (how the tests run on one GPU);
 on the host backend a device is a label and every shard's arrays are host arrays.
 
-Not offered here (a named error): a host tier, background growth, ``max_bytes`` (give
-``max_tokens``), a backend object (give its name: one backend is made per device).
+Not offered here: a host tier, background growth and ``max_bytes`` (no such keywords: give
+``max_tokens``); a backend object is refused (give its name: one backend is made per device).
 """
 
 import contextlib
