@@ -47,15 +47,37 @@ def _devices(devices):
     return [int(d) for d in devices]
 
 
+def peer_copy(pairs, source, target):
+    """Copy each (dst, src) pair of CuPy arrays from device ``source`` to device ``target`` (cudaMemcpyPeerAsync,
+    a device-to-device copy when they are one), queued on ``source``'s current stream; ``target``'s current stream
+    then waits for the copies (an event), so work queued there afterwards reads them."""
+    import cupy
+    with cupy.cuda.Device(source):
+        stream = cupy.cuda.get_current_stream()
+        for dst, src in pairs:
+            if src.nbytes:
+                cupy.cuda.runtime.memcpyPeerAsync(dst.data.ptr, target, src.data.ptr, source, src.nbytes, stream.ptr)
+        copied = cupy.cuda.Event(disable_timing=True)
+        copied.record(stream)
+    with cupy.cuda.Device(target):
+        cupy.cuda.get_current_stream().wait_event(copied)
+
+
 class Shard:
     """One device's share of a :class:`ShardedKVCache`: its KV heads of every block, in its own pool."""
 
-    def __init__(self, index, device, first_head, num_heads, pool, layout, scales, xp):
+    def __init__(self, index, device, first_head, num_heads, pool, layout, scales, xp, dtype):
         self.index, self.device = index, device
         self.kv_heads = range(first_head, first_head + num_heads)  # the cache's KV heads this shard holds
         self.pool, self.layout, self.xp = pool, layout, xp
+        self.dtype = dtype  # the model's (q and attention output), as PagedKVCache.dtype
         self._planes = [plane_view(pool, layout, layer, kv) for layer in range(layout.num_layers) for kv in KV]
         self._scales = scales
+
+    # a cache's shape as a model reads it (pagedrt.engine's LlamaModel runs on a shard as on a cache)
+    num_layers = property(lambda self: self.layout.num_layers)
+    num_kv_heads = property(lambda self: self.layout.num_kv_heads)
+    head_dim = property(lambda self: self.layout.head_dim)
 
     def q_heads(self, group):
         """The query heads whose attention runs on this shard, for ``group`` query heads per KV head."""
@@ -154,14 +176,14 @@ class ShardedKVCache:
                 lead.allocator.grow(lead.allocator.device_chunks)  # the whole capacity, now (module docstring)
             self.lead = lead
             lay, chunks = lead.layout, np.flatnonzero(lead.pool.mapped_mask()).tolist()
-            self.shards = [Shard(0, devices[0], 0, heads, lead.pool, lay, lead._scales, self._xp)]
+            self.shards = [Shard(0, devices[0], 0, heads, lead.pool, lay, lead._scales, self._xp, lead.dtype)]
             for s, device in enumerate(devices[1:], 1):
                 with self._on(device):
                     pool = Pool(lay.pool_bytes, lay.chunk_bytes, select_backend(kind))
                     undo.callback(pool.close)
                     pool.map(chunks)
                     shard_scales = None if scales is None else self._xp.asarray(part(s))
-                self.shards.append(Shard(s, device, s * heads, heads, pool, lay, shard_scales, self._xp))
+                self.shards.append(Shard(s, device, s * heads, heads, pool, lay, shard_scales, self._xp, lead.dtype))
             self._buffers = [self._step_buffers(shard) for shard in self.shards[1:]]
             undo.pop_all()
 
@@ -243,21 +265,8 @@ class ShardedKVCache:
                                for shard, buffers in zip(self.shards[1:], self._buffers))
 
     def _copy_step(self, step, shard, buffers):
-        cupy = self._xp
-        with self._on(self.devices[0]):
-            source = cupy.cuda.get_current_stream()
-            fields = {}
-            for name in STEP_ARRAYS:
-                src = getattr(step, name)
-                dst = buffers[name][:src.shape[0]]
-                if src.nbytes:
-                    cupy.cuda.runtime.memcpyPeerAsync(dst.data.ptr, shard.device, src.data.ptr, self.devices[0],
-                                                      src.nbytes, source.ptr)
-                fields[name] = dst
-            copied = cupy.cuda.Event(disable_timing=True)
-            copied.record(source)
-        with self._on(shard.device):
-            cupy.cuda.get_current_stream().wait_event(copied)
+        fields = {name: buffers[name][:getattr(step, name).shape[0]] for name in STEP_ARRAYS}
+        peer_copy([(fields[name], getattr(step, name)) for name in STEP_ARRAYS], self.devices[0], shard.device)
         return step._replace(**fields)
 
     # --- both layers -----------------------------------------------------------------------

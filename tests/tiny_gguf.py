@@ -52,13 +52,13 @@ def train_merges(count=80):
     return merges
 
 
-def write(path, *, quantized=False, seed=0, vocab_pad=0):
+def write(path, *, quantized=False, seed=0, vocab_pad=0, shape=SHAPE):
     """Write the tiny model to ``path``; ``quantized``: its matrices as Q4_1 and the embedding as Q8_0 (as
-    SmolLM2's file), else float32. Returns the vocabulary size."""
+    SmolLM2's file), else float32; ``shape``: SHAPE's keys (another size). Returns the vocabulary size."""
     import gguf
     from gguf.quants import quantize
     from pagedrt.engine.tokenizer import byte_alphabet
-    s = SHAPE
+    s = shape
     head_dim = s["hidden"] // s["q_heads"]
     merges = train_merges()
     tokens = list(SPECIALS) + [byte_alphabet()[b] for b in range(256)] + [a + b for a, b in merges]

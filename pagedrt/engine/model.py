@@ -126,7 +126,7 @@ class LlamaModel:
         times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and write plans."""
         c, cache = self.config, self.cache
         n, eps = step.num_tokens, c.rms_eps
-        attn = b["attn"].reshape(n, c.hidden)
+        attn = b["attn"].reshape(n, c.q_heads * c.head_dim)  # hidden, but for a tensor-parallel shard
         yield "embed", partial(ops.embed, ids, self.embedding, b["residual"])
         delta = None
         for layer, w in enumerate(self.layers):

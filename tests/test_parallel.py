@@ -1,0 +1,104 @@
+"""The model runner tensor-parallel over a sharded cache gives the single runner's logits, step after step."""
+
+import numpy as np
+import pytest
+
+import tiny_gguf
+from pagedrt import PagedKVCache
+from pagedrt.engine import loader
+from pagedrt.engine.model import LlamaModel
+from pagedrt.engine.parallel import AllReduce, TensorParallelModel, shard_weights
+from pagedrt.errors import CommunicatorError, ShardError
+from pagedrt.shard import ShardedKVCache
+from helpers import to_host
+
+SHAPE = dict(tiny_gguf.SHAPE, hidden=384, q_heads=6, kv_heads=2, ffn=256)  # head_dim 64, group 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-tp.gguf"
+    tiny_gguf.write(path, shape=SHAPE, seed=3)
+    return loader.load(path)
+
+
+def devices_for(backend, shards):
+    if backend == "host":
+        return list(range(shards))
+    import cupy
+    return list(range(shards)) if cupy.cuda.runtime.getDeviceCount() >= shards else [0] * shards
+
+
+def run(cache, forward, xp, prompts):
+    """Logits of a prefill of ``prompts``, then three greedy decode steps of every sequence, then a fourth prompt
+    arriving beside a decode step (a mixed step)."""
+    out = []
+    step = cache.step(arrivals=prompts)
+    ids = np.concatenate([np.asarray(p) for p in prompts])
+    for _ in range(3):
+        logits = to_host(forward(step, xp.asarray(ids)))
+        out.append(logits)
+        ids = np.argmax(logits, axis=1).astype(np.int64)
+        step = cache.step(counts=1, token_ids=ids)
+    late = list(range(40, 61))
+    step = cache.step(counts=1, token_ids=ids, arrivals=[late])
+    out.append(to_host(forward(step, xp.asarray(np.concatenate([ids, late])))))
+    return out
+
+
+@pytest.mark.parametrize("shards", [2])
+def test_tensor_parallel_logits_equal_the_single_runners(backend, model, shards):
+    xp = np if backend == "host" else pytest.importorskip("cupy")
+    dtype = "float16"  # the cache's; the host runs activations in float32
+    c = model.config
+    prompts = [list(range(5, 37)), list(range(100, 107))]
+    common = dict(max_tokens=2048, max_seqs=8, backend=backend)
+    with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, dtype, **common) as whole:
+        single = LlamaModel(model, whole, graphs=False)
+        want = run(whole, single.forward, xp, prompts)
+    with ShardedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, dtype, devices=devices_for(backend, shards),
+                        **common) as cache:
+        got = run(cache, TensorParallelModel(model, cache).forward, xp, prompts)
+    tol = 5e-4 if backend == "host" else 2e-2  # partial sums add in another order (in fp16 on a device)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and np.isfinite(b).all()
+        assert np.abs(a - b).max() <= tol * np.abs(b).max()
+        assert (np.argmax(a, axis=1) == np.argmax(b, axis=1)).mean() >= 0.9
+
+
+def test_shard_weights_cut_heads_and_the_swiglu_width(model):
+    c, w = model.config, model.weights
+    parts, config = shard_weights(w, c, 2)
+    d = c.head_dim
+    assert (config.q_heads, config.kv_heads, config.ffn) == (3, 1, 128)
+    layer = w.layers[0]
+    q = np.concatenate([p.layers[0]["qkv"][:, :3 * d] for p in parts], axis=1)
+    k = np.concatenate([p.layers[0]["qkv"][:, 3 * d:4 * d] for p in parts], axis=1)
+    v = np.concatenate([p.layers[0]["qkv"][:, 4 * d:] for p in parts], axis=1)
+    assert np.array_equal(np.concatenate([q, k, v], axis=1), layer["qkv"])
+    assert np.array_equal(np.concatenate([p.layers[0]["o"] for p in parts]), layer["o"])
+    assert np.array_equal(np.concatenate([p.layers[0]["down"] for p in parts]), layer["down"])
+    gate = np.concatenate([p.layers[0]["gate_up"][:, :128] for p in parts], axis=1)
+    up = np.concatenate([p.layers[0]["gate_up"][:, 128:] for p in parts], axis=1)
+    assert np.array_equal(np.concatenate([gate, up], axis=1), layer["gate_up"])
+    with pytest.raises(ShardError, match="multiple of 4"):
+        shard_weights(w, c, 4)
+
+
+def test_sums_over_the_wrong_ranks_are_named_errors(model):
+    with pytest.raises(CommunicatorError, match="one rank a device"):
+        AllReduce([0, 0, 1])
+    reduce = AllReduce([0, 1], host=True)
+    a, b = np.ones(4, np.float32), np.full(4, 2, np.float32)
+    reduce([a, b])
+    assert (a == 3).all() and (b == 3).all()
+    with pytest.raises(CommunicatorError, match="3 arrays for a sum over 2 ranks"):
+        reduce([a, b, a])
+    c = model.config
+    with ShardedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", devices=[0, 1], max_tokens=256,
+                        backend="host") as cache:
+        runner = TensorParallelModel(model, cache)
+        steps = cache.step(arrivals=[[1, 2, 3]])
+        with pytest.raises(ShardError, match="1 steps for 2 shards"):
+            runner.forward(steps[:1], np.array([1, 2, 3]))
+        assert runner.forward(steps, np.array([1, 2, 3])).shape == (1, c.vocab_size)
