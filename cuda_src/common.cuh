@@ -232,6 +232,19 @@ __device__ __forceinline__ void qk_e4m3(unsigned addr, const unsigned (&a)[4], c
     }
 }
 
+// Lane (r = l/4, c = l%4)'s bytes of keys key0 + 2c, 2c+1, 2c+8, 2c+9 (w[0..3]) of an e4m3 V tile: bytes
+// [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each, one shared load a key (swizzled rows, as qk_e4m3's).
+template <int HEAD_DIM>
+__device__ __forceinline__ void load_v_keys(unsigned sv, int key0, int lane, unsigned (&w)[4][HEAD_DIM / 32]) {
+    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8;
+    const int byte = (lane / 4) * LANE_BYTES, quad_col = lane % 4;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const int key = key0 + 2 * quad_col + (t & 1) + 8 * (t >> 1);
+        load_shared<HEAD_DIM / 32>(w[t], sv + key * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, key) << 4) + byte % 16);
+    }
+}
+
 // o += P V for keys [key0, key0 + 16) of a V tile (pa: P's A fragment of that k-step). Lane (r = l/4,
 // c = l%4) reads keys 2c, 2c+1, 2c+8, 2c+9 (P's k order), bytes [r*HEAD_DIM/8, (r+1)*HEAD_DIM/8) of each
 // with one shared load, and pairs each dim's two keys with a byte permute: column n of dim tile j is dim
@@ -239,14 +252,9 @@ __device__ __forceinline__ void qk_e4m3(unsigned addr, const unsigned (&a)[4], c
 template <int HEAD_DIM>
 __device__ __forceinline__ void pv_e4m3(unsigned sv, int key0, int lane, const unsigned (&pa)[4],
                                         float (&o)[HEAD_DIM / 8][4]) {
-    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
-    const int byte = (lane / 4) * LANE_BYTES, quad_col = lane % 4;
+    constexpr int WORDS = HEAD_DIM / 32;
     unsigned w[4][WORDS];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const int key = key0 + 2 * quad_col + (t & 1) + 8 * (t >> 1);
-        load_shared<WORDS>(w[t], sv + key * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, key) << 4) + byte % 16);
-    }
+    load_v_keys<HEAD_DIM>(sv, key0, lane, w);
 #pragma unroll
     for (int i = 0; i < WORDS; ++i)
 #pragma unroll

@@ -325,14 +325,9 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
 template <int HEAD_DIM>
 __device__ __forceinline__ void pv_e4m3_narrow(unsigned sv, int key0, int lane, unsigned p0, unsigned p1,
                                                float (&o)[HEAD_DIM / 16][4]) {
-    constexpr int ROW_CHUNKS = HEAD_DIM / 16, LANE_BYTES = HEAD_DIM / 8, WORDS = LANE_BYTES / 4;
-    const int byte = (lane / 4) * LANE_BYTES, quad_col = lane % 4;
+    constexpr int WORDS = HEAD_DIM / 32;
     unsigned w[4][WORDS];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const int key = key0 + 2 * quad_col + (t & 1) + 8 * (t >> 1);
-        load_shared<WORDS>(w[t], sv + key * HEAD_DIM + (swizzle<ROW_CHUNKS>(byte / 16, key) << 4) + byte % 16);
-    }
+    load_v_keys<HEAD_DIM>(sv, key0, lane, w);
 #pragma unroll
     for (int i = 0; i < WORDS; ++i)
 #pragma unroll

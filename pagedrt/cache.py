@@ -132,7 +132,44 @@ def plane_view(pool, layout, layer, kv):
     return pool.view(lay.plane_offset(layer, kv), shape, kv_numpy_dtype(lay.dtype), strides, allow_holes=True)
 
 
-class PagedKVCache:
+class PlaneViews:
+    """What kernels read of a cache: each layer's K and V planes, and FP8 scales. A class using it holds
+    ``_planes`` (K and V of each layer in order), ``_scales`` (float32 [num_layers, 2, num_kv_heads] on its
+    device, or None), ``layout``, and ``_check_open(name)``."""
+
+    def k(self, layer):
+        """Layer ``layer``'s K plane: ``[max_blocks, num_kv_heads, block_size, head_dim]``, a strided view."""
+        return self._plane(layer, 0)
+
+    def v(self, layer):
+        return self._plane(layer, 1)
+
+    @property
+    def planes(self):
+        """Every plane, K and V of each layer in order (what ``copy_blocks`` takes)."""
+        self._check_open("planes")
+        return list(self._planes)
+
+    def k_scale(self, layer):
+        """FP8 caches: layer ``layer``'s K scales, float32 [num_kv_heads] (on the cache's device); else None."""
+        return self._scale(layer, 0)
+
+    def v_scale(self, layer):
+        """FP8 caches: layer ``layer``'s V scales, float32 [num_kv_heads]; else None."""
+        return self._scale(layer, 1)
+
+    def _scale(self, layer, kv):
+        self._plane(layer, kv)  # checks the cache is open and the layer
+        return None if self._scales is None else self._scales[layer, kv]
+
+    def _plane(self, layer, kv):
+        self._check_open("k" if kv == 0 else "v")
+        if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
+            self.layout.check(layer, "k", 0)
+        return self._planes[2 * layer + kv]
+
+
+class PagedKVCache(PlaneViews):
     """K and V of ``num_layers`` layers in blocks of ``block_size`` tokens, over one growable pool.
 
     Give the capacity as ``max_tokens`` or ``max_bytes`` (KV bytes); the pool reserves
@@ -409,38 +446,7 @@ class PagedKVCache:
     def sequences(self):
         return [int(s) for s in self.tables.sequences]
 
-    # --- what kernels read ----------------------------------------------------------------
-
-    def k(self, layer):
-        """Layer ``layer``'s K plane: ``[max_blocks, num_kv_heads, block_size, head_dim]``, a strided view."""
-        return self._plane(layer, 0)
-
-    def v(self, layer):
-        return self._plane(layer, 1)
-
-    @property
-    def planes(self):
-        """Every plane, K and V of each layer in order (what ``copy_blocks`` takes)."""
-        self._check_open("planes")
-        return list(self._planes)
-
-    def k_scale(self, layer):
-        """FP8 caches: layer ``layer``'s K scales, float32 [num_kv_heads] (on the cache's device); else None."""
-        return self._scale(layer, 0)
-
-    def v_scale(self, layer):
-        """FP8 caches: layer ``layer``'s V scales, float32 [num_kv_heads]; else None."""
-        return self._scale(layer, 1)
-
-    def _scale(self, layer, kv):
-        self._plane(layer, kv)  # checks the cache is open and the layer
-        return None if self._scales is None else self._scales[layer, kv]
-
-    def _plane(self, layer, kv):
-        self._check_open("k" if kv == 0 else "v")
-        if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
-            self.layout.check(layer, "k", 0)
-        return self._planes[2 * layer + kv]
+    # --- what kernels read: PlaneViews' k, v, planes, k_scale, v_scale ----------------------------
 
     @_exclusive
     def block_tables(self, seqs=None):

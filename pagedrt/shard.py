@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .cache import PagedKVCache, plane_view
+from .cache import PagedKVCache, PlaneViews, plane_view
 from .errors import PoolClosedError, ShardError, UnsupportedConfigError
 from .layout import KV, is_int, translate
 from .memory import Pool, select_backend
@@ -63,8 +63,9 @@ def peer_copy(pairs, source, target):
         cupy.cuda.get_current_stream().wait_event(copied)
 
 
-class Shard:
-    """One device's share of a :class:`ShardedKVCache`: its KV heads of every block, in its own pool."""
+class Shard(PlaneViews):
+    """One device's share of a :class:`ShardedKVCache`: its KV heads of every block, in its own pool; its
+    planes and scales (:class:`~pagedrt.cache.PlaneViews`) are of its heads."""
 
     def __init__(self, index, device, first_head, num_heads, pool, layout, scales, xp, dtype):
         self.index, self.device = index, device
@@ -83,43 +84,15 @@ class Shard:
         """The query heads whose attention runs on this shard, for ``group`` query heads per KV head."""
         return range(self.kv_heads.start * group, self.kv_heads.stop * group)
 
-    def k(self, layer):
-        """Layer ``layer``'s K plane of this shard's heads: ``[max_blocks, heads, block_size, head_dim]``."""
-        return self._plane(layer, 0)
-
-    def v(self, layer):
-        return self._plane(layer, 1)
-
-    @property
-    def planes(self):
-        """Every plane of this shard, K and V of each layer in order (what ``copy_blocks`` takes)."""
-        self._check_open()
-        return list(self._planes)
-
-    def k_scale(self, layer):
-        """FP8 caches: layer ``layer``'s K scales of this shard's heads, float32 on its device; else None."""
-        self._plane(layer, 0)
-        return None if self._scales is None else self._scales[layer, 0]
-
-    def v_scale(self, layer):
-        self._plane(layer, 1)
-        return None if self._scales is None else self._scales[layer, 1]
-
     def device_context(self):
         """A context in which this shard's device is CuPy's current one (nothing on the host backend)."""
         if self.xp is np:
             return contextlib.nullcontext()
         return self.xp.cuda.Device(self.device)
 
-    def _plane(self, layer, kv):
-        self._check_open()
-        if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
-            self.layout.check(layer, KV[kv], 0)
-        return self._planes[2 * layer + kv]
-
-    def _check_open(self):
+    def _check_open(self, name):
         if self.pool.closed:
-            raise PoolClosedError(f"shard {self.index}: this sharded cache was closed; make a new one")
+            raise PoolClosedError(f"shard {self.index}.{name}: this sharded cache was closed; make a new one")
 
     def __repr__(self):
         return (f"Shard({self.index}, device {self.device}, kv heads {self.kv_heads.start}.."
