@@ -29,16 +29,19 @@ def devices_for(backend, shards):
     return list(range(shards)) if cupy.cuda.runtime.getDeviceCount() >= shards else [0] * shards
 
 
-def run(cache, forward, xp, prompts):
+def run(cache, forward, xp, prompts, chosen):
     """Logits of a prefill of ``prompts``, then three greedy decode steps of every sequence, then a fourth prompt
-    arriving beside a decode step (a mixed step)."""
+    arriving beside a decode step (a mixed step). The decode tokens are the first run's argmax, kept in
+    ``chosen`` (a list, filled by the first run and replayed by the next), so both runs see the same tokens."""
     out = []
     step = cache.step(arrivals=prompts)
     ids = np.concatenate([np.asarray(p) for p in prompts])
-    for _ in range(3):
+    for i in range(3):
         logits = to_host(forward(step, xp.asarray(ids)))
         out.append(logits)
-        ids = np.argmax(logits, axis=1).astype(np.int64)
+        if len(chosen) == i:
+            chosen.append(np.argmax(logits, axis=1).astype(np.int64))
+        ids = chosen[i]
         step = cache.step(counts=1, token_ids=ids)
     late = list(range(40, 61))
     step = cache.step(counts=1, token_ids=ids, arrivals=[late])
@@ -55,15 +58,15 @@ def test_tensor_parallel_logits_equal_the_single_runners(backend, model, shards)
     common = dict(max_tokens=2048, max_seqs=8, backend=backend)
     with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, dtype, **common) as whole:
         single = LlamaModel(model, whole, graphs=False)
-        want = run(whole, single.forward, xp, prompts)
+        chosen = []
+        want = run(whole, single.forward, xp, prompts, chosen)
     with ShardedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, dtype, devices=devices_for(backend, shards),
                         **common) as cache:
-        got = run(cache, TensorParallelModel(model, cache).forward, xp, prompts)
+        got = run(cache, TensorParallelModel(model, cache).forward, xp, prompts, chosen)
     tol = 5e-4 if backend == "host" else 2e-2  # partial sums add in another order (in fp16 on a device)
     for a, b in zip(got, want):
         assert a.shape == b.shape and np.isfinite(b).all()
         assert np.abs(a - b).max() <= tol * np.abs(b).max()
-        assert (np.argmax(a, axis=1) == np.argmax(b, axis=1)).mean() >= 0.9
 
 
 def test_shard_weights_cut_heads_and_the_swiglu_width(model):
