@@ -33,7 +33,7 @@ import os
 
 import numpy as np
 
-from ..errors import ChunkStateError, MappingLimitError
+from ..errors import ChunkStateError, MappingLimitError, UnsupportedConfigError
 
 PROT_NONE, PROT_READ, PROT_RW = 0, mmap.PROT_READ, mmap.PROT_READ | mmap.PROT_WRITE
 MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS = mmap.MAP_SHARED, mmap.MAP_PRIVATE, mmap.MAP_ANONYMOUS
@@ -226,6 +226,13 @@ class HostBackend:
     @staticmethod
     def location_id(location):
         return None  # memfds have no device, and no NUMA node is asked for
+
+    access_devices = ()  # no GPU reads this memory
+
+    @staticmethod
+    def grant_access(ordinal, ranges):
+        raise UnsupportedConfigError(f"cannot grant device {ordinal!r:.40} access to a pool on the host backend: "
+                                     "it has no GPU memory and no GPU to grant; peer access needs the CUDA backend")
 
     def synchronize(self):
         pass

@@ -33,6 +33,12 @@ into the same range and enabled for the device, so kernels read it through the s
 pointers; on the host backend, more memfds labelled host). ``map`` and ``claim`` take
 it; ``grow`` maps device chunks. :meth:`Pool.mappings` says where each chunk lives.
 
+Other GPUs: :meth:`Pool.grant_access` lets another device read and write the pool through
+the same addresses (CUDA peer access, ``cuMemSetAccess`` for that device): every chunk
+mapped now and every chunk mapped later; :attr:`Pool.access_devices` and
+:meth:`Pool.mappings` say which devices may. The host backend has no other device and
+refuses it.
+
 What views see after :meth:`Pool.close` and in holes depends on the backend
 (docs/ARCHITECTURE.md, "The pool"): on the host, a closed range is scratch memory
 (reads give zeros, writes go nowhere) until the pool and its last view are gone,
@@ -89,6 +95,8 @@ class ChunkRecord:
     access: str         # "rw" while mapped, "none" once released
     location: str       # "device" or "host": where its memory lives (lived, once released)
     location_id: int | None  # the device ordinal or host NUMA node (CUDA); None on the host backend
+    devices: tuple      # the GPUs that may read and write it (CUDA: its pool's and those granted); () once released
+                        # and on the host backend
 
     def as_dict(self):
         return asdict(self)
@@ -223,13 +231,42 @@ class Pool:
                 offset=offset, size=self.chunk_bytes,
                 handle=self._backend.handle_id(handle) if mapped else None,
                 state=MAPPED if mapped else RELEASED, access="rw" if mapped else "none",
-                location=location, location_id=self._backend.location_id(location)))
+                location=location, location_id=self._backend.location_id(location),
+                devices=self._backend.access_devices if mapped else ()))
         return records
 
     def location(self, chunk):
         """Where a chunk ever mapped lives (lived): "device" or "host"."""
         self._check_open()
         return self._location[chunk]
+
+    @property
+    def access_devices(self):
+        """The GPU ordinals that may read and write this pool's chunks: its own device first, then those granted
+        (:meth:`grant_access`) in the order granted; () on the host backend."""
+        return self._backend.access_devices
+
+    def grant_access(self, device):
+        """Let GPU ``device`` (an ordinal) read and write every chunk of this pool, those mapped now and those
+        mapped later, through the pool's own addresses: what a kernel on that device needs to read blocks of this
+        pool over NVLink (``kernels.transfer_blocks(..., mapped=True)``).
+
+        The pool's own device, or one granted already, is a no-op: it may already. Checked first, the pool left
+        as it was on refusal: :class:`~pagedrt.errors.PeerAccessError` for a device that does not exist or that
+        cannot reach this pool's device (``cuDeviceCanAccessPeer``);
+        :class:`~pagedrt.errors.UnsupportedConfigError` on the host backend, which has no GPU to grant. If the
+        driver refuses part-way, the access already set is taken back and its error raised. A preparation under
+        way on another thread is waited for, so that no chunk is mapped without the new device's access.
+        """
+        self._check_open()
+        with self._claims_lock:
+            self._claims_lock.wait_for(lambda: all(p.state != RUNNING for p in self._claims.values()))
+            mapped = set(self._handles)
+            for prepared in self._claims.values():  # prepared chunks, or those a failed preparation left mapped
+                mapped.update(prepared.handles, prepared.stuck)
+            size = self.chunk_bytes
+            self._backend.grant_access(device, [(self.base + first * size, count * size)
+                                                for first, count in _runs(sorted(mapped))])
 
     # --- growing and shrinking -----------------------------------------------------
 

@@ -16,11 +16,16 @@ the NUMA node nearest the device (``CU_MEM_LOCATION_TYPE_HOST_NUMA``; plain
 range and enabled for the device, so kernels and copies reach it through the same
 pointers. Creating one pins its pages, which is slow: a cache creates its host tier
 ahead of need. A refusal (out of pinned memory) is :class:`HostOutOfMemoryError`.
+
+Peer access: every chunk is enabled for the backend's device, and for each device granted
+since (:meth:`CudaBackend.grant_access`: one more ``CUmemAccessDesc`` in the list every
+``cuMemSetAccess`` passes, and that call over the chunks mapped already). VMM memory
+needs no ``cuCtxEnablePeerAccess``: the access list is the whole of it.
 """
 
 from .. import driver as drv
 from ..errors import (BackendUnavailableError, CudaError, DeviceOutOfMemoryError, HostOutOfMemoryError,
-                      MappingLimitError, UnsupportedConfigError)
+                      MappingLimitError, PeerAccessError, UnsupportedConfigError)
 
 
 class CudaBackend:
@@ -38,10 +43,8 @@ class CudaBackend:
         self._d = d
         self._prop = drv.allocation_prop(self.device)
         self.page_bytes = drv.page_granularity(self.device)
-        access = d.CUmemAccessDesc()
-        access.location = self._prop.location
-        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [access]  # read-write for this device, whatever the chunk's location
+        self._access = [self._access_desc(self.device.ordinal)]  # read-write for this device (and those granted),
+        # whatever the chunk's location
         self._host = None  # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
 
     def _call(self, fn, *args):
@@ -114,7 +117,52 @@ class CudaBackend:
         self._call("cuMemMap", va, size, 0, handle, 0)
 
     def set_access(self, va, size):
-        self._call("cuMemSetAccess", va, size, self._access, 1)
+        self._call("cuMemSetAccess", va, size, self._access, len(self._access))
+
+    def _access_desc(self, ordinal, flags="CU_MEM_ACCESS_FLAGS_PROT_READWRITE"):
+        d = self._d
+        desc = d.CUmemAccessDesc()
+        desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = ordinal
+        desc.flags = getattr(d.CUmemAccess_flags, flags)
+        return desc
+
+    @property
+    def access_devices(self):
+        """The device ordinals every chunk is enabled for: this backend's device, then those granted."""
+        return tuple(int(desc.location.id) for desc in self._access)
+
+    def grant_access(self, ordinal, ranges):
+        """Enable device ``ordinal`` to read and write every ``(va, size)`` of ``ranges`` (the mapped chunks' runs)
+        and every chunk mapped from now on. A device already enabled is a no-op. Raises PeerAccessError, having
+        changed nothing, for a device that does not exist or cannot access this backend's device's memory; if
+        ``cuMemSetAccess`` fails part-way, the ranges already enabled are set back to no access for it."""
+        count = int(self._call("cuDeviceGetCount"))
+        own = self.device.ordinal
+        if not isinstance(ordinal, int) or isinstance(ordinal, bool) or not 0 <= ordinal < count:
+            raise PeerAccessError(f"device {ordinal!r:.40} cannot be granted access to the pool on device {own}: "
+                                  f"there is no such device (this machine has devices 0..{count - 1})")
+        if ordinal in self.access_devices:
+            return
+        peer = self._call("cuDeviceGet", ordinal)
+        if not self._call("cuDeviceCanAccessPeer", peer, self.device.handle):
+            raise PeerAccessError(f"device {ordinal} cannot access the memory of device {own} (cuDeviceCanAccessPeer "
+                                  f"says no: no peer path between the two), so it cannot be granted access to this "
+                                  f"pool; copy the blocks through NCCL (kernels.nccl) or host memory instead")
+        desc, done = self._access_desc(ordinal), []
+        try:
+            for va, size in ranges:
+                self._call("cuMemSetAccess", va, size, [desc], 1)
+                done.append((va, size))
+        except BaseException:
+            revoke = self._access_desc(ordinal, "CU_MEM_ACCESS_FLAGS_PROT_NONE")
+            for va, size in done:
+                try:
+                    self._call("cuMemSetAccess", va, size, [revoke], 1)
+                except Exception:
+                    pass
+            raise
+        self._access.append(desc)
 
     def unmap(self, va, size):
         self._call("cuMemUnmap", va, size)
