@@ -5,6 +5,7 @@ Every driver call goes through :func:`call`, which raises :class:`CudaError` (or
 returning an error code. :func:`probe` says whether CUDA is usable here and why not.
 """
 
+import functools
 from dataclasses import dataclass
 
 from .errors import BackendUnavailableError, CudaError, DeviceOutOfMemoryError
@@ -88,6 +89,14 @@ def current_device():
     device = Device(driver, ordinal, handle, context)
     device.activate()
     return device
+
+
+@functools.cache
+def primary_context(ordinal):
+    """The primary context of device ``ordinal`` (the one CuPy uses there), for calls that name contexts
+    (``cuMemcpyPeerAsync``); retained once and kept for the process, as CuPy keeps it."""
+    driver = load()
+    return call(driver, "cuDevicePrimaryCtxRetain", call(driver, "cuDeviceGet", ordinal))
 
 
 def allocation_prop(device):

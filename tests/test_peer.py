@@ -2,12 +2,39 @@
 block transfers between two caches' planes against their NumPy reference and their checks, export refused on the
 host backend, the NCCL wrapper's checks. On a device: test_peer_gpu.py."""
 
+import numpy as np
 import pytest
 
-from pagedrt import Pool
-from pagedrt.errors import UnsupportedConfigError
+from helpers import to_host
+from pagedrt import PagedKVCache, Pool, kernels
+from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError, UnsupportedConfigError
 
 MiB = 1 << 20
+LAYERS, HEADS, DIM, BS = 2, 2, 64, 16  # blocks of 4 KiB per plane
+HELD = 128  # blocks each test cache's sequence holds: the first 2 MiB chunk's, block-major; part of it, plane-major
+
+
+def filled_cache(backend, seed, tokens=HELD * BS, placement="plane"):
+    """A cache with one sequence of ``tokens`` tokens (its blocks mapped, in the first of the 2 MiB chunks), its
+    blocks' K/V seeded random numbers (zeros for seed 0)."""
+    cache = PagedKVCache(LAYERS, HEADS, DIM, BS, "float16", max_tokens=2 * 512 * BS, max_seqs=2, max_seq_len=tokens,
+                         chunk_bytes=2 * MiB, placement=placement, backend=backend)
+    cache.append(cache.add_sequence(), tokens)
+    for plane in cache.planes:
+        values = np.random.default_rng(seed).standard_normal((tokens // BS,) + plane.shape[1:]) * seed
+        plane[:tokens // BS] = cache.xp.asarray(values.astype(np.float16))
+    return cache
+
+
+def two_caches(backend, placement="plane"):
+    """Two caches of one layout (a prefill cache and a decode cache): the source's K/V random, the destination's
+    zeros."""
+    return filled_cache(backend, 1, placement=placement), filled_cache(backend, 0, placement=placement)
+
+
+def planes_on_host(cache):
+    """The held blocks of every plane, on the host (on a GPU, reading the rest of a plane would reach a hole)."""
+    return [to_host(p[:HELD]) for p in cache.planes]
 
 
 # --- peer access on a pool -------------------------------------------------------------------------------------
@@ -23,3 +50,50 @@ def test_the_host_backend_refuses_peer_access_and_changes_nothing():
         assert pool.access_devices == () and all(r.devices == () for r in pool.mappings())
         pool.grow(1)  # mapping goes on as before
         assert [r.chunk for r in pool.mappings()] == [0, 1, 2]
+
+
+# --- block transfers between two caches' planes ---------------------------------------------------------------
+
+@pytest.mark.parametrize("placement", ["plane", "block"])
+def test_transfer_copies_every_plane_and_only_the_pairs_destinations(placement):
+    src, dst = two_caches("host", placement=placement)
+    with src, dst:
+        pairs = np.array([[0, 10], [1, 11], [2, 12], [40, 3], [7, 7], [8, 8], [63, 0]])
+        before_src, expected = planes_on_host(src), planes_on_host(dst)
+        for s, t in zip(before_src, expected):
+            t[pairs[:, 1]] = s[pairs[:, 0]]
+        kernels.transfer_blocks(src.planes, dst.planes, pairs)
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(src), before_src))  # the source unchanged
+
+
+def test_transfer_runs_merge_same_ids_across_two_sets_of_planes():
+    pairs = np.array([[0, 0], [1, 1], [2, 2], [5, 9], [6, 10], [3, 4]])
+    assert kernels.copy._runs(pairs, same_planes=False).tolist() == [[0, 0, 3], [5, 9, 2], [3, 4, 1]]
+    assert kernels.copy._runs(pairs).tolist()[:3] == [[0, 0, 1], [1, 1, 1], [2, 2, 1]]  # in one set: not merged
+
+
+def test_transfer_checks_change_nothing():
+    src, dst = two_caches("host")
+    with src, dst:
+        before = planes_on_host(dst)
+        other = np.zeros((1024, HEADS, BS, 2 * DIM), np.float16)  # blocks twice the size
+        refused = (
+            (dst.planes, src.planes[:-1], [[0, 1]], LaunchArgumentError, "4 source planes but 3 destination"),
+            ([], [], [[0, 1]], LaunchArgumentError, "src_planes is empty"),
+            (src.planes, [other] * len(dst.planes), [[0, 1]], LaunchArgumentError, "destination blocks 8192"),
+            (src.planes, dst.planes, [[0, 1], [2, 1]], LaunchArgumentError, "same destination twice"),
+            (src.planes, src.planes, [[0, 1]], LaunchArgumentError, r"src_planes\[0\] and dst_planes\[0\] share"),
+            (src.planes, dst.planes, [[0.5, 1]], LaunchArgumentError, "integers"),
+            (src.planes, dst.planes, [[0, 2 ** 20]], BlockTableError, "outside the destination planes'"),
+            (src.planes, dst.planes, [[-1, 0]], BlockTableError, "outside the source planes'"),
+            (src.planes, dst.planes, [[0, 1], [600, 2]], BlockTableError, r"pairs\[1\] = \(600, 2\) names source "
+                                                                          "block 600, a block whose memory is not"),
+        )
+        for s, t, pairs, error, words in refused:
+            with pytest.raises(error, match=words):
+                kernels.transfer_blocks(s, t, pairs)
+            assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), before))
+        dst.close()
+        with pytest.raises(PoolClosedError):
+            kernels.transfer_blocks(src.planes, dst.planes, [[0, 1]])

@@ -6,8 +6,9 @@ The parts that need no GPU: test_peer.py."""
 import numpy as np
 import pytest
 
-from pagedrt import Pool
-from pagedrt.errors import PeerAccessError, PoolClosedError
+from pagedrt import Pool, kernels
+from pagedrt.errors import LaunchArgumentError, PeerAccessError, PoolClosedError
+from test_peer import HELD, filled_cache, planes_on_host, two_caches
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -77,3 +78,70 @@ def test_a_granted_device_reads_and_writes_chunks_mapped_before_and_after():
             cupy.cuda.Device(1).synchronize()
         with cupy.cuda.Device(0):
             assert cupy.array_equal(pool.view(0, n, np.uint32), data * 2)
+
+
+# --- block transfers between two caches ------------------------------------------------------------------------
+
+PAIRS = np.array([[0, 10], [1, 11], [2, 12], [40, 3], [7, 7], [8, 8], [63, 0]])
+
+
+def expected_after(src, dst, pairs):
+    expected = planes_on_host(dst)
+    for s, t in zip(planes_on_host(src), expected):
+        t[pairs[:, 1]] = s[pairs[:, 0]]
+    return expected
+
+
+@pytest.mark.parametrize("placement", ["plane", "block"])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_transfer_on_one_gpu_matches_the_reference(placement, mapped):
+    import cupy
+    src, dst = two_caches("cuda", placement=placement)
+    with src, dst:
+        expected = expected_after(src, dst, PAIRS)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        kernels.transfer_blocks(src.planes, dst.planes, cupy.asarray(PAIRS), stream, mapped=mapped)
+        stream.synchronize()
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+
+
+def test_mapped_transfer_needs_two_caches_of_one_layout():
+    from pagedrt import PagedKVCache
+    src = filled_cache("cuda", 1)
+    other = PagedKVCache(2, 2, 64, 16, "float16", max_tokens=4 * 512 * 16, max_seqs=2, chunk_bytes=2 * MiB,
+                         backend="cuda")  # planes of another size: another distance from each source plane
+    with src, other:
+        other.append(other.add_sequence(), HELD * 16)
+        before = planes_on_host(other)
+        with pytest.raises(LaunchArgumentError, match="one distance from the source planes"):
+            kernels.transfer_blocks(src.planes, other.planes, [[0, 1]], mapped=True)
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(other), before))
+        kernels.transfer_blocks(src.planes, other.planes, [[0, 1]])  # the copy engines do not mind
+        assert all(np.array_equal(a[1], b[0]) for a, b in zip(planes_on_host(other), planes_on_host(src)))
+
+
+def test_transfer_from_one_gpu_to_another():
+    needs_two_gpus()
+    import cupy
+    with cupy.cuda.Device(0):
+        src = filled_cache("cuda", 1)
+    with cupy.cuda.Device(1):
+        dst = filled_cache("cuda", 0)
+    with src, dst:
+        expected = expected_after(src, dst, PAIRS)
+        with cupy.cuda.Device(0):
+            kernels.transfer_blocks(src.planes, dst.planes, PAIRS)  # the copy engines: no peer mapping needed
+            cupy.cuda.Device(0).synchronize()
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+        back = PAIRS[:, ::-1] + np.array([0, 64])  # back into fresh places of the source, over the peer mapping
+        with pytest.raises(PeerAccessError, match="grant_access"):
+            kernels.transfer_blocks(dst.planes, src.planes, back, mapped=True)
+        if not peers(0, 1):
+            pytest.skip("device 0 has no peer access to device 1: the copy engines' transfer and the refusal were "
+                        "checked")
+        dst.pool.grant_access(0)
+        expected = expected_after(dst, src, back)
+        with cupy.cuda.Device(0):
+            kernels.transfer_blocks(dst.planes, src.planes, back, mapped=True)
+            cupy.cuda.Device(0).synchronize()
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(src), expected))

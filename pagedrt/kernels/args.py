@@ -15,6 +15,20 @@ from ..errors import LaunchArgumentError
 
 def array_module(**arrays):
     """numpy if every given array is a NumPy array, cupy if every one is a CuPy array (one device)."""
+    xp = array_kind(**arrays)
+    if xp is np:
+        return np
+    device = xp.cuda.Device().id
+    for name, a in arrays.items():
+        if a is not None and a.device.id != device:
+            raise LaunchArgumentError(
+                f"{name} is on device {a.device.id} but the current device is {device}: "
+                "move it, or launch under `with cupy.cuda.Device(...)`")
+    return xp
+
+
+def array_kind(**arrays):
+    """numpy if every given array is a NumPy array, cupy if every one is a CuPy array (on any devices)."""
     kinds = {}
     for name, a in arrays.items():
         if a is None:
@@ -30,12 +44,6 @@ def array_module(**arrays):
     if "cupy" not in kinds:
         return np
     import cupy
-    device = cupy.cuda.Device().id
-    for name, a in arrays.items():
-        if a is not None and a.device.id != device:
-            raise LaunchArgumentError(
-                f"{name} is on device {a.device.id} but the current device is {device}: "
-                "move it, or launch under `with cupy.cuda.Device(...)`")
     return cupy
 
 

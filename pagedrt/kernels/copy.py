@@ -1,21 +1,27 @@
-"""Copy whole blocks in every plane: with one kernel launch (copy-on-write), or with the copy engines (swap).
+"""Copy whole blocks in every plane: with one kernel launch (copy-on-write), with the copy engines (swap), or from
+one cache's planes to another's, on the same GPU or another (transfer).
 
 :func:`copy_blocks` runs ``cuda_src/copy.cu`` on the SMs: order-free pairs, one launch.
 :func:`swap_blocks` moves blocks between the tiers (device and pinned host memory, one
 range) with ``cuMemcpyAsync`` on a stream: the DMA engines copy while the SMs compute,
 pairs run in the order given, and consecutive pairs become one copy per run of blocks.
+:func:`transfer_blocks` copies blocks of one set of planes into another set (two caches,
+two GPUs): ``cuMemcpyPeerAsync`` per run of blocks, or the same kernel as ``copy_blocks``
+on the destination GPU, reading the source through a peer mapping (``Pool.grant_access``).
 Each has a NumPy reference, which the host backend runs.
 """
 
+import contextlib
 import functools
 
 import numpy as np
 
 from .. import driver as drv
 from .. import source
-from .args import aligned, array_module, check, multiprocessors, plane
-from .validate import Spans
-from ..errors import BlockTableError
+from .args import aligned, array_kind, array_module, check, multiprocessors, plane
+from .validate import Spans, address
+from ..errors import BlockTableError, PeerAccessError
+from ..memory import find_pool
 
 FILE = "copy.cu"
 NAME = "pagedrt::copy_blocks"
@@ -44,15 +50,21 @@ def copy_blocks(planes, pairs):
         return
     if not len(pairs):
         return
+    _launch([p.data.ptr for p in planes], pairs, planes[0].strides[0], block_bytes)
+
+
+def _launch(bases, pairs, stride, block_bytes):
+    """One launch of the copy kernel on the current device and stream: for every pair and plane base, the block
+    at ``base + src * stride`` to ``base + dst * stride``."""
     import cupy
-    bases = cupy.asarray(np.array([p.data.ptr for p in planes], dtype=np.uint64))
+    device_bases = cupy.asarray(np.array(bases, dtype=np.uint64))
     device_pairs = cupy.asarray(pairs)
     block_vecs = block_bytes // 16
-    total = len(pairs) * len(planes) * block_vecs
+    total = len(pairs) * len(bases) * block_vecs
     blocks = min(-(-total // THREADS), 32 * multiprocessors(cupy.cuda.Device().id))
     source.function(FILE, NAME)(
         (blocks,), (THREADS,),
-        (bases, np.int32(len(planes)), device_pairs, np.int32(len(pairs)), np.int64(planes[0].strides[0]),
+        (device_bases, np.int32(len(bases)), device_pairs, np.int32(len(pairs)), np.int64(stride),
          np.int32(block_vecs)))
 
 
@@ -95,12 +107,77 @@ def swap_blocks_reference(planes, pairs):
             p[dst:dst + count] = p[src:src + count]
 
 
+def transfer_blocks(src_planes, dst_planes, pairs, stream=None, *, mapped=False):
+    """Copy block src of every source plane to block dst of the matching destination plane, for every (src, dst)
+    row of ``pairs``: K/V moved from one cache to another, on the same GPU or another (prefill on one GPU, decode
+    on the next).
+
+    src_planes and dst_planes: as many planes each (e.g. two caches' ``planes``, plane i to plane i), all of one
+    block byte size; the planes of one side share their block stride and lie on one device, and the two sides
+    share no memory. pairs: ints [n, 2] (a list, NumPy or CuPy), each destination once. Checked on the host first:
+    ``BlockTableError`` for an id outside its side's planes or a block whose memory is not mapped now,
+    ``LaunchArgumentError`` for the rest, ``PoolClosedError`` for planes in a closed pool; nothing is copied then.
+
+    By default the copy engines make it: one ``cuMemcpyPeerAsync`` per plane and run of consecutive pairs (src and
+    dst both one block on), or per block where a side's blocks do not lie side by side (block-major planes),
+    queued on ``stream`` (a CuPy stream; the current one if None). It needs no peer mapping: the driver reaches
+    each side through its own device's primary context.
+
+    With ``mapped=True``, one launch of the copy kernel (``cuda_src/copy.cu``, as :func:`copy_blocks`) on the
+    destination's device and ``stream`` (a stream of that device), reading the source over the peer mapping: every
+    source plane must lie in a pool that granted the destination device access (``Pool.grant_access``), else
+    ``PeerAccessError``. The kernel reaches both sides through the source planes' bases, so the destination planes
+    must lie at one distance from the source planes, a multiple of a block stride that both sides share: two caches
+    of one layout (``LaunchArgumentError`` otherwise).
+
+    Given NumPy planes (the host backend) it runs :func:`transfer_blocks_reference`, either way.
+    """
+    src_planes, dst_planes = list(src_planes), list(dst_planes)
+    xp, pairs, block_bytes, (src_device, dst_device) = _transfer_checked(src_planes, dst_planes, pairs)
+    if xp is np:
+        transfer_blocks_reference(src_planes, dst_planes, pairs)
+        return
+    if mapped:
+        shift = _mapped_shift(src_planes, dst_planes, src_device, dst_device)
+        if len(pairs):
+            import cupy
+            moved = pairs + np.array([0, shift], np.int64)  # the destination ids as the kernel counts from the source
+            with cupy.cuda.Device(dst_device), (stream if stream is not None else contextlib.nullcontext()):
+                _launch([p.data.ptr for p in src_planes], moved, src_planes[0].strides[0], block_bytes)
+        return
+    if not len(pairs):
+        return
+    import cupy
+    handle = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    d = _driver()
+    src_ctx, dst_ctx = drv.primary_context(src_device), drv.primary_context(dst_device)
+    src_stride, dst_stride = src_planes[0].strides[0], dst_planes[0].strides[0]
+    whole = src_stride == block_bytes and dst_stride == block_bytes  # a run of blocks is one contiguous range
+    for src, dst, count in _runs(pairs, same_planes=False).tolist():
+        for s, t in zip((p.data.ptr for p in src_planes), (p.data.ptr for p in dst_planes)):
+            if whole:
+                drv.call(d, "cuMemcpyPeerAsync", t + dst * block_bytes, dst_ctx, s + src * block_bytes, src_ctx,
+                         count * block_bytes, handle)
+                continue
+            for k in range(count):
+                drv.call(d, "cuMemcpyPeerAsync", t + (dst + k) * dst_stride, dst_ctx, s + (src + k) * src_stride,
+                         src_ctx, block_bytes, handle)
+
+
+def transfer_blocks_reference(src_planes, dst_planes, pairs):
+    """NumPy reference of :func:`transfer_blocks` (no checks)."""
+    pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+    for s, t in zip(src_planes, dst_planes):
+        t[pairs[:, 1]] = s[pairs[:, 0]]
+
+
 _driver = functools.cache(drv.load)
 
 
-def _runs(pairs):
+def _runs(pairs, same_planes=True):
     """(src, dst, count) int64 rows: the runs of consecutive pairs whose src and dst both step by one block, in
-    order; a run whose source and destination ranges would overlap is split into single pairs."""
+    order. Where source and destination are the same planes, a run whose source and destination ranges would
+    overlap is split into single pairs."""
     n = len(pairs)
     if not n:
         return np.zeros((0, 3), np.int64)
@@ -109,7 +186,7 @@ def _runs(pairs):
     starts[1:] = (np.diff(src) != 1) | (np.diff(dst) != 1)
     first = np.flatnonzero(starts)
     counts = np.diff(np.append(first, n))
-    overlapping = (counts > 1) & (np.abs(dst[first] - src[first]) < counts)
+    overlapping = same_planes & (counts > 1) & (np.abs(dst[first] - src[first]) < counts)
     if overlapping.any():
         starts |= np.repeat(overlapping, counts)
         first = np.flatnonzero(starts)
@@ -135,49 +212,137 @@ def _checked(planes, pairs, order_free):
     check(len(planes) > 0, "planes is empty: pass at least one plane")
     names = [f"planes[{i}]" for i in range(len(planes))]
     xp = array_module(**dict(zip(names, planes)))
-    layouts = [plane(n, p) for n, p in zip(names, planes)]
-    block_bytes = layouts[0].block_elems * planes[0].itemsize
-    for n, p, lay in zip(names, planes, layouts):
-        check(p.strides[0] == planes[0].strides[0] and lay.block_elems * p.itemsize == block_bytes,
-              lambda: f"{n} has block stride {p.strides[0]} and block size {lay.block_elems * p.itemsize} bytes but "
-                      f"planes[0] has {planes[0].strides[0]} and {block_bytes}: all planes must share both")
-    pairs = _host_pairs(pairs, min(lay.num_blocks for lay in layouts), order_free)
-    spans = Spans(planes, planes[0].strides[0], block_bytes)
-    if spans.spans and len(pairs):
-        bad = np.flatnonzero(spans.unusable(pairs).any(axis=1))
-        if bad.size:
-            i = int(bad[0])
-            block = next(int(b) for b in pairs[i] if spans.unusable(np.array([b]))[0])
-            raise BlockTableError(f"pairs[{i}] = {tuple(pairs[i].tolist())} names block {block}, "
-                                  f"{spans.why(block)}; fix the pair")
+    block_bytes, num_blocks = _side(names, planes)
+    pairs = _host_pairs(pairs, num_blocks, num_blocks, "the planes'", "the planes'")
+    if order_free and len(pairs):
+        _distinct_destinations(pairs)
+        both = np.intersect1d(pairs[:, 0], pairs[:, 1])
+        check(both.size == 0, lambda: f"block {int(both[0])} is both a source and a destination: "
+                                      "split the copy into two calls so its order is defined")
+    _refuse_unmapped(planes, block_bytes, pairs, pairs, "block")
     if xp is not np:
         for n, p in zip(names, planes):
             aligned(n, p)
     return xp, pairs, block_bytes
 
 
-def _host_pairs(pairs, num_blocks, order_free):
-    """``pairs`` as a checked int64 [n, 2] NumPy array."""
+def _transfer_checked(src_planes, dst_planes, pairs):
+    """(array module, pairs as checked int64 [n, 2], block bytes, (source device, destination device)) of a
+    transfer's arguments; the devices are None for NumPy planes."""
+    check(len(src_planes) > 0, "src_planes is empty: pass at least one plane")
+    check(len(src_planes) == len(dst_planes),
+          lambda: f"{len(src_planes)} source planes but {len(dst_planes)} destination planes: plane i is copied to "
+                  "plane i, so pass as many of each")
+    src_names = [f"src_planes[{i}]" for i in range(len(src_planes))]
+    dst_names = [f"dst_planes[{i}]" for i in range(len(dst_planes))]
+    xp = array_kind(**dict(zip(src_names + dst_names, src_planes + dst_planes)))
+    src_bytes, src_blocks = _side(src_names, src_planes)
+    dst_bytes, dst_blocks = _side(dst_names, dst_planes)
+    check(src_bytes == dst_bytes, lambda: f"source blocks are {src_bytes} bytes but destination blocks {dst_bytes}: "
+                                          "copy between planes of one block shape and dtype")
+    devices = (None, None)
+    if xp is not np:
+        devices = tuple(_one_device(names, planes) for names, planes in ((src_names, src_planes),
+                                                                         (dst_names, dst_planes)))
+        for n, p in zip(src_names + dst_names, src_planes + dst_planes):
+            aligned(n, p)
+    _apart(src_planes, dst_planes, src_bytes)
+    pairs = _host_pairs(pairs, src_blocks, dst_blocks, "the source planes'", "the destination planes'")
+    if len(pairs):
+        _distinct_destinations(pairs)
+    _refuse_unmapped(src_planes, src_bytes, pairs, pairs[:, :1], "source block")
+    _refuse_unmapped(dst_planes, dst_bytes, pairs, pairs[:, 1:], "destination block")
+    return xp, pairs, src_bytes, devices
+
+
+def _side(names, planes):
+    """(block bytes, blocks in the smallest plane) of planes that share their block stride and block size."""
+    layouts = [plane(n, p) for n, p in zip(names, planes)]
+    block_bytes = layouts[0].block_elems * planes[0].itemsize
+    for n, p, lay in zip(names, planes, layouts):
+        check(p.strides[0] == planes[0].strides[0] and lay.block_elems * p.itemsize == block_bytes,
+              lambda: f"{n} has block stride {p.strides[0]} and block size {lay.block_elems * p.itemsize} bytes but "
+                      f"{names[0]} has {planes[0].strides[0]} and {block_bytes}: all planes must share both")
+    return block_bytes, min(lay.num_blocks for lay in layouts)
+
+
+def _one_device(names, planes):
+    """The device every one of ``planes`` (CuPy arrays) lies on."""
+    device = planes[0].device.id
+    for n, p in zip(names, planes):
+        check(p.device.id == device, lambda: f"{n} is on device {p.device.id} but {names[0]} on device {device}: the "
+                                             "planes of one side must lie on one device")
+    return device
+
+
+def _apart(src_planes, dst_planes, block_bytes):
+    """Check that no source plane's bytes overlap a destination plane's."""
+    def extents(planes):
+        lo = np.array([address(p) for p in planes], np.int64)
+        return lo, lo + np.array([(p.shape[0] - 1) * p.strides[0] for p in planes], np.int64) + block_bytes
+    (src_lo, src_hi), (dst_lo, dst_hi) = extents(src_planes), extents(dst_planes)
+    overlap = (src_lo[:, None] < dst_hi[None, :]) & (dst_lo[None, :] < src_hi[:, None])
+    check(not overlap.any(), lambda: "src_planes[{}] and dst_planes[{}] share memory: a transfer copies between two "
+                                     "sets of planes; within one, use copy_blocks or swap_blocks"
+                                     .format(*np.argwhere(overlap)[0]))
+
+
+def _mapped_shift(src_planes, dst_planes, src_device, dst_device):
+    """How many source block strides lie between every source plane and its destination plane, for the copy kernel
+    on the destination device to reach both through the source bases; checks the peer mapping it reads over."""
+    stride = src_planes[0].strides[0]
+    offsets = {t.data.ptr - s.data.ptr for s, t in zip(src_planes, dst_planes)}
+    offset = offsets.pop()
+    check(dst_planes[0].strides[0] == stride and not offsets and offset % stride == 0,
+          lambda: "mapped=True needs the destination planes at one distance from the source planes, a multiple of a "
+                  "block stride both share (two caches of one layout): these are not; use mapped=False")
+    if src_device != dst_device:
+        for i, p in enumerate(src_planes):
+            pool = find_pool(p.data.ptr)
+            if pool is None or dst_device not in pool.access_devices:
+                where = "lies in no pool" if pool is None else f"lies in a pool that device {dst_device} may not access"
+                raise PeerAccessError(
+                    f"src_planes[{i}] (device {src_device}) {where}: the copy kernel on device {dst_device} cannot "
+                    f"read it over a peer mapping; call pool.grant_access({dst_device}) on the source cache's pool "
+                    "first, or use mapped=False")
+    return offset // stride
+
+
+def _host_pairs(pairs, src_blocks, dst_blocks, src_what, dst_what):
+    """``pairs`` as a checked int64 [n, 2] NumPy array: sources in ``[0, src_blocks)``, destinations in
+    ``[0, dst_blocks)``."""
     host = pairs.get() if type(pairs).__module__.split(".")[0] == "cupy" else np.asarray(pairs)
     if host.size == 0:
         return np.zeros((0, 2), np.int64)
     check(host.ndim == 2 and host.shape[1] == 2 and host.dtype.kind in "iu",
           lambda: f"pairs must be integers [n, 2] (src, dst), got {host.dtype} {host.shape}")
     host = host.astype(np.int64)
-    bad = np.flatnonzero(((host < 0) | (host >= num_blocks)).any(axis=1))
+    for column, limit, what in ((0, src_blocks, src_what), (1, dst_blocks, dst_what)):
+        bad = np.flatnonzero((host[:, column] < 0) | (host[:, column] >= limit))
+        if bad.size:
+            i = int(bad[0])
+            raise BlockTableError(f"pairs[{i}] = {tuple(host[i].tolist())} names a block outside {what} "
+                                  f"blocks 0..{limit - 1}: fix the pair")
+    return host
+
+
+def _distinct_destinations(pairs):
+    _, counts = np.unique(pairs[:, 1], return_counts=True)
+    check(counts.max() == 1, "pairs copy into the same destination twice: each destination once")
+
+
+def _refuse_unmapped(planes, block_bytes, pairs, ids, what):
+    """Raise BlockTableError for the first pair whose ``ids`` (its columns of ``pairs`` to check) name a block whose
+    memory is not mapped now in some plane of a pool."""
+    spans = Spans(planes, planes[0].strides[0], block_bytes)
+    if not spans.spans or not len(pairs):
+        return
+    bad = np.flatnonzero(spans.unusable(ids).any(axis=1))
     if bad.size:
         i = int(bad[0])
-        raise BlockTableError(f"pairs[{i}] = {tuple(host[i].tolist())} names a block outside the planes' "
-                              f"blocks 0..{num_blocks - 1}: fix the pair")
-    if not order_free:
-        return host
-    src, dst = host[:, 0], host[:, 1]
-    _, counts = np.unique(dst, return_counts=True)
-    check(counts.max() == 1, "pairs copy into the same destination twice: each destination once")
-    both = np.intersect1d(src, dst)
-    check(both.size == 0, lambda: f"block {int(both[0])} is both a source and a destination: "
-                                  "split the copy into two calls so its order is defined")
-    return host
+        block = next(int(b) for b in ids[i] if spans.unusable(np.array([b]))[0])
+        raise BlockTableError(f"pairs[{i}] = {tuple(pairs[i].tolist())} names {what} {block}, "
+                              f"{spans.why(block)}; fix the pair")
 
 
 def copy_blocks_reference(planes, pairs):
