@@ -100,12 +100,15 @@ def primary_context(ordinal):
 
 
 def allocation_prop(device):
-    """Pinned device memory on ``device``: what every chunk of a CUDA pool is."""
+    """Pinned device memory on ``device``: what every chunk of a CUDA pool is; exportable to another process as a
+    POSIX file descriptor (``cuMemExportToShareableHandle``) where the device supports that handle type."""
     d = device.driver
     prop = d.CUmemAllocationProp()
     prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device.ordinal
+    if device.attribute("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
+        prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     return prop
 
 

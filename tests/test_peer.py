@@ -2,12 +2,17 @@
 block transfers between two caches' planes against their NumPy reference and their checks, export refused on the
 host backend, the NCCL wrapper's checks. On a device: test_peer_gpu.py."""
 
+import os
+import socket
+
 import numpy as np
 import pytest
 
 from helpers import to_host
 from pagedrt import PagedKVCache, Pool, kernels
-from pagedrt.errors import BlockTableError, LaunchArgumentError, PoolClosedError, UnsupportedConfigError
+from pagedrt.errors import (BackendUnavailableError, BlockTableError, ChunkStateError, CudaError,
+                            LaunchArgumentError, PoolClosedError, PoolSizeError, UnsupportedConfigError)
+from pagedrt.memory import ImportedChunks, receive_chunks, send_chunks
 
 MiB = 1 << 20
 LAYERS, HEADS, DIM, BS = 2, 2, 64, 16  # blocks of 4 KiB per plane
@@ -97,3 +102,63 @@ def test_transfer_checks_change_nothing():
         dst.close()
         with pytest.raises(PoolClosedError):
             kernels.transfer_blocks(src.planes, dst.planes, [[0, 1]])
+
+
+# --- export to another process -----------------------------------------------------------------------------------
+
+def open_fds(target=""):
+    """This process's open descriptors (those whose target starts with ``target``)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(target):
+                found.add(fd)
+        except OSError:  # the listing's own descriptor, gone
+            pass
+    return found
+
+
+def test_the_host_backend_exports_nothing():
+    with Pool(8 * MiB, 2 * MiB, backend="host") as pool:
+        pool.grow(2)
+        before = open_fds()
+        with pytest.raises(ChunkStateError, match="cannot export chunk 3: it is never mapped"):
+            pool.export_chunks([0, 3])
+        with pytest.raises(UnsupportedConfigError, match="host backend cannot export"):
+            pool.export_chunks([0, 1])
+        assert open_fds() == before
+
+
+def test_received_descriptors_are_closed_whatever_the_import_does():
+    memfds = [os.memfd_create("pagedrt-test") for _ in range(2)]
+    for fd in memfds:
+        os.ftruncate(fd, 2 * MiB)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        before = open_fds("/memfd:pagedrt-test")  # the driver may open descriptors of its own meanwhile
+        assert len(before) == 2
+        send_chunks(a, memfds, 2 * MiB)
+        # no GPU here: no backend; on a GPU, memfds are no exported chunks and the driver refuses them
+        with pytest.raises((BackendUnavailableError, CudaError)):
+            receive_chunks(b)
+        assert open_fds("/memfd:pagedrt-test") == before
+        socket.send_fds(a, [b"something else 1"], memfds[:1])
+        with pytest.raises(ChunkStateError, match="not one send_chunks sent"):
+            receive_chunks(b)
+        assert open_fds("/memfd:pagedrt-test") == before
+    for fd in memfds:
+        os.close(fd)
+
+
+def test_imported_chunks_check_their_arguments_first():
+    r, w = os.pipe()
+    os.close(w)
+    for fds, size, error, words in (([], 2 * MiB, PoolSizeError, "0 descriptors"),
+                                    ([r] * 254, 2 * MiB, PoolSizeError, "at most 253"),
+                                    ([r, -1], 2 * MiB, ChunkStateError, "-1 is not a file descriptor"),
+                                    ([r, w], 2 * MiB, ChunkStateError, f"descriptor {w} is not open"),
+                                    ([r], 0, PoolSizeError, "positive int")):
+        with pytest.raises(error, match=words):
+            ImportedChunks(fds, size)
+    os.close(r)
+

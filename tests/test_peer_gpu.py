@@ -3,11 +3,19 @@ engines, the peer-mapped copy kernel), a pool's chunks exported to another proce
 a second GPU skip with that reason on one; those of NCCL skip where ``cupy.cuda.nccl`` cannot be loaded.
 The parts that need no GPU: test_peer.py."""
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from pagedrt import Pool, kernels
-from pagedrt.errors import LaunchArgumentError, PeerAccessError, PoolClosedError
+from pagedrt.errors import (ChunkStateError, HostOutOfMemoryError, LaunchArgumentError,
+                            PeerAccessError, PoolClosedError, PoolSizeError, UnsupportedConfigError)
+from pagedrt.memory import send_chunks
 from test_peer import HELD, filled_cache, planes_on_host, two_caches
 
 pytestmark = pytest.mark.gpu
@@ -145,3 +153,44 @@ def test_transfer_from_one_gpu_to_another():
             kernels.transfer_blocks(dst.planes, src.planes, back, mapped=True)
             cupy.cuda.Device(0).synchronize()
         assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(src), expected))
+
+
+# --- export to another process -----------------------------------------------------------------------------------
+
+def test_another_process_reads_and_writes_exported_chunks():
+    import cupy
+    from peer_child import pattern
+    root = Path(__file__).resolve().parents[1]
+    with Pool(64 * MiB, 2 * MiB, backend="cuda") as pool:
+        pool.grow(3)
+        n = 2 * 2 * MiB // 4  # chunks 1 and 2
+        pool.view(2 * MiB, n, np.uint32)[...] = cupy.asarray(pattern(n, 3, 1))
+        pool.synchronize()
+        fds = pool.export_chunks([2, 1])  # by chunk index: 1, then 2
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with parent:
+            with child:
+                proc = subprocess.Popen([sys.executable, str(root / "tests" / "peer_child.py"), str(child.fileno())],
+                                        cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                                        pass_fds=(child.fileno(),))
+            send_chunks(parent, fds, pool.chunk_bytes)
+            for fd in fds:
+                os.close(fd)
+            assert proc.wait(timeout=300) == 0
+            assert parent.recv(64) == b"wrote"
+        assert cupy.array_equal(pool.view(2 * MiB, n, np.uint32), cupy.asarray(pattern(n, 7, 5)))
+
+
+def test_export_refuses_chunks_it_cannot_give_and_makes_nothing():
+    with Pool(64 * MiB, 2 * MiB, backend="cuda") as pool:
+        pool.grow(2)
+        pool.release([1])
+        with pytest.raises(ChunkStateError, match="cannot export chunk 1: it is released"):
+            pool.export_chunks([0, 1])
+        try:
+            pool.map([4], "host")
+        except (PoolSizeError, UnsupportedConfigError, HostOutOfMemoryError) as exc:
+            pytest.skip(f"a released chunk was refused; no host-tier chunk could be made here to try: {exc}")
+        with pytest.raises(UnsupportedConfigError, match="host-tier chunks are not exportable"):
+            pool.export_chunks([4])
+

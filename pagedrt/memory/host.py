@@ -234,6 +234,12 @@ class HostBackend:
         raise UnsupportedConfigError(f"cannot grant device {ordinal!r:.40} access to a pool on the host backend: "
                                      "it has no GPU memory and no GPU to grant; peer access needs the CUDA backend")
 
+    @staticmethod
+    def check_exportable(location):
+        raise UnsupportedConfigError("a pool on the host backend cannot export its chunks: its memfds are closed once "
+                                     "mapped, and another process's GPU could not map them; export needs the CUDA "
+                                     "backend")
+
     def synchronize(self):
         pass
 

@@ -39,6 +39,10 @@ mapped now and every chunk mapped later; :attr:`Pool.access_devices` and
 :meth:`Pool.mappings` say which devices may. The host backend has no other device and
 refuses it.
 
+Other processes: :meth:`Pool.export_chunks` gives a POSIX file descriptor for each of some
+mapped device chunks (CUDA), which another process receives over a Unix socket and maps
+into a range of its own (:mod:`pagedrt.memory.ipc`): both then read and write the same memory.
+
 What views see after :meth:`Pool.close` and in holes depends on the backend
 (docs/ARCHITECTURE.md, "The pool"): on the host, a closed range is scratch memory
 (reads give zeros, writes go nowhere) until the pool and its last view are gone,
@@ -49,6 +53,7 @@ can take its addresses while a view of it may live, and :func:`find_pool` never
 confuses an old pool's view with new memory.
 """
 
+import os
 import threading
 import weakref
 from dataclasses import asdict, dataclass
@@ -267,6 +272,35 @@ class Pool:
             size = self.chunk_bytes
             self._backend.grant_access(device, [(self.base + first * size, count * size)
                                                 for first, count in _runs(sorted(mapped))])
+
+    def export_chunks(self, chunks):
+        """A new POSIX file descriptor for each of the given mapped device chunks, by chunk index: what another
+        process maps to read and write the same memory (``cuMemExportToShareableHandle``; send them with
+        :func:`pagedrt.memory.ipc.send_chunks`). The descriptors are the caller's to close once sent; the memory
+        lives on while the other process holds it, even after this pool releases the chunk or closes.
+
+        Checked first, nothing made on refusal: ``ChunkStateError`` for a chunk not mapped now (or being mapped),
+        ``UnsupportedConfigError`` on the host backend, for host-tier chunks, and on a device without POSIX file
+        descriptor handles. If the driver refuses part-way, the descriptors made so far are closed.
+        """
+        self._check_open()
+        chunks = self._chunk_list(chunks)
+        for c in chunks:
+            if c not in self._handles:
+                state = ("being mapped (claimed)" if c in self._claims else
+                         "released" if c in self._released else "never mapped")
+                raise ChunkStateError(f"cannot export chunk {c}: it is {state}")
+        for c in chunks:
+            self._backend.check_exportable(self._location[c])
+        fds = []
+        try:
+            for c in chunks:
+                fds.append(self._backend.export(self._handles[c]))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     # --- growing and shrinking -----------------------------------------------------
 

@@ -21,6 +21,12 @@ Peer access: every chunk is enabled for the backend's device, and for each devic
 since (:meth:`CudaBackend.grant_access`: one more ``CUmemAccessDesc`` in the list every
 ``cuMemSetAccess`` passes, and that call over the chunks mapped already). VMM memory
 needs no ``cuCtxEnablePeerAccess``: the access list is the whole of it.
+
+Another process: device chunks are created exportable where the device supports POSIX file
+descriptor handles (:func:`pagedrt.driver.allocation_prop`); :meth:`CudaBackend.export` makes
+one descriptor per chunk (``cuMemExportToShareableHandle``) and :meth:`CudaBackend.import_handle`
+turns a received one back into an allocation handle (``cuMemImportFromShareableHandle``),
+which ``map``, ``set_access`` and ``release`` then treat as any chunk's.
 """
 
 from .. import driver as drv
@@ -175,6 +181,28 @@ class CudaBackend:
         for va, chunk_size, handle in chunks:
             self.unmap(va, chunk_size)
             self.release(handle)
+
+    def check_exportable(self, location):
+        """Raise UnsupportedConfigError unless chunks at ``location`` can be exported as POSIX file descriptors."""
+        posix = self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        if location != "device":
+            raise UnsupportedConfigError("host-tier chunks are not exportable: only device chunks are created with "
+                                         "a POSIX file descriptor handle type")
+        if self._prop.requestedHandleTypes != posix:
+            raise UnsupportedConfigError(f"device {self.device.ordinal} does not support POSIX file descriptor "
+                                         "handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED), "
+                                         "so its chunks cannot be exported to another process")
+
+    def export(self, handle):
+        """A new POSIX file descriptor for a chunk's allocation; the caller closes it."""
+        posix = self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return int(self._call("cuMemExportToShareableHandle", handle, posix, 0))
+
+    def import_handle(self, fd):
+        """The allocation handle of a chunk exported by another process, from its POSIX file descriptor ``fd`` (which
+        stays the caller's to close); ``release`` it as any chunk's."""
+        posix = self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return self._call("cuMemImportFromShareableHandle", fd, posix)
 
     @staticmethod
     def handle_id(handle):
