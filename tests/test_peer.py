@@ -4,14 +4,16 @@ host backend, the NCCL wrapper's checks. On a device: test_peer_gpu.py."""
 
 import os
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from helpers import to_host
 from pagedrt import PagedKVCache, Pool, kernels
-from pagedrt.errors import (BackendUnavailableError, BlockTableError, ChunkStateError, CudaError,
+from pagedrt.errors import (BackendUnavailableError, BlockTableError, ChunkStateError, CommunicatorError, CudaError,
                             LaunchArgumentError, PoolClosedError, PoolSizeError, UnsupportedConfigError)
+from pagedrt.kernels import nccl
 from pagedrt.memory import ImportedChunks, receive_chunks, send_chunks
 
 MiB = 1 << 20
@@ -162,3 +164,35 @@ def test_imported_chunks_check_their_arguments_first():
             ImportedChunks(fds, size)
     os.close(r)
 
+
+# --- NCCL ------------------------------------------------------------------------------------------------------
+
+def fake_communicator(ranks, device=0):
+    """What exchange_blocks asks a communicator before NCCL is loaded: its size, rank and device."""
+    return SimpleNamespace(size=lambda: ranks, rank_id=lambda: 0, device_id=lambda: device)
+
+
+def nccl_loads():
+    try:
+        nccl._nccl()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+def test_a_communicator_of_the_wrong_size_is_refused_before_nccl_is_needed():
+    comm = fake_communicator(2)
+    planes = [np.zeros((4, 2, 16, 64), np.float16)]
+    for peer, ranks, words in ((1, 4, "has 2 ranks but 4 were expected"), (2, None, "peer 2 is no rank"),
+                               (-1, 2, "peer -1 is no rank"), ("1", None, "peer '1' is no rank"),
+                               (True, None, "peer True is no rank")):
+        with pytest.raises(CommunicatorError, match=words):
+            nccl.exchange_blocks(comm, [[0, 1]], peer, send_planes=planes, ranks=ranks)
+
+
+def test_without_nccl_the_exchange_says_so():
+    if nccl_loads():
+        pytest.skip("NCCL loads here: test_peer_gpu.py exchanges blocks through it")
+    with pytest.raises(BackendUnavailableError, match="NCCL"):
+        nccl.exchange_blocks(fake_communicator(2), [[0, 1]], 1, send_planes=[np.zeros((4, 2, 16, 64), np.float16)],
+                             ranks=2)

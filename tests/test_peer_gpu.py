@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from pagedrt import Pool, kernels
-from pagedrt.errors import (ChunkStateError, HostOutOfMemoryError, LaunchArgumentError,
+from pagedrt.errors import (ChunkStateError, CommunicatorError, HostOutOfMemoryError, LaunchArgumentError,
                             PeerAccessError, PoolClosedError, PoolSizeError, UnsupportedConfigError)
+from pagedrt.kernels import nccl
 from pagedrt.memory import send_chunks
 from test_peer import HELD, filled_cache, planes_on_host, two_caches
 
@@ -194,3 +195,53 @@ def test_export_refuses_chunks_it_cannot_give_and_makes_nothing():
         with pytest.raises(UnsupportedConfigError, match="host-tier chunks are not exportable"):
             pool.export_chunks([4])
 
+
+# --- NCCL ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def nccl_module():
+    from pagedrt.errors import BackendUnavailableError
+    try:
+        return nccl._nccl()
+    except BackendUnavailableError as exc:
+        pytest.skip(f"needs NCCL: {exc}")
+
+
+def test_one_rank_sends_blocks_to_itself(nccl_module):
+    import cupy
+    comm = nccl_module.NcclCommunicator(1, nccl_module.get_unique_id(), 0)
+    src, dst = two_caches("cuda")
+    with src, dst:
+        expected = expected_after(src, dst, PAIRS)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        nccl.exchange_blocks(comm, PAIRS, 0, send_planes=src.planes, recv_planes=dst.planes, ranks=1, stream=stream)
+        stream.synchronize()
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+        before = planes_on_host(dst)
+        for peer, ranks, words in ((0, 2, "has 1 ranks but 2 were expected"), (1, None, "peer 1 is no rank")):
+            with pytest.raises(CommunicatorError, match=words):
+                nccl.exchange_blocks(comm, PAIRS, peer, send_planes=src.planes, recv_planes=dst.planes, ranks=ranks)
+        with pytest.raises(LaunchArgumentError, match="side by side"):
+            nccl.exchange_blocks(comm, PAIRS, 0, send_planes=[p[::2] for p in src.planes])
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), before))
+
+
+def test_two_ranks_in_one_process_send_blocks_between_gpus(nccl_module):
+    needs_two_gpus()
+    import cupy
+    comms = nccl_module.NcclCommunicator.initAll([0, 1])
+    with cupy.cuda.Device(0):
+        src = filled_cache("cuda", 1)
+    with cupy.cuda.Device(1):
+        dst = filled_cache("cuda", 0)
+    with src, dst:
+        expected = expected_after(src, dst, PAIRS)
+        with pytest.raises(CommunicatorError, match="on device 0 but this rank of the communicator is on device 1"):
+            nccl.exchange_blocks(comms[1], PAIRS, 0, send_planes=src.planes, ranks=2)
+        nccl_module.groupStart()  # one thread drives both ranks: their calls in one group
+        nccl.exchange_blocks(comms[0], PAIRS, 1, send_planes=src.planes, ranks=2)
+        nccl.exchange_blocks(comms[1], PAIRS, 0, recv_planes=dst.planes, ranks=2)
+        nccl_module.groupEnd()
+        for device in (0, 1):
+            cupy.cuda.Device(device).synchronize()
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
