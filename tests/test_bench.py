@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrt.attention.planner import SplitPlan
-from pagedrt.bench import cases, groups, harness, partition, prefix, step, step_layers
+from pagedrt.bench import cases, groups, harness, partition, prefix, step, step_layers, transfer
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("decode", "generate", "groups", "launch", "layers", "partition", "pool", "prefill", "prefix", "step",
-              "step_layers", "swap")
+              "step_layers", "swap", "transfer")
 
 
 class FakeCuda:
@@ -254,3 +254,18 @@ def test_groups_and_case_lists_are_checked_before_any_device_work(argv, message,
         main(argv)
     assert stop.value.code == 2
     assert (message or "unknown cases ['nope']") in capsys.readouterr().err
+
+
+def test_transfer_counts_whole_blocks_of_k_and_v_and_refuses_other_sizes(capsys):
+    assert transfer.transfer_bytes(16, 1) == 2 * 16 * 8 * 128 * 2  # one block of one layer's K and V: 64 KiB
+    assert transfer.transfer_bytes(32768, 32) == 4 << 30
+    args = transfer.parse(["--tokens", "16,4096", "--layers", "32", "--repeats", "3"])
+    assert (args.tokens, args.layers, args.repeats, args.out) == ([16, 4096], [32], 3, None)
+    assert transfer.parse([]).tokens == [16, 256, 4096, 32768] and transfer.parse([]).layers == [1, 32]
+    for argv, words in ((["--tokens", "16,24"], "--tokens [24]"), (["--tokens", "0"], "--tokens [0]"),
+                        (["--layers", "33"], "--layers [33]"), (["--repeats", "0"], "--repeats")):
+        with pytest.raises(SystemExit):
+            transfer.parse(argv)
+        assert words in capsys.readouterr().err
+    assert transfer.devices(2) == (0, 1, "device 0 to device 1")
+    assert transfer.devices(1) == (0, 0, "one GPU: device 0 to device 0")

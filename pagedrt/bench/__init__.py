@@ -9,6 +9,8 @@
 - ``step``: host time of one engine step, the building blocks against ``cache.step()``, steady and growing;
 - ``swap``: swap-out and swap-in bandwidth against plain cudaMemcpyAsync, with attention running meanwhile; decode
   over host-tier blocks; whole-chunk swap by remapping.
+- ``transfer``: a block transfer between two caches on two GPUs (or one): copy engines, peer-mapped kernel and NCCL
+  against a plain peer copy of the same bytes.
 
 ``harness`` holds what they share (the GPU timer, the ceilings, the run header, tables
 and JSON records) and ``cases`` the standard cases. The benchmarks sit on top of the
