@@ -285,11 +285,7 @@ class Pool:
         """
         self._check_open()
         chunks = self._chunk_list(chunks)
-        for c in chunks:
-            if c not in self._handles:
-                state = ("being mapped (claimed)" if c in self._claims else
-                         "released" if c in self._released else "never mapped")
-                raise ChunkStateError(f"cannot export chunk {c}: it is {state}")
+        self._check_mapped(chunks, "export")
         for c in chunks:
             self._backend.check_exportable(self._location[c])
         fds = []
@@ -327,11 +323,7 @@ class Pool:
         """Unmap the given mapped chunks and free their physical memory, leaving holes."""
         self._check_open()
         chunks = self._chunk_list(chunks)
-        for c in chunks:
-            if c not in self._handles:
-                state = ("being mapped (claimed)" if c in self._claims else
-                         "already released" if c in self._released else "never mapped")
-                raise ChunkStateError(f"cannot release chunk {c}: it is {state}")
+        self._check_mapped(chunks, "release")
         self._backend.synchronize()  # a running kernel may still read these chunks
         try:
             for c in chunks:  # if the backend refuses one, those before it stay released
@@ -468,6 +460,14 @@ class Pool:
             except Exception:
                 pass
         return stuck
+
+    def _check_mapped(self, chunks, verb):
+        """ChunkStateError naming the first of ``chunks`` not mapped now, and what it is instead."""
+        for c in chunks:
+            if c not in self._handles:
+                state = ("being mapped (claimed)" if c in self._claims else
+                         "already released" if c in self._released else "never mapped")
+                raise ChunkStateError(f"cannot {verb} chunk {c}: it is {state}")
 
     def _chunk_list(self, chunks):
         chunks = [chunks] if isinstance(chunks, int) else list(chunks)
