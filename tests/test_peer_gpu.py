@@ -186,7 +186,7 @@ def test_export_refuses_chunks_it_cannot_give_and_makes_nothing():
     with Pool(64 * MiB, 2 * MiB, backend="cuda") as pool:
         pool.grow(2)
         pool.release([1])
-        with pytest.raises(ChunkStateError, match="cannot export chunk 1: it is released"):
+        with pytest.raises(ChunkStateError, match="cannot export chunk 1: it is already released"):
             pool.export_chunks([0, 1])
         try:
             pool.map([4], "host")
