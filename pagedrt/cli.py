@@ -403,10 +403,12 @@ def show_snapshot(path, snap, style, as_json, clear):
               help="Write the cache's snapshot here just before the first sequence ends (for `pagedrt map`).")
 @click.option("--kv-dtype", type=click.Choice(["float16", FP8]), default="float16", show_default=True,
               help=f"What the KV cache stores: the model's float16, or {FP8} (half the bytes, a scale of 1).")
+@click.option("--devices", type=str, default=None, metavar="0,1,...",
+              help="Shard the KV cache by heads over these GPUs and run the model tensor-parallel (NCCL).")
 @backend_option
 @named_errors
 def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model, raw, max_seqs, snapshot_path,
-             kv_dtype, backend):
+             kv_dtype, devices, backend):
     """Generate text for PROMPT with a Llama-family GGUF model, its KV cache in pagedrt's paged pool.
 
     Streams the tokens (of one sample), then prints the prompt's and the decode's time and speed. With
@@ -417,11 +419,19 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
     from .engine import Engine, SamplingParams, model_path
     path = model_path(model, say=lambda text: click.echo(text, err=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n)
-    with Engine(path, backend=backend, max_seqs=max_seqs, kv_dtype=kv_dtype) as engine:
+    if devices is not None:
+        try:
+            devices = [int(d) for d in devices.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"{devices!r} is not a comma-separated list of device ordinals",
+                                     param_hint="--devices") from None
+    with Engine(path, backend=backend, max_seqs=max_seqs, kv_dtype=kv_dtype, devices=devices) as engine:
         c = engine.config
+        where = (f"on the {engine.cache.pool.backend} backend" if devices is None else
+                 f"sharded over devices {devices}, tensor-parallel")
         click.echo(f"model    {path.name}: {c.num_layers} layers, {c.q_heads} query / {c.kv_heads} KV heads x "
                    f"{c.head_dim}, vocabulary {c.vocab_size}; {engine.cache.dtype.name}, K/V stored as "
-                   f"{engine.cache.kv_dtype}, on the {engine.cache.pool.backend} backend", err=True)
+                   f"{engine.cache.kv_dtype}, {where}", err=True)
         engine.warm_up()
         if batch_file:
             prompts = [line.strip() for line in open(batch_file, encoding="utf-8") if line.strip()]

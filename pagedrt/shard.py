@@ -33,6 +33,7 @@ from .errors import PoolClosedError, ShardError, UnsupportedConfigError
 from .layout import KV, is_int, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
+from .step import Step
 
 BACKENDS = ("auto", "cuda", "host")
 STEP_ARRAYS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr")  # a Step's device arrays
@@ -61,6 +62,16 @@ def peer_copy(pairs, source, target):
         copied.record(stream)
     with cupy.cuda.Device(target):
         cupy.cuda.get_current_stream().wait_event(copied)
+
+
+class ShardedStep(Step):
+    """A sharded cache's step: shard 0's :class:`~pagedrt.step.Step` (so a scheduler reads it as any step's),
+    and ``shards``, every shard's, in shard order (shard ``s``'s device arrays on its device)."""
+
+    def __new__(cls, shards):
+        step = super().__new__(cls, *shards[0])
+        step.shards = tuple(shards)
+        return step
 
 
 class Shard(PlaneViews):
@@ -219,9 +230,15 @@ class ShardedKVCache:
     def sequences(self):
         return self.lead.sequences
 
+    @property
+    def num_available_blocks(self):
+        return self.lead.num_available_blocks
+
+    xp = property(lambda self: self._xp)
+
     def step(self, seqs=None, counts=1, token_ids=None, *, arrivals=(), arrival_tokens=None, forks=(), frees=()):
-        """One engine step (as :meth:`PagedKVCache.step`, without swaps): a tuple of one
-        :class:`~pagedrt.step.Step` per shard, in shard order.
+        """One engine step (as :meth:`PagedKVCache.step`, without swaps): a :class:`ShardedStep`, shard 0's
+        step with every shard's in ``.shards``.
 
         The host fields (sequences, copies, arrivals, ...) are the same objects in every one;
         shard ``s``'s slot mapping, block tables, lengths and query offsets are on its device,
@@ -233,9 +250,9 @@ class ShardedKVCache:
             step = self.lead.step(seqs, counts, token_ids, arrivals=arrivals, arrival_tokens=arrival_tokens,
                                   forks=forks, frees=frees)
         if self._xp is np:
-            return (step,) * len(self.shards)
-        return (step,) + tuple(self._copy_step(step, shard, buffers)
-                               for shard, buffers in zip(self.shards[1:], self._buffers))
+            return ShardedStep((step,) * len(self.shards))
+        return ShardedStep((step,) + tuple(self._copy_step(step, shard, buffers)
+                                           for shard, buffers in zip(self.shards[1:], self._buffers)))
 
     def _copy_step(self, step, shard, buffers):
         fields = {name: buffers[name][:getattr(step, name).shape[0]] for name in STEP_ARRAYS}

@@ -101,7 +101,34 @@ def test_sums_over_the_wrong_ranks_are_named_errors(model):
     with ShardedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", devices=[0, 1], max_tokens=256,
                         backend="host") as cache:
         runner = TensorParallelModel(model, cache)
-        steps = cache.step(arrivals=[[1, 2, 3]])
-        with pytest.raises(ShardError, match="1 steps for 2 shards"):
-            runner.forward(steps[:1], np.array([1, 2, 3]))
-        assert runner.forward(steps, np.array([1, 2, 3])).shape == (1, c.vocab_size)
+        step = cache.step(arrivals=[[1, 2, 3]])
+        assert len(step.shards) == 2 and step.num_tokens == 3  # shard 0's step, every shard's in .shards
+        with pytest.raises(ShardError, match="a step of 0 shards for a model of 2"):
+            runner.forward(step.shards[0], np.array([1, 2, 3]))
+        assert runner.forward(step, np.array([1, 2, 3])).shape == (1, c.vocab_size)
+
+
+def test_the_engine_generates_tensor_parallel_as_it_does_on_one_cache(model, tmp_path_factory):
+    """``Engine(devices=...)``: the same greedy completions, continuous batching and a shared prompt prefix
+    included, from the sharded cache and the tensor-parallel runner; ``pagedrt generate --devices`` says so."""
+    from click.testing import CliRunner
+    from pagedrt.cli import main
+    from pagedrt.engine import Engine, SamplingParams
+    path = model.path
+    prompts = ["The quick brown fox", "The quick brown fox jumps over the lazy dog.", "birds sing"]
+    params = SamplingParams(max_tokens=12)
+    runs = []
+    for devices in (None, [0, 1]):
+        with Engine(path, backend="host", max_seqs=8, kv_tokens=4096, devices=devices) as engine:
+            runs.append([r.tokens[0].tolist() for r in engine.generate(prompts, params)])
+            if devices:
+                assert [s.kv_heads for s in engine.cache.shards] == [range(0, 1), range(1, 2)]
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
+    cli = ["generate", "The dog", "--model", str(path), "--backend", "host", "--max-seqs", "4", "--max-tokens", "4"]
+    result = CliRunner().invoke(main, cli + ["--devices", "0,1"])
+    assert result.exit_code == 0, result.output
+    assert "sharded over devices [0, 1], tensor-parallel" in result.stderr
+    bad = CliRunner().invoke(main, cli + ["--devices", "0,x"])
+    assert bad.exit_code != 0 and "is not a comma-separated list of device ordinals" in bad.output
+    odd = CliRunner().invoke(main, cli + ["--devices", "0,1,2"])
+    assert odd.exit_code != 0 and "multiple of the 3 shards" in odd.output and "Traceback" not in odd.output

@@ -35,7 +35,7 @@ def run_steps(cache, rng, xp):
     plan = [dict(arrivals=prompts), dict(forks=[0]), dict(), dict(frees=[1]), dict()]
     for decisions in plan:
         steps = cache.step(**decisions)
-        steps = steps if sharded else (steps,)
+        steps = steps.shards if sharded else (steps,)
         n = steps[0].num_tokens
         kv = rng.standard_normal((LAYERS, 2, n, KV_HEADS, DIM)).astype(np.float16)
         for s, step in enumerate(steps):
@@ -87,6 +87,7 @@ def test_sharded_attention_equals_the_whole_caches(backend, shards):
                                                          for i in range(shards)]
         last_whole = run_steps(whole, np.random.default_rng(5), xp)
         last = run_steps(sharded, np.random.default_rng(5), xp)
+        assert len(last) == shards
         for step in last[1:]:  # each shard's device arrays say what shard 0's say
             for name in ("slot_mapping", "block_tables", "seq_lens", "qo_indptr"):
                 assert np.array_equal(to_host(getattr(step, name)), to_host(getattr(last[0], name))), name
@@ -101,7 +102,7 @@ def test_sharded_attention_equals_the_whole_caches(backend, shards):
 def test_translate_names_the_shard_and_device_and_reaches_the_written_values():
     with ShardedKVCache(LAYERS, KV_HEADS, DIM, BS, devices=[3, 7], max_tokens=2048, max_seqs=4,
                         backend="host") as cache:
-        (step, _) = cache.step(arrivals=[list(range(40))])
+        step = cache.step(arrivals=[list(range(40))])
         rng = np.random.default_rng(1)
         k = rng.standard_normal((40, KV_HEADS, DIM)).astype(np.float16)
         for shard in cache.shards:
@@ -188,7 +189,7 @@ def test_the_cli_shows_which_device_a_shard_snapshot_is_and_translates_the_cache
     from pagedrt.cli import main
     with ShardedKVCache(LAYERS, KV_HEADS, DIM, BS, devices=[0, 5], max_tokens=2048, max_seqs=4,
                         backend="host") as cache:
-        (step, _) = cache.step(arrivals=[list(range(40))])
+        step = cache.step(arrivals=[list(range(40))])
         seq = int(step.arrived[0])
         want = cache.translate(seq, 33, layer=1, kv="v", head=3)
         path = tmp_path / "shard1.json"

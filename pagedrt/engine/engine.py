@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cache import PagedKVCache
+from ..shard import ShardedKVCache
 from ..errors import RequestError
 from . import loader, sampler
 from .model import LlamaModel
+from .parallel import TensorParallelModel
 from .tokenizer import Tokenizer
 
 DEFAULT_KV_TOKENS = 1 << 19
@@ -108,22 +110,30 @@ class Engine:
     new tokens one step computes (decode tokens and prompt chunks); ``graphs``: decode steps as CUDA graphs.
     ``kv_dtype``: what the cache stores (default: ``dtype``), or ``"float8_e4m3"``: K and V as float8 e4m3 with
     a scale of 1 per layer and KV head (what engines use without a calibration pass), half the cache's bytes;
-    the model's head_dim must then be 64 or 128.
+    the model's head_dim must then be 64 or 128. ``devices`` (device ordinals, default None: one cache on the
+    current device): the cache sharded by KV heads over them and the model run tensor-parallel
+    (:class:`~pagedrt.shard.ShardedKVCache`, :class:`~pagedrt.engine.parallel.TensorParallelModel`: its sums
+    through NCCL over distinct GPUs; its steps run eagerly, whatever ``graphs`` says).
     """
 
     def __init__(self, model_path, *, backend="auto", max_seqs=256, kv_tokens=DEFAULT_KV_TOKENS, block_size=16,
-                 step_tokens=2048, graphs=True, dtype="float16", kv_dtype=None):
+                 step_tokens=2048, graphs=True, dtype="float16", kv_dtype=None, devices=None):
         gguf = loader.load(model_path)
         self.config, self.path = gguf.config, gguf.path
         self.tokenizer = Tokenizer(gguf.vocab)
         c = self.config
         self.max_seq_len = min(c.context_length, kv_tokens)
         self.step_tokens = step_tokens
-        self.cache = PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, block_size, dtype, max_tokens=kv_tokens,
-                                  max_seqs=max_seqs, max_seq_len=self.max_seq_len,
-                                  max_step_tokens=step_tokens + max_seqs, backend=backend, kv_dtype=kv_dtype)
+        shape = (c.num_layers, c.kv_heads, c.head_dim, block_size, dtype)
+        sizes = dict(max_tokens=kv_tokens, max_seqs=max_seqs, max_seq_len=self.max_seq_len,
+                     max_step_tokens=step_tokens + max_seqs, backend=backend, kv_dtype=kv_dtype)
+        if devices is None:
+            self.cache = PagedKVCache(*shape, **sizes)
+        else:
+            self.cache = ShardedKVCache(*shape, devices=devices, **sizes)
         try:
-            self.model = LlamaModel(gguf, self.cache, graphs=graphs)
+            self.model = (LlamaModel(gguf, self.cache, graphs=graphs) if devices is None
+                          else TensorParallelModel(gguf, self.cache))
         except BaseException:
             self.cache.close()
             raise

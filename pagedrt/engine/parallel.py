@@ -113,8 +113,10 @@ class AllReduce:
 class TensorParallelModel:
     """A Llama-family model run tensor-parallel over a :class:`~pagedrt.shard.ShardedKVCache` (module docstring).
 
-    :meth:`forward` takes the tuple of :class:`~pagedrt.step.Step` that ``cache.step()`` returns
-    and the step's new token ids (shard 0's device), and returns shard 0's logits.
+    :meth:`forward` takes the :class:`~pagedrt.shard.ShardedStep` that ``cache.step()`` returns
+    and the step's new token ids (shard 0's device), and returns shard 0's logits; run it on
+    :attr:`stream` (a stream of shard 0's device; on the host backend, nothing), as
+    :class:`~pagedrt.engine.model.LlamaModel`'s forward.
     """
 
     def __init__(self, model, cache):
@@ -125,11 +127,14 @@ class TensorParallelModel:
             with shard.device_context():
                 self.shards.append(LlamaModel(_ShardModel(config, weights), shard, graphs=False))
         self.reduce = AllReduce([s.device for s in cache.shards], host=cache.shards[0].xp is np)
+        self.stream = self.shards[0].stream  # shard 0's model's
 
-    def forward(self, steps, ids):
+    def forward(self, step, ids):
         """Logits (float32 [batch, vocab] on shard 0's device) of each batch row's last new token."""
+        steps = getattr(step, "shards", ())
         if len(steps) != len(self.shards):
-            raise ShardError(f"{len(steps)} steps for {len(self.shards)} shards: pass what cache.step() returns")
+            raise ShardError(f"a step of {len(steps)} shards for a model of {len(self.shards)}: pass what this "
+                             f"cache's step() returns")
         runs = []
         for shard, model, step in zip(self.cache.shards, self.shards, steps):
             with shard.device_context():
