@@ -9,9 +9,10 @@ mapped chunk for chunk as shard 0's.
 
 A sharded cache maps its whole capacity on every device when it is made, and never grows or
 trims: the pools then never have to change together, so a step cannot succeed on one device
-and fail on another. :meth:`ShardedKVCache.step` turns the scheduler's decisions into one
-:class:`~pagedrt.step.Step` per shard, its device arrays on the shard's device (peer copies of
-shard 0's, queued after them), so each device's writes and attention read their own.
+and fail on another. :meth:`ShardedKVCache.step` turns the scheduler's decisions into a
+:class:`ShardedStep`: shard 0's :class:`~pagedrt.step.Step`, and one a shard in ``.shards``, its
+device arrays on the shard's device (peer copies of shard 0's, queued after them), so each
+device's writes and attention read their own.
 
 Attention and writes run per shard on its heads (:class:`Shard`): query heads are cut as the
 KV heads are (with ``group`` query heads per KV head, shard ``s`` takes query heads
