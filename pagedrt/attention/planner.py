@@ -277,8 +277,9 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     longest over UNEVEN times the mean, when ``mean_seq_len`` is known), cut segments of
     at most about a quarter of the mean length, so that short and long sequences become
     work units of similar size and no long sequence runs alone at the end (whether or
-    not the thread blocks fill the device: filling it once does not balance it). Segments are whole tiles; splits the rounding left empty are dropped.
-    A requested count is kept even if some segments are then empty.
+    not the thread blocks fill the device: filling it once does not balance it).
+    Segments are whole tiles; splits the rounding left empty are dropped. A requested
+    count is kept even if some segments are then empty.
 
     ``tile`` and ``resident_blocks`` are the standard geometry's (the short
     geometry's tile divides the standard one's, so the segments are whole tiles of
