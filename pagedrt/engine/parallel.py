@@ -100,9 +100,11 @@ class AllReduce:
             return
         import cupy
         nccl = self.nccl
-        kind = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32}.get(arrays[0].dtype)
+        kinds = {"float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32,
+                 "bfloat16": getattr(nccl, "NCCL_BFLOAT16", None)}  # bfloat16: NCCL 2.10 and later
+        kind = kinds.get(arrays[0].dtype.name)
         if kind is None:
-            raise CommunicatorError(f"NCCL sums float16 or float32 here, not {arrays[0].dtype}")
+            raise CommunicatorError(f"this NCCL cannot sum {arrays[0].dtype} arrays")
         nccl.groupStart()
         for comm, a, device in zip(self.comm, arrays, self.devices):
             with cupy.cuda.Device(device):
@@ -136,17 +138,17 @@ class TensorParallelModel:
             raise ShardError(f"a step of {len(steps)} shards for a model of {len(self.shards)}: pass what this "
                              f"cache's step() returns")
         runs = []
-        for shard, model, step in zip(self.cache.shards, self.shards, steps):
+        for shard, model, part in zip(self.cache.shards, self.shards, steps):
             with shard.device_context():
-                if len(step.copies):
-                    kernels.copy_blocks(shard.planes, step.copies)
+                if len(part.copies):
+                    kernels.copy_blocks(shard.planes, part.copies)
                 own = ids
                 if shard.xp is not np and ids.device.id != shard.device:  # ids to this shard's device
                     own = shard.xp.empty_like(ids)
                     peer_copy([(own, ids)], ids.device.id, shard.device)
-                decode = step.num_tokens == len(step.seqs)
-                buffers = model.buffers(step.num_tokens, len(step.seqs))
-                runs.append((buffers, model.launches(step, own, buffers, *model.plans(step, buffers, decode))))
+                decode = part.num_tokens == len(part.seqs)
+                buffers = model.buffers(part.num_tokens, len(part.seqs))
+                runs.append((buffers, model.launches(part, own, buffers, *model.plans(part, buffers, decode))))
         for launches in zip(*(run for _, run in runs)):
             for shard, (kind, launch) in zip(self.cache.shards, launches):
                 with shard.device_context():
