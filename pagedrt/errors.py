@@ -131,8 +131,9 @@ class CommunicatorError(PagedRTError, ValueError):
 
 
 class ShardError(PagedRTError, ValueError):
-    """Shards that do not fit a sharded cache: KV heads that do not divide among them, devices repeated or
-    missing, or per-shard arrays that do not match the shards."""
+    """Shards that do not fit a sharded cache or model: KV heads (or query heads, or a SwiGLU width) that do not
+    divide among them, no devices or ones that do not exist, a shard index out of range, or a step of another
+    number of shards."""
 
 
 # --- kernels ------------------------------------------------------------------

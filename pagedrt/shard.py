@@ -33,10 +33,10 @@ from .cache import PagedKVCache, PlaneViews, plane_view
 from .errors import PoolClosedError, ShardError, UnsupportedConfigError
 from .layout import KV, is_int, translate
 from .memory import Pool, select_backend
+from .memory.backends import BACKENDS
 from .snapshot import build_snapshot, write_snapshot
 from .step import Step
 
-BACKENDS = ("auto", "cuda", "host")
 STEP_ARRAYS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr")  # a Step's device arrays
 
 
@@ -143,7 +143,6 @@ class ShardedKVCache:
                 raise UnsupportedConfigError(f"kv_scales must have shape {(num_layers, 2, num_kv_heads)} (layers, K "
                                              f"then V, KV heads), got {scales.shape}")
         part = (lambda s: None) if scales is None else (lambda s: scales[:, :, s * heads:(s + 1) * heads])
-        self._closed = False
         self.devices = devices
         with contextlib.ExitStack() as undo:
             kind = self._backend_kind(backend, devices)
@@ -174,7 +173,9 @@ class ShardedKVCache:
 
     def _backend_kind(self, backend, devices):
         """"cuda" or "host" for every shard; ShardError for a CUDA device that does not exist."""
-        kind = select_backend(backend).name
+        probe = select_backend(backend)  # what "auto" comes to here; each shard makes its own on its device
+        kind = probe.name
+        probe.close()
         if kind == "cuda":
             import cupy
             count = cupy.cuda.runtime.getDeviceCount()
@@ -295,18 +296,17 @@ class ShardedKVCache:
     # --- lifetime ---------------------------------------------------------------------------
 
     def _check_open(self, name):
-        if self._closed:
+        if self.closed:
             raise PoolClosedError(f"sharded cache.{name}: this cache was closed; make a new one")
 
     @property
     def closed(self):
-        return self._closed
+        return self.lead.closed
 
     def close(self):
         """Close every shard's pool (shard 0's cache last); idempotent."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
         for shard in self.shards[1:]:
             with self._on(shard.device):
                 shard.pool.close()
