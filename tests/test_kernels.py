@@ -3,15 +3,18 @@ runs in CI). Attention: test_attention.py."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernel_cases import (Case, Reproducer, check_closed_cache_refuses_writes, check_stale_slots_refused,  # noqa: F401
                           naive_attention, rel_error)
-from pagedrt import source
+from pagedrt import Pool, source
 from pagedrt.attention import paged_decode
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import WritePlan, copy_blocks, instances, write_kv
 from pagedrt.kernels import configs
 from pagedrt.kernels.configs import BASE, Config
+from pagedrt.kernels.validate import Spans
 
 
 # --- write and copy references -------------------------------------------------------------------
@@ -209,3 +212,35 @@ def test_write_refuses_a_slot_given_twice():
     write_kv(k, k, case.k, case.v, np.array([9, -1, -1, 7], np.int64))  # padding may repeat
     with pytest.raises(BlockTableError, match="repeats"):  # NumPy inputs are always checked
         write_kv(k, k, case.k, case.v, np.array([7, 7, -1, -1], np.int64), validate=False)
+
+
+CHUNK = 2 << 20
+
+
+@settings(max_examples=60, deadline=None)
+@given(mapped=st.lists(st.booleans(), min_size=12, max_size=12),
+       stride_blocks=st.sampled_from([1, 2, 3, 32, 1024]),
+       ids=st.lists(st.integers(0, 700), min_size=1, max_size=12))
+def test_unusable_blocks_are_those_over_a_hole(mapped, stride_blocks, ids):
+    """Spans.unusable (a whole-range test first, then per id) against the mask read chunk by chunk."""
+    block = 2048  # [1, 16, 64] float16
+    with Pool(12 * CHUNK, CHUNK, backend="host") as pool:
+        chunks = [c for c, m in enumerate(mapped) if m]
+        if chunks:
+            pool.map(chunks)
+        stride = block * stride_blocks
+        offsets = (0, 5 * CHUNK + 4096)
+        n = (pool.num_chunks * CHUNK - offsets[1] - block) // stride + 1  # blocks each plane holds
+        planes = [pool.view(o, (n, 1, 16, 64), np.float16, strides=(stride, 2048, 128, 2), allow_holes=True)
+                  for o in offsets]
+        spans = Spans(planes, stride, block)
+        ids = [i % n for i in ids]
+        got = spans.unusable(np.array(ids, np.int64))
+
+        def bad(i):
+            for o in offsets:
+                lo, hi = o + i * stride, o + i * stride + block
+                if not all(mapped[c] for c in range(lo // CHUNK, (hi - 1) // CHUNK + 1)):
+                    return True
+            return False
+        assert got.tolist() == [bad(i) for i in ids]

@@ -31,9 +31,10 @@ _RESULTS = 2  # result words at the front of the scratch buffer
 
 # Device buffers this module holds, released by release_buffers(): a scratch buffer per (device, stream)
 # (the results, then the duplicate-slot hash set), and each pool's chunk mask on the device, with the
-# pool version it was copied at.
+# pool version it was copied at. On the host, each pool's counts of unmapped chunks, by version.
 _scratch = {}
 _masks = weakref.WeakKeyDictionary()
+_hole_counts = weakref.WeakKeyDictionary()  # host side: each pool's unmapped chunks before each chunk
 
 
 def release_buffers():
@@ -78,6 +79,7 @@ class Spans:
                     raise _closed_error(pool)
                 self.spans.append((pool, address(a) - pool.base))
         self.pools = tuple(dict.fromkeys(pool for pool, _ in self.spans))
+        self._offsets = [np.array([offset for p, offset in self.spans if p is pool], np.int64) for pool in self.pools]
         self.block_stride, self.block_bytes = int(block_stride), int(block_bytes)
 
     def check_open(self):
@@ -88,16 +90,20 @@ class Spans:
 
     def unusable(self, ids):
         """Per block id (an int64 NumPy array of ids inside the planes): True where some chunk under it, in
-        some plane, is not mapped now. Vectorised over the planes of each pool."""
+        some plane, is not mapped now. Vectorised over the planes of each pool; where every chunk from the
+        lowest id's to the highest id's is mapped in every plane (a whole sequence, a pool without holes), that
+        is all it looks at."""
         bad = np.zeros(ids.shape, bool)
-        for pool in self.pools:
-            holes = np.concatenate(([0], np.cumsum(~np.asarray(pool.mapped_mask(), bool))))  # before each chunk
-            offsets = np.array([offset for p, offset in self.spans if p is pool], np.int64)
+        if not ids.size:
+            return bad
+        low, high = int(ids.min()), int(ids.max())
+        for pool, offsets in zip(self.pools, self._offsets):
+            holes = _holes(pool)
+            if not _unmapped(pool, holes, offsets + low * self.block_stride,
+                             offsets + high * self.block_stride + self.block_bytes).any():
+                continue
             lo = offsets.reshape((-1,) + (1,) * ids.ndim) + ids * self.block_stride
-            first, last = lo // pool.chunk_bytes, (lo + self.block_bytes - 1) // pool.chunk_bytes
-            n = pool.num_chunks
-            unmapped = (lo < 0) | (last >= n) | (holes[np.clip(last + 1, 0, n)] > holes[np.clip(first, 0, n)])
-            bad |= unmapped.any(axis=0)
+            bad |= _unmapped(pool, holes, lo, lo + self.block_bytes).any(axis=0)
         return bad
 
     def why(self, block_id):
@@ -123,6 +129,24 @@ class Spans:
 
 
 NO_SPANS = Spans((), 0, 0)
+
+
+def _holes(pool):
+    """Unmapped chunks before each chunk of the pool (``[num_chunks + 1]``), computed again only when the pool's
+    version changes."""
+    version = pool.version
+    held = _hole_counts.get(pool)
+    if held is None or held[0] != version:
+        held = (version, np.concatenate(([0], np.cumsum(~np.asarray(pool.mapped_mask(), bool)))))
+        _hole_counts[pool] = held
+    return held[1]
+
+
+def _unmapped(pool, holes, lo, hi):
+    """True where some chunk under the bytes ``[lo, hi)`` (int64 arrays) lies outside the pool or is not mapped."""
+    n = pool.num_chunks
+    first, last = lo // pool.chunk_bytes, (hi - 1) // pool.chunk_bytes
+    return (lo < 0) | (last >= n) | (holes[np.minimum(last + 1, n)] > holes[np.maximum(first, 0)])
 
 
 def _device_mask(pool):
