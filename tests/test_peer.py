@@ -106,6 +106,50 @@ def test_transfer_checks_change_nothing():
             kernels.transfer_blocks(src.planes, dst.planes, [[0, 1]])
 
 
+def test_a_transfer_made_once_runs_pair_after_pair_set():
+    src, dst = two_caches("host")
+    with src, dst:
+        transfer = kernels.BlockTransfer(src.planes, dst.planes)
+        expected = planes_on_host(dst)
+        for pairs in ([[0, 10], [1, 11]], np.array([[5, 0], [9, 9], [100, 127]]), np.zeros((0, 2), np.int64)):
+            pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+            for s, t in zip(planes_on_host(src), expected):
+                t[pairs[:, 1]] = s[pairs[:, 0]]
+            transfer.run(pairs)
+            assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+        with pytest.raises(LaunchArgumentError, match="4 source planes but 3 destination"):
+            kernels.BlockTransfer(src.planes, dst.planes[:-1])
+
+
+def test_a_made_transfer_checks_what_is_mapped_at_each_run():
+    """The planes are checked once, the mapping on every run: chunks mapped, released and pools closed after the
+    transfer was made count."""
+    src = filled_cache("host", 1)
+    dst = PagedKVCache(LAYERS, HEADS, DIM, BS, "float16", max_tokens=2 * 512 * BS, max_seqs=8, max_seq_len=HELD * BS,
+                       chunk_bytes=2 * MiB, backend="host")
+    dst.append(dst.add_sequence(), HELD * BS)
+    with src, dst:
+        transfer = kernels.BlockTransfer(src.planes, dst.planes)
+        far = [[0, 600]]  # destination block 600 lies in every plane's second 2 MiB chunk, not mapped yet
+        before = planes_on_host(dst)
+        with pytest.raises(BlockTableError, match=r"pairs\[0\] = \(0, 600\) names destination block 600, a block "
+                                                  "whose memory is not mapped"):
+            transfer.run(far)
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), before))
+        grown = [dst.add_sequence() for _ in range(4)]
+        dst.append(grown, HELD * BS)  # 640 blocks held: the second chunk of every plane is mapped now
+        transfer.run(far)
+        assert all(np.array_equal(t[600], s[0]) for s, t in zip(src.planes, dst.planes))
+        dst.free(grown)
+        dst.trim()
+        with pytest.raises(BlockTableError, match="not mapped"):
+            transfer.run(far)
+        transfer.run([[1, 2]])
+        dst.close()
+        with pytest.raises(PoolClosedError):
+            transfer.run([[0, 1]])
+
+
 # --- export to another process -----------------------------------------------------------------------------------
 
 def open_fds(target=""):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from pagedrt import Pool, kernels
-from pagedrt.errors import (ChunkStateError, CommunicatorError, HostOutOfMemoryError, LaunchArgumentError,
-                            PeerAccessError, PoolClosedError, PoolSizeError, UnsupportedConfigError)
+from pagedrt.errors import (BlockTableError, ChunkStateError, CommunicatorError, HostOutOfMemoryError,
+                            LaunchArgumentError, PeerAccessError, PoolClosedError, PoolSizeError,
+                            UnsupportedConfigError)
 from pagedrt.kernels import nccl
 from pagedrt.memory import send_chunks
 from test_peer import HELD, filled_cache, planes_on_host, two_caches
@@ -112,6 +113,25 @@ def test_transfer_on_one_gpu_matches_the_reference(placement, mapped):
         kernels.transfer_blocks(src.planes, dst.planes, cupy.asarray(PAIRS), stream, mapped=mapped)
         stream.synchronize()
         assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_transfer_made_once_runs_pair_set_after_pair_set(mapped):
+    import cupy
+    src, dst = two_caches("cuda")
+    with src, dst:
+        transfer = kernels.BlockTransfer(src.planes, dst.planes, mapped=mapped)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for pairs in (PAIRS, PAIRS[::-1] + np.array([64, 20]), np.array([[5, 100]])):
+            expected = expected_after(src, dst, pairs)
+            transfer.run(cupy.asarray(pairs), stream)
+            stream.synchronize()
+            assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
+        before = planes_on_host(dst)
+        with pytest.raises(BlockTableError, match="not mapped"):
+            transfer.run([[0, 1], [1, 600]], stream)  # block 600: the second chunk of every plane, never mapped
+        stream.synchronize()
+        assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), before))
 
 
 def test_mapped_transfer_needs_two_caches_of_one_layout():
@@ -224,6 +244,20 @@ def test_one_rank_sends_blocks_to_itself(nccl_module):
         with pytest.raises(LaunchArgumentError, match="side by side"):
             nccl.exchange_blocks(comm, PAIRS, 0, send_planes=[p[::2] for p in src.planes])
         assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), before))
+
+
+def test_an_exchange_made_once_runs_pair_set_after_pair_set(nccl_module):
+    import cupy
+    comm = nccl_module.NcclCommunicator(1, nccl_module.get_unique_id(), 0)
+    src, dst = two_caches("cuda")
+    with src, dst:
+        exchange = nccl.BlockExchange(comm, 0, send_planes=src.planes, recv_planes=dst.planes, ranks=1)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for pairs in (PAIRS, np.array([[5, 100], [6, 101]])):
+            expected = expected_after(src, dst, pairs)
+            exchange.run(pairs, stream)
+            stream.synchronize()
+            assert all(np.array_equal(a, b) for a, b in zip(planes_on_host(dst), expected))
 
 
 def test_two_ranks_in_one_process_send_blocks_between_gpus(nccl_module):

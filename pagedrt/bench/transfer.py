@@ -11,13 +11,16 @@ layer's: ``--layers``) the same blocks move four ways:
 - ``peer copy``: one ``cudaMemcpyPeerAsync`` of the same bytes between two ``cudaMalloc``
   buffers, one on each device: the ceiling;
 - ``transfer_blocks``: ``kernels.transfer_blocks``, the copy engines (one
-  ``cuMemcpyPeerAsync`` per plane and run of blocks);
-- ``mapped kernel``: ``kernels.transfer_blocks(mapped=True)``, the copy kernel on the
-  destination device reading the source over the peer mapping (``Pool.grant_access``);
+  ``cuMemcpyPeerAsync`` per plane and run of blocks), every plane checked on every call;
+- ``copy engines``: the same copies through a ``kernels.BlockTransfer`` made once (the
+  planes checked once, the pairs on every run), as an engine moving sequence after
+  sequence between two caches would hold it;
+- ``mapped kernel``: ``kernels.BlockTransfer(mapped=True)`` made once, the copy kernel on
+  the destination device reading the source over the peer mapping (``Pool.grant_access``);
   only where the destination device can access the source's;
-- ``nccl``: ``kernels.nccl.exchange_blocks``, NCCL send and receive of the blocks (two
-  ranks in this process, ``NcclCommunicator.initAll``; one rank sending to itself on one
-  GPU); only where ``cupy.cuda.nccl`` loads.
+- ``nccl``: ``kernels.nccl.BlockExchange`` made once a rank, NCCL send and receive of the
+  blocks (two ranks in this process, ``NcclCommunicator.initAll``; one rank sending to
+  itself on one GPU); only where ``cupy.cuda.nccl`` loads.
 
 Each is timed as ``--repeats`` transfers queued back to back between two synchronisations of
 both devices (wall clock, after one warm-up transfer): the mean time of one transfer, its
@@ -90,6 +93,23 @@ def held_cache(cp, device, tokens):
     return cache, np.asarray(cache.tables.blocks(seq), np.int64)
 
 
+def exchange(module, comms, send_planes, recv_planes, pairs, streams):
+    """One NCCL transfer of ``pairs`` as a call: a rank sending to itself (one communicator), or rank 0 sending
+    and rank 1 receiving in one group; the BlockExchanges made once."""
+    if len(comms) == 1:
+        both = nccl.BlockExchange(comms[0], 0, send_planes=send_planes, recv_planes=recv_planes)
+        return lambda: both.run(pairs, streams[0])
+    send = nccl.BlockExchange(comms[0], 1, send_planes=send_planes)
+    recv = nccl.BlockExchange(comms[1], 0, recv_planes=recv_planes)
+
+    def issue():
+        module.groupStart()
+        send.run(pairs, streams[0])
+        recv.run(pairs, streams[1])
+        module.groupEnd()
+    return issue
+
+
 def seconds(cp, used, issue, repeats):
     """Mean wall seconds of one ``issue()`` over ``repeats`` queued back to back, between synchronisations of the
     ``used`` devices, after one warm-up."""
@@ -143,24 +163,16 @@ def main(argv=None):
             nbytes = transfer_bytes(tokens, layers)
             s_planes, d_planes = src.planes[:planes], dst.planes[:planes]
 
-            def nccl_issue():
-                if len(comms) == 1:
-                    nccl.exchange_blocks(comms[0], pairs, 0, send_planes=s_planes, recv_planes=d_planes,
-                                         stream=stream0)
-                    return
-                module.groupStart()
-                nccl.exchange_blocks(comms[0], pairs, 1, send_planes=s_planes, stream=stream0)
-                nccl.exchange_blocks(comms[1], pairs, 0, recv_planes=d_planes, stream=stream1)
-                module.groupEnd()
-
+            copies = kernels.BlockTransfer(s_planes, d_planes)
             paths = [("peer copy",
                       lambda: rt.memcpyPeerAsync(b.data.ptr, dst_dev, a.data.ptr, src_dev, nbytes, stream0.ptr)),
-                     ("transfer_blocks", lambda: kernels.transfer_blocks(s_planes, d_planes, pairs, stream0))]
+                     ("transfer_blocks", lambda: kernels.transfer_blocks(s_planes, d_planes, pairs, stream0)),
+                     ("copy engines", lambda: copies.run(pairs, stream0))]
             if mapped:
-                paths.append(("mapped kernel",
-                              lambda: kernels.transfer_blocks(s_planes, d_planes, pairs, stream1, mapped=True)))
+                mapped_copies = kernels.BlockTransfer(s_planes, d_planes, mapped=True)
+                paths.append(("mapped kernel", lambda: mapped_copies.run(pairs, stream1)))
             if comms is not None:
-                paths.append(("nccl", nccl_issue))
+                paths.append(("nccl", exchange(module, comms, s_planes, d_planes, pairs, (stream0, stream1))))
             peer_s = None
             for path, issue in paths:
                 checked = path != "peer copy"

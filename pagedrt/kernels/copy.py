@@ -5,9 +5,11 @@ one cache's planes to another's, on the same GPU or another (transfer).
 :func:`swap_blocks` moves blocks between the tiers (device and pinned host memory, one
 range) with ``cuMemcpyAsync`` on a stream: the DMA engines copy while the SMs compute,
 pairs run in the order given, and consecutive pairs become one copy per run of blocks.
-:func:`transfer_blocks` copies blocks of one set of planes into another set (two caches,
+:class:`BlockTransfer` copies blocks of one set of planes into another set (two caches,
 two GPUs): ``cuMemcpyPeerAsync`` per run of blocks, or the same kernel as ``copy_blocks``
-on the destination GPU, reading the source through a peer mapping (``Pool.grant_access``).
+on the destination GPU, reading the source through a peer mapping (``Pool.grant_access``);
+the planes are checked once, when it is made, the pairs on every run.
+:func:`transfer_blocks` is one such transfer, planned and run at once.
 Each has a NumPy reference, which the host backend runs.
 """
 
@@ -50,21 +52,26 @@ def copy_blocks(planes, pairs):
         return
     if not len(pairs):
         return
-    _launch([p.data.ptr for p in planes], pairs, planes[0].strides[0], block_bytes)
+    _launch(_device_bases(planes), pairs, planes[0].strides[0], block_bytes)
 
 
-def _launch(bases, pairs, stride, block_bytes):
-    """One launch of the copy kernel on the current device and stream: for every pair and plane base, the block
-    at ``base + src * stride`` to ``base + dst * stride``."""
+def _device_bases(planes):
+    """The planes' first bytes as a uint64 array on the current device: the copy kernel's bases."""
     import cupy
-    device_bases = cupy.asarray(np.array(bases, dtype=np.uint64))
+    return cupy.asarray(np.array([p.data.ptr for p in planes], dtype=np.uint64))
+
+
+def _launch(device_bases, pairs, stride, block_bytes):
+    """One launch of the copy kernel on the current device and stream: for every pair and plane base (a device
+    array, :func:`_device_bases`), the block at ``base + src * stride`` to ``base + dst * stride``."""
+    import cupy
     device_pairs = cupy.asarray(pairs)
     block_vecs = block_bytes // 16
-    total = len(pairs) * len(bases) * block_vecs
+    total = len(pairs) * len(device_bases) * block_vecs
     blocks = min(-(-total // THREADS), 32 * multiprocessors(cupy.cuda.Device().id))
     source.function(FILE, NAME)(
         (blocks,), (THREADS,),
-        (device_bases, np.int32(len(bases)), device_pairs, np.int32(len(pairs)), np.int64(stride),
+        (device_bases, np.int32(len(device_bases)), device_pairs, np.int32(len(pairs)), np.int64(stride),
          np.int32(block_vecs)))
 
 
@@ -107,61 +114,94 @@ def swap_blocks_reference(planes, pairs):
             p[dst:dst + count] = p[src:src + count]
 
 
-def transfer_blocks(src_planes, dst_planes, pairs, stream=None, *, mapped=False):
-    """Copy block src of every source plane to block dst of the matching destination plane, for every (src, dst)
-    row of ``pairs``: K/V moved from one cache to another, on the same GPU or another (prefill on one GPU, decode
-    on the next).
+class BlockTransfer:
+    """Block src of every source plane copied to block dst of the matching destination plane, for every (src, dst)
+    row of the pairs of each :meth:`run`: K/V moved from one cache to another, on the same GPU or another (prefill
+    on one GPU, decode on the next). The planes are checked when it is made, the pairs on every run: an engine that
+    moves blocks between the same two caches again and again (each prefilled sequence to the decode GPU) makes one
+    and runs it per batch of blocks, where :func:`transfer_blocks` checks every plane again on every call.
 
     src_planes and dst_planes: as many planes each (e.g. two caches' ``planes``, plane i to plane i), all of one
-    block byte size; the planes of one side share their block stride and lie on one device, and the two sides
-    share no memory. pairs: ints [n, 2] (a list, NumPy or CuPy), each destination once. Checked on the host first:
-    ``BlockTableError`` for an id outside its side's planes or a block whose memory is not mapped now,
-    ``LaunchArgumentError`` for the rest, ``PoolClosedError`` for planes in a closed pool; nothing is copied then.
+    block byte size; the planes of one side share their block stride and lie on one device, and the two sides share
+    no memory (``LaunchArgumentError``; ``PoolClosedError`` for planes in a closed pool).
 
     By default the copy engines make it: one ``cuMemcpyPeerAsync`` per plane and run of consecutive pairs (src and
-    dst both one block on), or per block where a side's blocks do not lie side by side (block-major planes),
-    queued on ``stream`` (a CuPy stream; the current one if None). It needs no peer mapping: the driver reaches
-    each side through its own device's primary context.
+    dst both one block on), or per block where a side's blocks do not lie side by side (block-major planes). It
+    needs no peer mapping: the driver reaches each side through its own device's primary context.
 
     With ``mapped=True``, one launch of the copy kernel (``cuda_src/copy.cu``, as :func:`copy_blocks`) on the
-    destination's device and ``stream`` (a stream of that device), reading the source over the peer mapping: every
-    source plane must lie in a pool that granted the destination device access (``Pool.grant_access``), else
-    ``PeerAccessError``. The kernel reaches both sides through the source planes' bases, so the destination planes
-    must lie at one distance from the source planes, a multiple of a block stride that both sides share: two caches
-    of one layout (``LaunchArgumentError`` otherwise).
+    destination's device, reading the source over the peer mapping: every source plane must lie in a pool that
+    granted the destination device access (``Pool.grant_access``), else ``PeerAccessError``. The kernel reaches
+    both sides through the source planes' bases, so the destination planes must lie at one distance from the source
+    planes, a multiple of a block stride that both sides share: two caches of one layout (``LaunchArgumentError``
+    otherwise).
 
     Given NumPy planes (the host backend) it runs :func:`transfer_blocks_reference`, either way.
     """
-    src_planes, dst_planes = list(src_planes), list(dst_planes)
-    xp, pairs, block_bytes, (src_device, dst_device) = _transfer_checked(src_planes, dst_planes, pairs)
-    if xp is np:
-        transfer_blocks_reference(src_planes, dst_planes, pairs)
-        return
-    if mapped:
-        shift = _mapped_shift(src_planes, dst_planes, src_device, dst_device)
-        if len(pairs):
+
+    def __init__(self, src_planes, dst_planes, *, mapped=False):
+        self.src_planes, self.dst_planes, self.mapped = tuple(src_planes), tuple(dst_planes), bool(mapped)
+        xp, self.block_bytes, self._limits, (self.src_device, self.dst_device) = _transfer_planes(
+            list(self.src_planes), list(self.dst_planes))
+        self._spans = tuple(Spans(planes, planes[0].strides[0], self.block_bytes)
+                            for planes in (self.src_planes, self.dst_planes))
+        self._host = xp is np
+        if self._host:
+            return
+        if self.mapped:
             import cupy
-            moved = pairs + np.array([0, shift], np.int64)  # the destination ids as the kernel counts from the source
-            with cupy.cuda.Device(dst_device), (stream if stream is not None else contextlib.nullcontext()):
-                _launch([p.data.ptr for p in src_planes], moved, src_planes[0].strides[0], block_bytes)
-        return
-    if not len(pairs):
-        return
-    import cupy
-    handle = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-    d = _driver()
-    src_ctx, dst_ctx = drv.primary_context(src_device), drv.primary_context(dst_device)
-    src_stride, dst_stride = src_planes[0].strides[0], dst_planes[0].strides[0]
-    whole = src_stride == block_bytes and dst_stride == block_bytes  # a run of blocks is one contiguous range
-    for src, dst, count in _runs(pairs, same_planes=False).tolist():
-        for s, t in zip((p.data.ptr for p in src_planes), (p.data.ptr for p in dst_planes)):
-            if whole:
-                drv.call(d, "cuMemcpyPeerAsync", t + dst * block_bytes, dst_ctx, s + src * block_bytes, src_ctx,
-                         count * block_bytes, handle)
-                continue
-            for k in range(count):
-                drv.call(d, "cuMemcpyPeerAsync", t + (dst + k) * dst_stride, dst_ctx, s + (src + k) * src_stride,
-                         src_ctx, block_bytes, handle)
+            shift = _mapped_shift(self.src_planes, self.dst_planes, self.src_device, self.dst_device)
+            self._shift = np.array([0, shift], np.int64)  # the destination ids as the kernel counts from the source
+            with cupy.cuda.Device(self.dst_device):
+                self._bases = _device_bases(self.src_planes)
+            return
+        self._contexts = drv.primary_context(self.src_device), drv.primary_context(self.dst_device)
+        self._pointers = [(s.data.ptr, t.data.ptr) for s, t in zip(self.src_planes, self.dst_planes)]
+
+    def run(self, pairs, stream=None):
+        """Copy the blocks of ``pairs`` (ints [n, 2], a list, NumPy or CuPy; each destination once), queued on
+        ``stream`` (a CuPy stream; the current one if None; with ``mapped``, a stream of the destination's device).
+        Checked on the host first, nothing copied on refusal: ``BlockTableError`` for an id outside its side's
+        planes or a block whose memory is not mapped now, ``LaunchArgumentError`` for malformed pairs or a
+        destination named twice, ``PoolClosedError`` for planes in a pool closed since."""
+        for spans in self._spans:
+            spans.check_open()
+        pairs = _host_pairs(pairs, *self._limits, "the source planes'", "the destination planes'")
+        _distinct_destinations(pairs)
+        _refuse_unmapped(self._spans[0], pairs, pairs[:, :1], "source block")
+        _refuse_unmapped(self._spans[1], pairs, pairs[:, 1:], "destination block")
+        if self._host:
+            transfer_blocks_reference(self.src_planes, self.dst_planes, pairs)
+            return
+        if not len(pairs):
+            return
+        import cupy
+        if self.mapped:
+            with cupy.cuda.Device(self.dst_device), (stream if stream is not None else contextlib.nullcontext()):
+                _launch(self._bases, pairs + self._shift, self.src_planes[0].strides[0], self.block_bytes)
+            return
+        handle = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+        d = _driver()
+        src_ctx, dst_ctx = self._contexts
+        size = self.block_bytes
+        src_stride, dst_stride = self.src_planes[0].strides[0], self.dst_planes[0].strides[0]
+        whole = src_stride == size and dst_stride == size  # a run of blocks is one contiguous range
+        for src, dst, count in _runs(pairs, same_planes=False).tolist():
+            for s, t in self._pointers:
+                if whole:
+                    drv.call(d, "cuMemcpyPeerAsync", t + dst * size, dst_ctx, s + src * size, src_ctx,
+                             count * size, handle)
+                    continue
+                for k in range(count):
+                    drv.call(d, "cuMemcpyPeerAsync", t + (dst + k) * dst_stride, dst_ctx, s + (src + k) * src_stride,
+                             src_ctx, size, handle)
+
+
+def transfer_blocks(src_planes, dst_planes, pairs, stream=None, *, mapped=False):
+    """One block transfer between two caches' planes: ``BlockTransfer(src_planes, dst_planes,
+    mapped=mapped).run(pairs, stream)``, every check made first (see :class:`BlockTransfer`). To move blocks between
+    the same planes again and again, make the :class:`BlockTransfer` once."""
+    BlockTransfer(src_planes, dst_planes, mapped=mapped).run(pairs, stream)
 
 
 def transfer_blocks_reference(src_planes, dst_planes, pairs):
@@ -219,16 +259,16 @@ def _checked(planes, pairs, order_free):
         both = np.intersect1d(pairs[:, 0], pairs[:, 1])
         check(both.size == 0, lambda: f"block {int(both[0])} is both a source and a destination: "
                                       "split the copy into two calls so its order is defined")
-    _refuse_unmapped(planes, block_bytes, pairs, pairs, "block")
+    _refuse_unmapped(Spans(planes, planes[0].strides[0], block_bytes), pairs, pairs, "block")
     if xp is not np:
         for n, p in zip(names, planes):
             aligned(n, p)
     return xp, pairs, block_bytes
 
 
-def _transfer_checked(src_planes, dst_planes, pairs):
-    """(array module, pairs as checked int64 [n, 2], block bytes, (source device, destination device)) of a
-    transfer's arguments; the devices are None for NumPy planes."""
+def _transfer_planes(src_planes, dst_planes):
+    """(array module, block bytes, (blocks of the source planes, of the destination planes), (source device,
+    destination device)) of a transfer's planes, checked; the devices are None for NumPy planes."""
     check(len(src_planes) > 0, "src_planes is empty: pass at least one plane")
     check(len(src_planes) == len(dst_planes),
           lambda: f"{len(src_planes)} source planes but {len(dst_planes)} destination planes: plane i is copied to "
@@ -247,12 +287,7 @@ def _transfer_checked(src_planes, dst_planes, pairs):
         for n, p in zip(src_names + dst_names, src_planes + dst_planes):
             aligned(n, p)
     _apart(src_planes, dst_planes, src_bytes)
-    pairs = _host_pairs(pairs, src_blocks, dst_blocks, "the source planes'", "the destination planes'")
-    if len(pairs):
-        _distinct_destinations(pairs)
-    _refuse_unmapped(src_planes, src_bytes, pairs, pairs[:, :1], "source block")
-    _refuse_unmapped(dst_planes, dst_bytes, pairs, pairs[:, 1:], "destination block")
-    return xp, pairs, src_bytes, devices
+    return xp, src_bytes, (src_blocks, dst_blocks), devices
 
 
 def _side(names, planes):
@@ -327,14 +362,15 @@ def _host_pairs(pairs, src_blocks, dst_blocks, src_what, dst_what):
 
 
 def _distinct_destinations(pairs):
+    if len(pairs) < 2:
+        return
     _, counts = np.unique(pairs[:, 1], return_counts=True)
     check(counts.max() == 1, "pairs copy into the same destination twice: each destination once")
 
 
-def _refuse_unmapped(planes, block_bytes, pairs, ids, what):
+def _refuse_unmapped(spans, pairs, ids, what):
     """Raise BlockTableError for the first pair whose ``ids`` (its columns of ``pairs`` to check) name a block whose
-    memory is not mapped now in some plane of a pool."""
-    spans = Spans(planes, planes[0].strides[0], block_bytes)
+    memory is not mapped now in some plane of ``spans`` (a :class:`~pagedrt.kernels.validate.Spans`)."""
     if not spans.spans or not len(pairs):
         return
     bad = np.flatnonzero(spans.unusable(ids).any(axis=1))
