@@ -517,6 +517,10 @@ decode_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restr
     constexpr int LG = S::kLaneGroups, NT = S::kThreads, STEP = S::kStep;
     constexpr bool FP8 = !same_type<KV, T>::value;
     static_assert(!FP8 || (MMA && same_type<KV, e4m3>::value), "FP8 K/V runs on tensor cores only");
+    // Built at two stages, the FP8 kernel stopped with an illegal instruction at its first cp.async under the
+    // evict-first L2 hint (compute-sanitizer; the same instance without the hint ran right): refused here, so
+    // such a geometry fails to compile rather than leaving the CUDA context unusable (docs/KERNELS.md).
+    static_assert(!FP8 || STAGES >= 3, "FP8 K/V: at least three pipeline stages");
     // MMA: m16 tiles of query heads, the upper half of a tile in use, and the warps sharing a tile
     // (each holds a part of the tile's tokens: PARTS states a head to merge at the end).
     constexpr int WARPS = THREADS / 32, M_TILES = !MMA || GROUP <= 16 ? 1 : GROUP <= 32 ? 2 : 4;
