@@ -9,8 +9,9 @@ and lengths current from the host's change log (:meth:`BlockTables.drain_changes
 <pagedrt.blocks.BlockTables.drain_changes>`), and :meth:`StepMetadata.build` turns one
 step (:meth:`BlockTables.step <pagedrt.blocks.BlockTables.step>`) into a :class:`Step`:
 the slot mapping, the batch's block table and KV lengths, and the query offsets. All of
-it travels as int64 through pinned staging (two buffers used in turn, so the host never
-overwrites one that a copy may still read) in one asynchronous host-to-device copy, and
+it travels as int64 through pinned staging (:class:`~pagedrt.staging.PinnedStaging`: two
+buffers used in turn, so the host never overwrites one that a copy may still read) in one
+asynchronous host-to-device copy, and
 one small kernel (``cuda_src/tables.cu``'s ``apply_step``) applies it. The step's arrays
 are fixed device buffers, sized by ``max_seqs`` and ``max_step_tokens`` and padded past
 the step, so a CUDA graph captured over them stays valid from step to step. While the
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import source
+from .staging import PinnedStaging
 
 THREADS = 256
 
@@ -78,7 +80,7 @@ class StepMetadata:
             self._staging = None
             return
         self.block_table, self.seq_lens = xp.asarray(tables.table), xp.asarray(tables.lens)
-        self._staging = _PinnedStaging(xp)
+        self._staging = PinnedStaging(xp)
         self._apply = source.function("tables.cu", "pagedrt::apply_step")
         self._gather = source.function("tables.cu", "pagedrt::gather_step")
         rows, self._width = tables.table.shape
@@ -173,48 +175,6 @@ def _header(changes, n_tokens, batch, clear_tokens, clear_batch, width, gather, 
     """The upload's header (cuda_src/tables.cu): the sizes its kernels read."""
     return np.array([changes[0].size, changes[2].size, n_tokens, batch, clear_tokens, clear_batch, width, gather,
                      qo_end], np.int64)
-
-
-class _PinnedStaging:
-    """int64 arrays to one device buffer, one after another: double-buffered pinned staging, one async copy."""
-
-    def __init__(self, cupy):
-        self.cupy = cupy
-        self._capacity = 0  # int64 words each buffer holds
-        self._turn = 0
-
-    def _reserve(self, words):
-        if words <= self._capacity:
-            return
-        import cupyx
-        cupy = self.cupy
-        cupy.cuda.get_current_stream().synchronize()  # the old buffers may still be read
-        self._capacity = max(words, 2 * self._capacity, 4096)
-        self._staging = [cupyx.empty_pinned(self._capacity, np.int64) for _ in range(2)]
-        self._copied = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]  # recorded after each copy
-        self._pending = [False, False]
-        self._device = cupy.empty(self._capacity, np.int64)
-
-    def send(self, *arrays):
-        """Copy ``arrays`` to the device, in order; returns the device buffer (overwritten by the next
-        :meth:`send`). The copy is queued on the current stream, so work queued after it there reads them."""
-        n = sum(a.size for a in arrays)
-        self._reserve(n)
-        turn = self._turn = 1 - self._turn
-        if self._pending[turn]:
-            self._copied[turn].synchronize()
-        host = self._staging[turn]
-        start = 0
-        for a in arrays:
-            host[start:start + a.size] = a
-            start += a.size
-        cupy = self.cupy
-        stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, 8 * n,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self._copied[turn].record(stream)
-        self._pending[turn] = True
-        return self._device
 
 
 def _multiprocessors(cupy):

@@ -24,6 +24,7 @@ from .args import aligned, array_kind, array_module, check, multiprocessors, pla
 from .validate import Spans, address
 from ..errors import BlockTableError, PeerAccessError
 from ..memory import find_pool
+from ..staging import PinnedStaging
 
 FILE = "copy.cu"
 NAME = "pagedrt::copy_blocks"
@@ -62,8 +63,9 @@ def _device_bases(planes):
 
 
 def _launch(device_bases, pairs, stride, block_bytes):
-    """One launch of the copy kernel on the current device and stream: for every pair and plane base (a device
-    array, :func:`_device_bases`), the block at ``base + src * stride`` to ``base + dst * stride``."""
+    """One launch of the copy kernel on the current device and stream: for every pair (int64 [n, 2], NumPy or on the
+    device) and plane base (a device array, :func:`_device_bases`), the block at ``base + src * stride`` to
+    ``base + dst * stride``."""
     import cupy
     device_pairs = cupy.asarray(pairs)
     block_vecs = block_bytes // 16
@@ -154,6 +156,7 @@ class BlockTransfer:
             self._shift = np.array([0, shift], np.int64)  # the destination ids as the kernel counts from the source
             with cupy.cuda.Device(self.dst_device):
                 self._bases = _device_bases(self.src_planes)
+            self._staging = PinnedStaging(cupy)  # the pairs' upload does not wait for the stream
             return
         self._contexts = drv.primary_context(self.src_device), drv.primary_context(self.dst_device)
         self._pointers = [(s.data.ptr, t.data.ptr) for s, t in zip(self.src_planes, self.dst_planes)]
@@ -178,7 +181,9 @@ class BlockTransfer:
         import cupy
         if self.mapped:
             with cupy.cuda.Device(self.dst_device), (stream if stream is not None else contextlib.nullcontext()):
-                _launch(self._bases, pairs + self._shift, self.src_planes[0].strides[0], self.block_bytes)
+                moved = pairs + self._shift
+                device_pairs = self._staging.send(moved, out=cupy.empty(moved.shape, np.int64))
+                _launch(self._bases, device_pairs, self.src_planes[0].strides[0], self.block_bytes)
             return
         handle = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
         d = _driver()
