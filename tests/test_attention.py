@@ -224,6 +224,15 @@ def test_split_plans_count_at_most_two_resident_blocks_an_sm():
     assert plan_splits(32, 8, 4096, TILE, PER_TOKEN // 2, 528).num_splits == 2
 
 
+def test_the_short_geometry_counts_waves_of_every_resident_block():
+    """b64 over FP8 (512 thread blocks, four of the standard geometry's an SM, split plans counting two) is one
+    wave of the standard geometry: it keeps it; b128 (1024) is two, and takes the short one."""
+    resident = planner.split_residency(528, 132)
+    assert plan_splits(64, 8, 2048, 64, PER_TOKEN // 2, resident).geometry == "short"  # waves of two an SM
+    assert plan_splits(64, 8, 2048, 64, PER_TOKEN // 2, resident, wave_blocks=528).geometry == "standard"
+    assert plan_splits(128, 8, 1024, 64, PER_TOKEN // 2, resident, wave_blocks=528).geometry == "short"
+
+
 def test_plan_keeps_a_requested_split_count_and_geometry():
     plan = plan_splits(2, 8, 100, 32, 512, 396, num_splits=9)
     assert (plan.num_splits, plan.segment_tokens) == (9, 32)

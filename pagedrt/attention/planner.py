@@ -266,7 +266,7 @@ def split_residency(resident_blocks, multiprocessors):
 
 
 def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, resident_blocks, *, num_splits=None,
-                mean_seq_len=None, geometry=None, min_segment_bytes=MIN_SEGMENT_BYTES):
+                mean_seq_len=None, geometry=None, min_segment_bytes=MIN_SEGMENT_BYTES, wave_blocks=None):
     """Cut sequences into segments for split-K; ``num_splits`` overrides the count, ``geometry`` the geometry.
 
     Without a request: ``batch * num_kv_heads`` thread blocks. If they leave some of
@@ -284,11 +284,14 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     ``tile`` and ``resident_blocks`` are the standard geometry's (the short
     geometry's tile divides the standard one's, so the segments are whole tiles of
     either). Unless forced, the plan picks the ``"short"`` geometry when segments are
-    at most SHORT_TILES tiles, the thread blocks outnumber SHORT_WAVES waves and the
+    at most SHORT_TILES tiles, the thread blocks outnumber SHORT_WAVES waves of the
+    standard geometry (``wave_blocks`` thread blocks each: the device's, where a split
+    plan counts fewer, :func:`split_residency`; else ``resident_blocks``) and the
     lengths were not cut for unevenness: many short thread blocks, whose starts the
     extra resident blocks hide. A single wave of short segments, or segments cut for
     unevenness, keep the standard geometry, whose thread blocks stream faster once
-    started.
+    started, and whose one wave lets the next launch's blocks start beside its last
+    ones (a step's programmatic dependent launches).
     """
     check_geometry(geometry)
     units = batch * num_kv_heads
@@ -307,7 +310,8 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     if num_splits is None:
         wanted = -(-max_seq_len // segment)
     if geometry is None:
-        short = segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * resident_blocks and not uneven
+        wave = resident_blocks if wave_blocks is None else wave_blocks
+        short = segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * wave and not uneven
         geometry = "short" if short else "standard"
     return SplitPlan(wanted, segment, geometry)
 

@@ -27,7 +27,7 @@ import heapq
 
 import numpy as np
 
-from ..attention.planner import GEOMETRIES, geometry, plan_splits
+from ..attention.planner import GEOMETRIES, geometry, plan_splits, split_residency
 from ..kernels.configs import config
 from . import harness
 from .cases import BENCH_DECODE_CASES, BLOCK_SIZE, HEAD_DIM, KV_HEADS, Q_HEADS
@@ -115,7 +115,8 @@ def partition(case, sms=H200_SMS, per_sm=None, num_splits=None, **model):
     token_bytes = 2 * HEAD_DIM * cfg.kv_itemsize
     resident = {name: sms * n for name, n in per_sm.items()}
     split = plan_splits(len(lens), KV_HEADS, int(lens.max()), geometry(cfg, "standard").tile, token_bytes,
-                        resident["standard"], num_splits=num_splits, mean_seq_len=float(lens.mean()))
+                        split_residency(resident["standard"], sms), num_splits=num_splits,
+                        mean_seq_len=float(lens.mean()), wave_blocks=resident["standard"])
     return {"case": case.name, **describe(lens, split, resident, token_bytes, **model)}
 
 
