@@ -10,14 +10,13 @@ and lengths current from the host's change log (:meth:`BlockTables.drain_changes
 step (:meth:`BlockTables.step <pagedrt.blocks.BlockTables.step>`) into a :class:`Step`:
 the slot mapping, the batch's block table and KV lengths, and the query offsets. All of
 it travels as int64 through pinned staging (:class:`~pagedrt.staging.PinnedStaging`: two
-buffers used in turn, so the host never overwrites one that a copy may still read) in one
-asynchronous host-to-device copy, and
-one small kernel (``cuda_src/tables.cu``'s ``apply_step``) applies it. The step's arrays
-are fixed device buffers, sized by ``max_seqs`` and ``max_step_tokens`` and padded past
-the step, so a CUDA graph captured over them stays valid from step to step. While the
-batch is the last step's (decode steps), the kernel writes each changed table entry and
-length into the step's arrays too; when the batch changes, a second launch
-(``gather_step``) gathers its rows afresh.
+buffers used in turn, so the host never overwrites one that a copy may still read) in
+one asynchronous host-to-device copy, and one small kernel (``cuda_src/tables.cu``'s
+``apply_step``) applies it. The step's arrays are fixed device buffers, sized by
+``max_seqs`` and ``max_step_tokens`` and padded past the step, so a CUDA graph captured
+over them stays valid from step to step. While the batch is the last step's (decode
+steps), the kernel writes each changed table entry and length into the step's arrays
+too; when the batch changes, a second launch (``gather_step``) gathers its rows afresh.
 
 On the host backend the kernels' NumPy references read host arrays: the step's are
 gathered from the host table, and there is nothing to upload.
