@@ -6,7 +6,7 @@ how the thread blocks fill the device.
 :func:`~pagedrt.attention.planner.plan_splits` is host code: given the device's resident thread blocks
 (SMs x blocks per SM of the standard geometry, which ``attention.decode`` reads from the occupancy API) it
 picks the split count, the segment length and the geometry. The defaults are the H200's: 132 SMs, 2 blocks
-per SM in the standard fp16 tensor-core geometry (184 registers, 3 stages of 32 KiB), 4 in the short one.
+per SM in the standard fp16 tensor-core geometry, 4 in the short one.
 
 Per case it prints the plan (splits, segment tokens, geometry), the grid it launches ((kv_heads, batch,
 splits) thread blocks: live ones hold tokens, empty ones, past their sequence's end, exit at once), the
@@ -14,12 +14,11 @@ longest segment against the mean of the live ones, and the waves (live blocks / 
 model, not a measurement: the blocks are handed out in launch order (kv head fastest, then sequence, then
 split) to whichever resident slot frees first; a live block costs ``--start-us`` (its start: table window,
 q, pipeline fill, as far as another resident block's streaming does not hide it) plus its K/V bytes at an
-equal share of ``--stream-tb-s`` per slot, an empty block ``--empty-us``. With the defaults (1 and 0.2 us)
-the model puts var at 268 us against the 257.6 measured with the v12 kernel, and long-1 at 31.5 us against
-39.7: it leaves out a single wave's exposed start and the split merge, and a block in the tail streams
-faster than its equal share; it is for comparing cuts of one batch, not for predicting times. It gives the
-busiest slot's K/V bytes against the mean per slot (the critical path), the modelled time against the floor
-(all K/V bytes at the ceiling) and that floor as a share of it.
+equal share of ``--stream-tb-s`` per slot, an empty block ``--empty-us``. The model leaves out a single
+wave's exposed start and the split merge, and a block in the tail streams faster than its equal share: it is
+for comparing cuts of one batch, not for predicting times (docs/KERNELS.md, "Skewed batches", sets it beside
+the measured times). It gives the busiest slot's K/V bytes against the mean per slot (the critical path),
+the modelled time against the floor (all K/V bytes at the ceiling) and that floor as a share of it.
 ``--splits N`` forces a split count as ``DecodePlan(num_splits=N)`` does, to compare cuts.
 """
 
