@@ -21,8 +21,8 @@ from dataclasses import asdict
 import numpy as np
 
 from .errors import SnapshotError
-from .layout import PLACEMENTS, Layout
-from .supported import BLOCK_SIZES, HEAD_DIMS, KV_DTYPES
+from .layout import Layout
+from .supported import BLOCK_SIZES, HEAD_DIMS, KV_DTYPES, PLACEMENTS
 
 SNAPSHOT_SCHEMA, SNAPSHOT_VERSION = "pagedrt-snapshot", 1
 MAX_SNAPSHOT_BYTES = 16 << 20  # larger files are refused unread

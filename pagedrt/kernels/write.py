@@ -7,6 +7,8 @@ head's scale (:mod:`pagedrt.fp8` defines the rounding, the saturation and what a
 import numpy as np
 
 from .. import fp8, source
+from ..spec import plane_kv_dtype
+from ..supported import FP8_DTYPES
 from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
                    plane, ptr, same_layout, scale_pointers)
 from .configs import config, fp8_sweep, sweep
@@ -48,11 +50,11 @@ class WritePlan:
         xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
         pk = plane("k_cache", k_cache)
         c_contiguous("k", k, 3)
-        fp8_planes = k_cache.dtype == np.uint8
-        check((fp8_planes or k.dtype == k_cache.dtype) and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
-              lambda: f"k must be {'float16 or bfloat16' if fp8_planes else k_cache.dtype} [num_tokens, "
+        kv_dtype = plane_kv_dtype(k_cache.dtype)  # FP8, or None: the planes hold k's dtype
+        check((kv_dtype is not None or k.dtype == k_cache.dtype) and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
+              lambda: f"k must be {' or '.join(FP8_DTYPES) if kv_dtype else k_cache.dtype} [num_tokens, "
                       f"{pk.num_kv_heads}, {pk.head_dim}] to match the cache, got {k.dtype} {k.shape}")
-        cfg = config(k.dtype, pk.head_dim, pk.block_size, 1, kv_dtype=k_cache.dtype if fp8_planes else None)
+        cfg = config(k.dtype, pk.head_dim, pk.block_size, 1, kv_dtype=kv_dtype)
         self._kv_heads = pk.num_kv_heads if cfg.fp8 else None
         int_array("slot_mapping", slot_mapping, np.int64, 1)
         num_tokens = int(k.shape[0])
