@@ -24,8 +24,8 @@ import functools
 import numpy as np
 
 from .errors import UnsupportedConfigError
-from .supported import (BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, HEAD_DIMS, KV_DTYPES, PLACEMENTS,
-                        check)
+from .supported import (BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, HEAD_DIMS, KV_DTYPES, KV_ITEMSIZES,
+                        PLACEMENTS, check)
 
 DTypeLike = Union[str, np.dtype, type]
 
@@ -209,7 +209,7 @@ class KVSpec:
     @property
     def itemsize(self) -> int:
         """Bytes of one stored K or V value."""
-        return self.kv_numpy_dtype.itemsize
+        return KV_ITEMSIZES[self.kv_dtype]
 
     @property
     def bytes_per_token(self) -> int:

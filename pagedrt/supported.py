@@ -13,6 +13,7 @@ from .errors import UnsupportedConfigError
 DTYPES = ("float16", "bfloat16", "float32")
 FP8 = "float8_e4m3"  # K/V stored as float8 e4m3 with float32 scales per (layer, KV head): pagedrt.fp8
 KV_DTYPES = DTYPES + (FP8,)  # what K/V planes may hold
+KV_ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, FP8: 1}  # bytes of one stored K/V value
 FP8_DTYPES = ("float16", "bfloat16")  # q and output dtypes over FP8 planes
 FP8_HEAD_DIMS = (64, 128)  # FP8 decode runs on tensor cores only (cuda_src/decode.cu: decode_fp8)
 HEAD_DIMS = (64, 80, 96, 128, 256)
