@@ -70,18 +70,15 @@ def check_workspace(workspace) -> None:
 
 
 class Workspace:
-    """A caller's split workspace (a device uint8 array) and the plan that laid it out last.
+    """The record of a caller's split workspace (a device uint8 array): the plan that laid it out last.
 
-    Parameters
-    ----------
-    array : cupy.ndarray
-        The caller's array; plans reach its Workspace through :meth:`of`.
+    Plans reach it through :meth:`of`, by the array's address, so every plan made on the same memory shares one
+    record; it lives while a plan holds it.
     """
 
     _live = weakref.WeakValueDictionary()  # address -> the Workspace of that memory, while a plan holds it
 
-    def __init__(self, array):
-        self.array = array
+    def __init__(self):
         self._claims = itertools.count()
         self._holder = None  # the claim of the plan that laid the memory out last
 
@@ -90,7 +87,7 @@ class Workspace:
         """The one Workspace of ``array``'s memory (by its address): the one live plans hold, else a new one."""
         found = cls._live.get(array.data.ptr)
         if found is None:
-            found = cls._live[array.data.ptr] = cls(array)
+            found = cls._live[array.data.ptr] = cls()
         return found
 
     def lay_out(self) -> int:

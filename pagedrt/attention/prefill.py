@@ -29,7 +29,7 @@ A mixed step's decode rows (one query token each:
 sends them (through :func:`pagedrt.attention.decode.rows_launch`): the decode kernel
 (``cuda_src/decode.cu``), which streams their K/V at memory speed, or for a wide group on
 compute capability 9.0 the sm_90a kernel, an item a row, split; the prefill kernel takes the other rows. With both,
-a run launches the decode rows on a side stream beside the prompt rows on the current
+a run launches the decode rows on a side stream of the plan's own beside the prompt rows on the current
 one (an event each way, so a CUDA graph captures both).
 """
 
