@@ -22,11 +22,12 @@ way into the same workspace layout.
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from .. import source
-from ..kernels.args import (NULL, array_module, c_contiguous, check, int_array, multiprocessors, plane,
+from ..kernels.args import (NULL, Array, array_module, c_contiguous, check, int_array, multiprocessors, plane,
                             positive_int, ptr, RunArrays)
 from ..errors import UnsupportedConfigError
 from ..kernels.configs import config, fp8_sweep, sweep
@@ -349,8 +350,10 @@ class DecodePlan(_Plan):
     Other arguments are those of :func:`paged_decode`.
     """
 
-    def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
-                 mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None, _v_cache=None):
+    def __init__(self, q: Array, k_cache: Array, block_tables: Array, seq_lens: Array, scale: Optional[float] = None,
+                 *, num_splits: Optional[int] = None, max_seq_len: Optional[int] = None,
+                 mean_seq_len: Optional[float] = None, block_mask: Optional[Array] = None, validate: bool = True,
+                 geometry: Optional[str] = None, workspace: Optional[Array] = None, _v_cache=None):
         # _v_cache: paged_decode's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
                           block_mask=block_mask, workspace=workspace)
@@ -434,25 +437,47 @@ def _contiguous_reference(q, k, v, *, seq_lens, scale, num_splits, max_seq_len):
     return reference.contiguous_decode(q, k, v, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len)
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
-                 max_seq_len=None, mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None,
-                 k_scale=None, v_scale=None):
+def paged_decode(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, seq_lens: Array,
+                 scale: Optional[float] = None, *, out: Optional[Array] = None, num_splits: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, mean_seq_len: Optional[float] = None,
+                 block_mask: Optional[Array] = None, validate: bool = True, geometry: Optional[str] = None,
+                 workspace: Optional[Array] = None, k_scale: Optional[Array] = None,
+                 v_scale: Optional[Array] = None) -> Array:
     """Attention of one query token per sequence over its paged K/V; returns ``out``.
 
-    q: [batch, q_heads, head_dim]; k_cache, v_cache: planes [num_blocks, kv_heads,
-    block_size, head_dim] (any block stride); block_tables: int32 [batch, width]
-    (row stride may exceed width); seq_lens: int32 [batch]. Query head h uses KV head
-    h // (q_heads // kv_heads). ``max_seq_len`` (default width * block_size) and
-    ``mean_seq_len`` (host-side figures of the lengths, if the caller has them, as
-    the cache does) size the split plan (and so the geometry) only.
-    ``validate`` checks lengths and every used block id (against ``block_mask`` too,
-    when given, and, for planes that lie in a pool, that the block's memory is mapped
-    now) on the device first, at the cost of one small launch and a 16-byte
-    device-to-host read; NumPy inputs are always checked (``BlockTableError``). Planes
-    in a closed pool raise ``PoolClosedError``, whatever ``validate`` says. ``geometry`` and ``workspace`` as for
-    :class:`DecodePlan`. For many layers over the same tables, make one
-    :class:`DecodePlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits) need ``k_scale`` and
-    ``v_scale``, float32 [kv_heads]: a stored value b means e4m3(b) * scale; q and out are float16 or bfloat16.
+    Query head h uses KV head h // (q_heads // kv_heads). Planes in a closed pool raise ``PoolClosedError``,
+    whatever ``validate`` says. For many layers over the same tables, make one :class:`DecodePlan` and run it
+    per layer.
+
+    Parameters
+    ----------
+    q : array [batch, q_heads, head_dim]
+        C-contiguous; float16 or bfloat16 over FP8 planes, else the planes' dtype.
+    k_cache, v_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        One layer's planes (any block stride). uint8 planes hold float8 e4m3 bits
+        (:func:`pagedrt.spec.plane_kv_dtype`): a stored value b means e4m3(b) * scale.
+    block_tables : array, int32 [batch, width]
+        Row stride may exceed width.
+    seq_lens : array, int32 [batch]
+    scale : float, optional
+        Default 1 / sqrt(head_dim).
+    out : array [batch, q_heads, head_dim], optional
+        Allocated when None.
+    num_splits : int, optional
+        Force the split count (default: the split plan's).
+    max_seq_len, mean_seq_len : optional
+        Host-side figures of the lengths, if the caller has them (as the cache does): they size the split plan
+        (and so the geometry) only. ``max_seq_len`` defaults to width * block_size.
+    block_mask : array, bool or uint8 [num_blocks], optional
+        Blocks a table may name (checked with ``validate``).
+    validate : bool
+        Check lengths and every used block id (against ``block_mask`` too, and, for planes that lie in a pool,
+        that the block's memory is mapped now) on the device first, at the cost of one small launch and a
+        16-byte device-to-host read; NumPy inputs are always checked (``BlockTableError``).
+    geometry, workspace : optional
+        As for :class:`DecodePlan`.
+    k_scale, v_scale : array, float32 [kv_heads], optional
+        FP8 planes only, and needed there: the layer's scales.
     """
     plan = DecodePlan(q, k_cache, block_tables, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                       mean_seq_len=mean_seq_len, block_mask=block_mask, validate=validate, geometry=geometry,

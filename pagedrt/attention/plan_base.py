@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..kernels.args import (aligned, check, check_scales, device_pointers, int_array, ptr, scale_keywords,
+from ..kernels.args import (Array, aligned, check, check_scales, device_pointers, int_array, ptr, scale_keywords,
                             scale_pointers, store)
 
 LOG2E = 1.4426950408889634  # kernels take the scale times log2(e): their softmax runs on exp2
@@ -33,7 +33,7 @@ def default_scale(scale: Optional[float], head_dim: int) -> float:
     return scale
 
 
-def table_width(block_tables) -> int:
+def table_width(block_tables: Array) -> int:
     """The width of a block table, checked: int32 [rows, width], contiguous columns, rows at least a row apart
     (the row stride, ``strides[0] // 4`` entries, is a kernel argument)."""
     int_array("block_tables", block_tables, np.int32, 2)
@@ -44,12 +44,12 @@ def table_width(block_tables) -> int:
     return width
 
 
-def table_args(block_tables) -> tuple:
+def table_args(block_tables: Array) -> tuple:
     """A block table as kernels take it: its pointer and its row stride in entries."""
     return ptr(block_tables), np.int64(block_tables.strides[0] // 4)
 
 
-def check_block_mask(block_mask, num_blocks: int) -> None:
+def check_block_mask(block_mask: Optional[Array], num_blocks: int) -> None:
     """LaunchArgumentError unless ``block_mask`` is None or a contiguous bool/uint8 [num_blocks]."""
     if block_mask is None:
         return
@@ -59,7 +59,7 @@ def check_block_mask(block_mask, num_blocks: int) -> None:
                   f"block), got {block_mask.dtype} {block_mask.shape}")
 
 
-def check_workspace(workspace) -> None:
+def check_workspace(workspace: Optional[Array]) -> None:
     """A caller's workspace: None, or a contiguous 1-D uint8 array (device arrays also 16-byte aligned)."""
     if workspace is None:
         return
@@ -83,7 +83,7 @@ class Workspace:
         self._holder = None  # the claim of the plan that laid the memory out last
 
     @classmethod
-    def of(cls, array) -> "Workspace":
+    def of(cls, array: Array) -> "Workspace":
         """The one Workspace of ``array``'s memory (by its address): the one live plans hold, else a new one."""
         found = cls._live.get(array.data.ptr)
         if found is None:
@@ -117,7 +117,8 @@ class Plan:
         """Launch over one layer's pointers (q, k_cache, v_cache, out) and FP8 scale pointers (else none)."""
         raise NotImplementedError
 
-    def run(self, q, k_cache, v_cache, out=None, *, k_scale=None, v_scale=None):
+    def run(self, q: Array, k_cache: Array, v_cache: Array, out: Optional[Array] = None, *,
+            k_scale: Optional[Array] = None, v_scale: Optional[Array] = None) -> Array:
         """Attention of ``q`` over one layer's K and V; returns ``out``.
 
         Parameters

@@ -34,12 +34,13 @@ one (an event each way, so a CUDA graph captures both).
 """
 
 import functools
+from typing import Optional
 
 import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
+from ..kernels.args import Array, array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..spec import plane_kv_dtype
@@ -260,8 +261,10 @@ class PrefillPlan(Plan):
     the layer's ``k_scale`` and ``v_scale``.
     """
 
-    def __init__(self, q, k_cache, block_tables, kv_lens, qo_indptr, *, query_lens=None, causal=True, scale=None,
-                 block_mask=None, validate=True, workspace=None, _v_cache=None):
+    def __init__(self, q: Array, k_cache: Array, block_tables: Array, kv_lens: Array, qo_indptr: Array, *,
+                 query_lens: Optional[np.ndarray] = None, causal: bool = True, scale: Optional[float] = None,
+                 block_mask: Optional[Array] = None, validate: bool = True, workspace: Optional[Array] = None,
+                 _v_cache=None):
         # _v_cache: paged_prefill's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, kv_lens=kv_lens, qo_indptr=qo_indptr,
                           block_mask=block_mask, workspace=workspace)
@@ -335,14 +338,34 @@ class PrefillPlan(Plan):
             self._decode.launch(*pointers, scales)
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, *, out=None, query_lens=None, causal=True,
-                  scale=None, block_mask=None, validate=True, workspace=None, k_scale=None, v_scale=None):
+def paged_prefill(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, kv_lens: Array, qo_indptr: Array,
+                  *, out: Optional[Array] = None, query_lens: Optional[np.ndarray] = None, causal: bool = True,
+                  scale: Optional[float] = None, block_mask: Optional[Array] = None, validate: bool = True,
+                  workspace: Optional[Array] = None, k_scale: Optional[Array] = None,
+                  v_scale: Optional[Array] = None) -> Array:
     """Attention of each sequence's query rows over its paged K/V; returns ``out``.
 
-    Arguments as for :class:`PrefillPlan`, which this makes and runs once; ``validate``
-    checks the V plane too. For many layers over the same step, make one
-    :class:`PrefillPlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits) need ``k_scale`` and
-    ``v_scale``, float32 [kv_heads], as :func:`~pagedrt.attention.paged_decode` does.
+    Makes a :class:`PrefillPlan` and runs it once; ``validate`` checks the V plane too. For many layers over the
+    same step, make one :class:`PrefillPlan` and run it per layer.
+
+    Parameters
+    ----------
+    q : array [num_tokens, q_heads, head_dim]
+        C-contiguous; float16 or bfloat16 over FP8 planes, else the planes' dtype.
+    k_cache, v_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        One layer's planes (any block stride); uint8 planes hold float8 e4m3 bits
+        (:func:`pagedrt.spec.plane_kv_dtype`).
+    block_tables : array, int32 [batch, width]
+    kv_lens : array, int32 [batch]
+        Each sequence's keys after the step (cached and new).
+    qo_indptr : array, int32 [batch + 1]
+        Sequence b's queries are rows ``qo_indptr[b]:qo_indptr[b + 1]`` of q.
+    out : array [num_tokens, q_heads, head_dim], optional
+        Allocated when None.
+    query_lens, causal, scale, block_mask, validate, workspace
+        As for :class:`PrefillPlan`.
+    k_scale, v_scale : array, float32 [kv_heads], optional
+        FP8 planes only, and needed there: the layer's scales, as for :func:`~pagedrt.attention.paged_decode`.
     """
     plan = PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, query_lens=query_lens, causal=causal,
                        scale=scale, block_mask=block_mask, validate=validate, workspace=workspace,

@@ -41,6 +41,7 @@ import contextlib
 import numpy as np
 
 from .. import Pool
+from ..spec import numpy_dtype
 from ..supported import FP8
 from . import harness, partition
 from .cases import BENCH_DECODE_CASES, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
@@ -62,13 +63,6 @@ COLUMNS = (
     harness.Column("pct_size_stream", "%size", "{:.1f}", 6),
     harness.Column("note", "note", width=0, left=True),
 )
-
-
-def np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def random_bits(cp, shape, dtype):
@@ -97,7 +91,7 @@ def resident(dt, block):
 
 def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order, memory, block):
     from .. import attention
-    dt = np_dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)
     lens = np.asarray(case.lengths, np.int32)
     table, num_blocks = scattered_table(lens, block, shuffle=order == "random")
     width = table.shape[1]
@@ -189,7 +183,7 @@ FP8_COLUMNS = (
 def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
     """One case over FP8 (float8 e4m3) planes: the plan's run timed, bandwidth in FP8 bytes."""
     from .. import attention
-    dt = np_dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)
     lens = np.asarray(case.lengths, np.int32)
     table, num_blocks = scattered_table(lens, block, shuffle=True)
     shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
