@@ -13,13 +13,15 @@ slots)``, ``attention.DecodePlan(q, k_plane, tables, lens)``), so what a plane h
 travels with it, in its NumPy dtype. NumPy has no float8: FP8 planes hold the bits as
 uint8. A launcher learns a plane's K/V dtype through :func:`plane_kv_dtype` only, and
 passes that name to :func:`pagedrt.kernels.configs.config`; no launcher tests dtypes of
-its own. The names elsewhere are the canonical ones this module returns.
+its own. A cache's planes are views in ``spec.kv_numpy_dtype``, so a launcher reads from a
+cache's plane what its spec says. Asking for FP8 takes its name (``kv_dtype="float8_e4m3"``):
+a uint8 dtype says nothing of what its bytes mean, and is refused. The names elsewhere are
+the canonical ones this module returns.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
-
-import functools
 
 import numpy as np
 
