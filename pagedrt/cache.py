@@ -15,12 +15,12 @@ import numpy as np
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
 from .errors import ConcurrentUseError, PoolClosedError, UnsupportedConfigError
 from .growth import Growth
-from .layout import KV, PLACEMENTS, Layout, is_int, translate
+from .layout import KV, Layout, is_int, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
+from .spec import KVSpec
 from .step import StepMetadata
-from .supported import (BLOCK_SIZES, HEAD_DIMS, MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS,
-                        MAX_TABLE_ENTRIES, FP8, check, check_fp8, kv_dtype_name, kv_numpy_dtype, numpy_dtype)
+from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS, MAX_TABLE_ENTRIES
 
 
 def _check_positive(name, value, limit=None):
@@ -97,18 +97,15 @@ def _exclusive(method):
     return exclusive
 
 
-def _kv_scales(kv_dtype, dtype, head_dim, kv_scales, shape):
+def _kv_scales(spec, kv_scales):
     """The checked float32 scales of an FP8 cache (all 1 by default), None for other caches; raises
-    UnsupportedConfigError for FP8 where it is unsupported, scales where there is no FP8, scales of the
-    wrong shape and values that are not positive, normal and finite."""
-    if kv_dtype != FP8:
-        if kv_dtype != dtype.name:
-            raise UnsupportedConfigError(f"kv_dtype={kv_dtype!r} with dtype={dtype.name!r}: K/V are stored in the "
-                                         f"model's dtype or as {FP8}")
+    UnsupportedConfigError for scales where there is no FP8, scales of the wrong shape and values that are not
+    positive, normal and finite."""
+    shape = spec.scales_shape
+    if shape is None:
         if kv_scales is not None:
-            raise UnsupportedConfigError(f"kv_scales are for kv_dtype={FP8!r} only")
+            raise UnsupportedConfigError(f"kv_scales are for FP8 K/V only: this cache stores {spec.kv_dtype}")
         return None
-    check_fp8(dtype, head_dim)
     if kv_scales is None:
         return np.ones(shape, np.float32)
     try:
@@ -123,13 +120,13 @@ def _kv_scales(kv_dtype, dtype, head_dim, kv_scales, shape):
     return scales
 
 
-def plane_view(pool, layout, layer, kv):
+def plane_view(pool, layout, spec, layer, kv):
     """Layer ``layer``'s K (``kv`` 0) or V (1) plane in ``pool`` under ``layout``: ``[max_blocks, num_kv_heads,
-    block_size, head_dim]``, a strided view (no copy)."""
+    block_size, head_dim]`` of ``spec.kv_numpy_dtype``, a strided view (no copy)."""
     lay, e = layout, layout.itemsize
     shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
     strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
-    return pool.view(lay.plane_offset(layer, kv), shape, kv_numpy_dtype(lay.dtype), strides, allow_holes=True)
+    return pool.view(lay.plane_offset(layer, kv), shape, spec.kv_numpy_dtype, strides, allow_holes=True)
 
 
 class PlaneViews:
@@ -214,27 +211,21 @@ class PagedKVCache(PlaneViews):
                  max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None, max_step_tokens=None,
                  placement="plane", chunk_bytes=None, backend="auto", growth=None, host_tokens=None, host_bytes=None,
                  kv_dtype=None, kv_scales=None):
-        num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
-                                                                                                num_kv_heads)
+        self.spec = spec = KVSpec.build(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_dtype, placement)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
-        head_dim = check("head_dim", head_dim, HEAD_DIMS)
-        block_size = check("block_size", block_size, BLOCK_SIZES)
-        placement = check("placement", placement, PLACEMENTS)
-        self.dtype = numpy_dtype(dtype)
-        self.kv_dtype = self.dtype.name if kv_dtype is None else kv_dtype_name(kv_dtype)
-        scales = _kv_scales(self.kv_dtype, self.dtype, head_dim, kv_scales, (num_layers, 2, num_kv_heads))
+        scales = _kv_scales(spec, kv_scales)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
-        token_bytes = 2 * num_layers * num_kv_heads * head_dim * kv_numpy_dtype(self.kv_dtype).itemsize
+        block_bytes = spec.bytes_per_token * spec.block_size
         if max_bytes is None:
-            max_blocks = ceil_div(_check_positive("max_tokens", max_tokens), block_size)
+            max_blocks = ceil_div(_check_positive("max_tokens", max_tokens), spec.block_size)
         else:
-            max_blocks = max(_check_positive("max_bytes", max_bytes) // (token_bytes * block_size), 1)
+            max_blocks = max(_check_positive("max_bytes", max_bytes) // block_bytes, 1)
         if host_tokens is not None and host_bytes is not None:
             raise UnsupportedConfigError("give the host tier's capacity as at most one of host_tokens or host_bytes")
         host_blocks = (0 if host_tokens is None and host_bytes is None else
-                       ceil_div(_check_positive("host_tokens", host_tokens), block_size) if host_bytes is None else
-                       max(_check_positive("host_bytes", host_bytes) // (token_bytes * block_size), 1))
+                       ceil_div(_check_positive("host_tokens", host_tokens), spec.block_size) if host_bytes is None
+                       else max(_check_positive("host_bytes", host_bytes) // block_bytes, 1))
         if max_blocks + host_blocks > MAX_BLOCKS:
             raise UnsupportedConfigError(
                 f"a capacity of {max_blocks + host_blocks} blocks is more than block ids (int32) can name: at most "
@@ -243,16 +234,15 @@ class PagedKVCache(PlaneViews):
             backend = select_backend(backend)
         elif not is_int(getattr(backend, "page_bytes", None)):
             raise UnsupportedConfigError(f"backend={backend!r:.80} must be a name or a backend from select_backend()")
-        self.layout = Layout.plan(num_layers, num_kv_heads, head_dim, block_size, self.kv_dtype, placement,
-                                  backend.page_bytes, max_blocks, chunk_bytes, host_blocks)
+        self.layout = Layout.plan(spec, backend.page_bytes, max_blocks, chunk_bytes, host_blocks)
         if max_seq_len is None:
-            max_seq_len = min(self.layout.device_blocks * block_size, 32768)
+            max_seq_len = min(self.layout.device_blocks * spec.block_size, 32768)
         max_seq_len = _check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
         if max_step_tokens is None:
             max_step_tokens = max_seq_len + max_seqs
         max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
         self._lock = threading.Lock()
-        _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
+        _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, spec.block_size))
         growth = _growth_keywords(growth, self.layout.blocks_per_chunk)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes,
@@ -263,15 +253,17 @@ class PagedKVCache(PlaneViews):
         except BaseException:
             self.pool.close()
             raise
-        self.tables = BlockTables(self.allocator, block_size, max_seqs, ceil_div(max_seq_len, block_size))
+        self.tables = BlockTables(self.allocator, spec.block_size, max_seqs, ceil_div(max_seq_len, spec.block_size))
         self.metadata = StepMetadata(self.tables, self.pool.xp, max_step_tokens)
-        self._planes = [self._plane_view(layer, kv) for layer in range(num_layers) for kv in KV]
+        self._planes = [self._plane_view(layer, kv) for layer in range(spec.num_layers) for kv in KV]
         self._scales = None if scales is None else self.pool.xp.asarray(scales)
         self._mask = None  # device copy of allocator.usable_mask(), rebuilt after grow/trim
         self._mask_version = None
 
     # --- shape ------------------------------------------------------------------------
 
+    dtype = property(lambda self: self.spec.dtype, doc="The model's dtype (q, k, v, attention output): numpy.dtype")
+    kv_dtype = property(lambda self: self.spec.kv_dtype, doc="What the planes store: a name of supported.KV_DTYPES")
     num_layers = property(lambda self: self.layout.num_layers)
     num_kv_heads = property(lambda self: self.layout.num_kv_heads)
     head_dim = property(lambda self: self.layout.head_dim)
@@ -481,7 +473,7 @@ class PagedKVCache(PlaneViews):
         return self._mask
 
     def _plane_view(self, layer, kv):
-        return plane_view(self.pool, self.layout, layer, kv)
+        return plane_view(self.pool, self.layout, self.spec, layer, kv)
 
     # --- both layers at once ----------------------------------------------------------------
 

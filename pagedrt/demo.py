@@ -31,6 +31,7 @@ from .blocks import ceil_div, ranks
 from .cache import PagedKVCache
 from .layout import Layout
 from .memory import select_backend
+from .spec import KVSpec
 
 PRESETS = {  # name: (layers, query heads, kv heads, head_dim)
     "llama2-7b": (32, 32, 32, 128),
@@ -337,8 +338,8 @@ def run_demo(config, progress=None):
     Returns a DemoResult (cache open)."""
     c = config
     backend = select_backend(c.backend)
-    full = Layout.plan(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, c.placement, backend.page_bytes,
-                       -(-c.max_tokens // c.block_size))
+    spec = KVSpec.build(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, placement=c.placement)
+    full = Layout.plan(spec, backend.page_bytes, -(-c.max_tokens // c.block_size))
     plane_bytes, step = full.pool_bytes // full.num_planes, full.chunk_step
     chunk = step * max(1, plane_bytes // (DEMO_CHUNKS * step))  # about DEMO_CHUNKS chunks: growth to watch
     cache = PagedKVCache(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, max_tokens=c.max_tokens,

@@ -28,9 +28,8 @@ import numpy as np
 
 from .blocks import ceil_div
 from .errors import InvalidPositionError, UnsupportedConfigError
-from .supported import kv_dtype_name, kv_numpy_dtype
+from .spec import KVSpec
 
-PLACEMENTS = ("plane", "block")
 KV = ("k", "v")
 MiB = 1 << 20
 
@@ -43,8 +42,8 @@ class Layout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str             # what the planes hold (pagedrt.supported.KV_DTYPES): the K/V dtype
-    itemsize: int
+    dtype: str             # what the planes hold (pagedrt.supported.KV_DTYPES): the spec's K/V dtype
+    itemsize: int          # bytes of one stored value (KVSpec.itemsize)
     placement: str
     page_bytes: int
     chunk_bytes: int       # one physical chunk
@@ -52,13 +51,24 @@ class Layout:
     host_chunks: int = 0   # the last chunks_per_plane chunks that are the host tier's
 
     @classmethod
-    def plan(cls, num_layers, num_kv_heads, head_dim, block_size, dtype, placement, page_bytes,
-             max_blocks, chunk_bytes=None, host_blocks=0):
+    def plan(cls, spec: KVSpec, page_bytes: int, max_blocks: int, chunk_bytes: Optional[int] = None,
+             host_blocks: int = 0) -> "Layout":
         """Choose the chunk size (a whole number of pages and of blocks) and the range's size: ``max_blocks``
-        device blocks, then ``host_blocks`` host-tier blocks, each rounded up to whole chunks."""
-        shape = cls(num_layers, num_kv_heads, head_dim, block_size, kv_dtype_name(dtype),
-                    kv_numpy_dtype(dtype).itemsize, placement,
-                    page_bytes, 0, 0)
+        device blocks, then ``host_blocks`` host-tier blocks, each rounded up to whole chunks.
+
+        Parameters
+        ----------
+        spec : KVSpec
+            What the cache holds (:meth:`pagedrt.spec.KVSpec.build`).
+        page_bytes : int
+            The backend's mapping granularity.
+        max_blocks, host_blocks : int
+            Blocks of the device tier and of the host tier.
+        chunk_bytes : int, optional
+            A chunk's bytes: a positive multiple of :attr:`chunk_step`; default about 64 MiB a grow step.
+        """
+        shape = cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.kv_dtype,
+                    spec.itemsize, spec.placement, page_bytes, 0, 0)
         step, unit = shape.chunk_step, shape.block_stride_bytes
         if chunk_bytes is not None and (not is_int(chunk_bytes) or chunk_bytes <= 0 or chunk_bytes % step):
             raise UnsupportedConfigError(

@@ -35,6 +35,7 @@ from .layout import KV, is_int, translate
 from .memory import Pool, select_backend
 from .memory.backends import BACKENDS
 from .snapshot import build_snapshot, write_snapshot
+from .spec import KVSpec
 from .step import Step
 
 STEP_ARRAYS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr")  # a Step's device arrays
@@ -79,13 +80,14 @@ class Shard(PlaneViews):
     """One device's share of a :class:`ShardedKVCache`: its KV heads of every block, in its own pool; its
     planes and scales (:class:`~pagedrt.cache.PlaneViews`) are of its heads."""
 
-    def __init__(self, index, device, first_head, num_heads, pool, layout, scales, xp, dtype):
-        self.index, self.device = index, device
-        self.kv_heads = range(first_head, first_head + num_heads)  # the cache's KV heads this shard holds
+    def __init__(self, index, device, first_head, pool, layout, scales, xp, spec):
+        self.index, self.device, self.spec = index, device, spec  # spec: the shard's (its KV heads), as cache.spec
+        self.kv_heads = range(first_head, first_head + spec.num_kv_heads)  # the cache's KV heads this shard holds
         self.pool, self.layout, self.xp = pool, layout, xp
-        self.dtype = dtype  # the model's (q and attention output), as PagedKVCache.dtype
-        self._planes = [plane_view(pool, layout, layer, kv) for layer in range(layout.num_layers) for kv in KV]
+        self._planes = [plane_view(pool, layout, spec, layer, kv) for layer in range(layout.num_layers) for kv in KV]
         self._scales = scales
+
+    dtype = property(lambda self: self.spec.dtype)  # the model's (q and attention output), as PagedKVCache.dtype
 
     # a cache's shape as a model reads it (pagedrt.engine's LlamaModel runs on a shard as on a cache)
     num_layers = property(lambda self: self.layout.num_layers)
@@ -135,13 +137,16 @@ class ShardedKVCache:
         if backend not in BACKENDS:
             raise UnsupportedConfigError(f"backend={backend!r:.80} must be one of {', '.join(BACKENDS)}: a sharded "
                                          f"cache makes one backend per device")
-        heads = num_kv_heads // n
+        self.spec = KVSpec.build(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_dtype, placement)
+        shard = self.spec.shard(n)
+        heads = shard.num_kv_heads
         scales = None
         if kv_scales is not None:
             scales = np.asarray(kv_scales, np.float32)
-            if scales.shape != (num_layers, 2, num_kv_heads):
-                raise UnsupportedConfigError(f"kv_scales must have shape {(num_layers, 2, num_kv_heads)} (layers, K "
-                                             f"then V, KV heads), got {scales.shape}")
+            shape = (self.spec.num_layers, 2, self.spec.num_kv_heads)
+            if scales.shape != shape:
+                raise UnsupportedConfigError(f"kv_scales must have shape {shape} (layers, K then V, KV heads), got "
+                                             f"{scales.shape}")
         part = (lambda s: None) if scales is None else (lambda s: scales[:, :, s * heads:(s + 1) * heads])
         self.devices = devices
         with contextlib.ExitStack() as undo:
@@ -152,22 +157,23 @@ class ShardedKVCache:
                 import cupy
                 self._xp = cupy
             with self._on(devices[0]):
-                lead = PagedKVCache(num_layers, heads, head_dim, block_size, dtype, max_tokens=max_tokens,
-                                    max_seqs=max_seqs, max_seq_len=max_seq_len, max_step_tokens=max_step_tokens,
-                                    placement=placement, chunk_bytes=chunk_bytes, backend=select_backend(kind),
-                                    kv_dtype=kv_dtype, kv_scales=part(0))
+                lead = PagedKVCache(shard.num_layers, heads, shard.head_dim, shard.block_size, shard.dtype,
+                                    max_tokens=max_tokens, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                                    max_step_tokens=max_step_tokens, placement=shard.placement,
+                                    chunk_bytes=chunk_bytes, backend=select_backend(kind), kv_dtype=shard.kv_dtype,
+                                    kv_scales=part(0))
                 undo.callback(lead.close)
                 lead.allocator.grow(lead.allocator.device_chunks)  # the whole capacity, now (module docstring)
             self.lead = lead
             lay, chunks = lead.layout, np.flatnonzero(lead.pool.mapped_mask()).tolist()
-            self.shards = [Shard(0, devices[0], 0, heads, lead.pool, lay, lead._scales, self._xp, lead.dtype)]
+            self.shards = [Shard(0, devices[0], 0, lead.pool, lay, lead._scales, self._xp, lead.spec)]
             for s, device in enumerate(devices[1:], 1):
                 with self._on(device):
                     pool = Pool(lay.pool_bytes, lay.chunk_bytes, select_backend(kind))
                     undo.callback(pool.close)
                     pool.map(chunks)
                     shard_scales = None if scales is None else self._xp.asarray(part(s))
-                self.shards.append(Shard(s, device, s * heads, heads, pool, lay, shard_scales, self._xp, lead.dtype))
+                self.shards.append(Shard(s, device, s * heads, pool, lay, shard_scales, self._xp, lead.spec))
             self._buffers = [self._step_buffers(shard) for shard in self.shards[1:]]
             undo.pop_all()
 
@@ -203,8 +209,8 @@ class ShardedKVCache:
     num_kv_heads = property(lambda self: self.lead.num_kv_heads * len(self.shards))
     head_dim = property(lambda self: self.lead.head_dim)
     block_size = property(lambda self: self.lead.block_size)
-    dtype = property(lambda self: self.lead.dtype)
-    kv_dtype = property(lambda self: self.lead.kv_dtype)
+    dtype = property(lambda self: self.spec.dtype)
+    kv_dtype = property(lambda self: self.spec.kv_dtype)
     layout = property(lambda self: self.lead.layout)  # every shard's
 
     # --- sequences: the one allocator and set of tables (shard 0's) ---------------------------

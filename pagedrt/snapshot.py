@@ -21,15 +21,14 @@ from dataclasses import asdict
 import numpy as np
 
 from .errors import SnapshotError
-from .layout import PLACEMENTS, Layout
-from .supported import BLOCK_SIZES, HEAD_DIMS, KV_DTYPES
+from .layout import Layout
+from .supported import BLOCK_SIZES, HEAD_DIMS, KV_DTYPES, KV_ITEMSIZES, PLACEMENTS
 
 SNAPSHOT_SCHEMA, SNAPSHOT_VERSION = "pagedrt-snapshot", 1
 MAX_SNAPSHOT_BYTES = 16 << 20  # larger files are refused unread
 MAX_DEPTH = 16                 # JSON nesting levels; a snapshot uses 4
 ADDRESS_LIMIT = 1 << 64        # the pool's range must lie in a 64-bit address space
 MAX_INDEX = (1 << 31) - 1      # block ids, sequence handles and table shapes are int32
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1}
 BACKEND_NAMES = ("cuda", "host")
 
 
@@ -239,7 +238,7 @@ def _check_layout(snap):
     fields["dtype"] = _choice(_get(raw, "dtype", where), f"{where}.dtype", KV_DTYPES)
     fields["placement"] = _choice(_get(raw, "placement", where), f"{where}.placement", PLACEMENTS)
     fields["itemsize"] = _get(raw, "itemsize", where)
-    _equal(fields["itemsize"], ITEMSIZE[fields["dtype"]], f"{where}.itemsize", f"{fields['dtype']} elements")
+    _equal(fields["itemsize"], KV_ITEMSIZES[fields["dtype"]], f"{where}.itemsize", f"{fields['dtype']} elements")
     lay = Layout(**fields)
     if lay.pool_bytes >= ADDRESS_LIMIT:
         _fail(where, f"describes a {lay.pool_bytes}-byte range, more than a 64-bit address space")

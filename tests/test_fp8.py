@@ -163,7 +163,7 @@ def test_fp8_kernels_are_named_and_planned_with_the_bytes_of_fp16_in_flight():
     """To 8 heads (transposed, half the registers) an FP8 kernel takes fp16's tile and stages at half the bytes,
     so twice the thread blocks share an SM; to 16 heads its tile holds twice the tokens (two chunks a warp), past
     them it takes twice the stages: either way the shared memory of the fp16 kernel."""
-    cfg = configs.config("bfloat16", 64, 32, 8, kv_dtype=np.uint8)
+    cfg = configs.config("bfloat16", 64, 32, 8, kv_dtype=configs.FP8)
     assert cfg.fp8 and cfg.kv_itemsize == 1
     assert decode.kernel_name(cfg, True, "standard") == ("pagedrt::decode_fp8<__nv_bfloat16, 64, 32, 8, 128, 64, 3, "
                                                          "256, false>")
@@ -173,13 +173,13 @@ def test_fp8_kernels_are_named_and_planned_with_the_bytes_of_fp16_in_flight():
     for group in (1, 4, 8):
         for name in planner.GEOMETRIES:
             fp16 = planner.geometry(configs.config("bfloat16", 128, 32, group), name)
-            geo = planner.geometry(configs.config("bfloat16", 128, 32, group, kv_dtype=np.uint8), name)
+            geo = planner.geometry(configs.config("bfloat16", 128, 32, group, kv_dtype=configs.FP8), name)
             assert geo.mma and (geo.tile, geo.stages, geo.threads) == (fp16.tile, fp16.stages, fp16.threads)
             assert geo.smem_bytes - ids == (fp16.smem_bytes - ids) // 2, (group, name)
     for group, tile, stages in ((9, 2, 1), (16, 2, 1), (24, 1, 2), (64, 1, 2)):
         for name in planner.GEOMETRIES:
             fp16 = planner.geometry(configs.config("bfloat16", 128, 32, group), name)
-            geo = planner.geometry(configs.config("bfloat16", 128, 32, group, kv_dtype=np.uint8), name)
+            geo = planner.geometry(configs.config("bfloat16", 128, 32, group, kv_dtype=configs.FP8), name)
             assert geo.mma and (geo.tile, geo.stages) == (tile * fp16.tile, stages * fp16.stages), (group, name)
             assert geo.smem_bytes == fp16.smem_bytes
     names = decode.instances()["decode.cu"]

@@ -81,13 +81,13 @@ def run():
     import cupy
     base = configs.Config("float16", DIM, BLOCK, GROUP)
     capability = cupy.cuda.Device().compute_capability
-    fp8_cfg = configs.Config("float16", DIM, BLOCK, GROUP, "float8_e4m3") if capability >= "89" else None
+    fp8_cfg = configs.Config("float16", DIM, BLOCK, GROUP, configs.FP8) if capability >= "89" else None
     hopper = capability == prefill_sm90.SM90  # then both prefill kernels run
     for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
                  decode.instances([configs.Config(d, DIM, BLOCK, g) for d, g in WIDE], paged=(True,)),
                  prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
                  validate.instances(), *(() if fp8_cfg is None else (
-                     decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, "float8_e4m3")],
+                     decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, configs.FP8)],
                                       paged=(True,)), write.instances([fp8_cfg]),
                      prefill.instances([fp8_cfg], capability="80"),
                      decode.instances([fp8_cfg], paged=(True,), indexed=(True,))))):
@@ -214,7 +214,7 @@ def wide_groups(expect, rng, fp8):
     for i, nb in enumerate(used):
         table[i, :nb] = ids[sum(used[:i]):sum(used[:i]) + nb]
     d_table, d_lens = cupy.asarray(table), cupy.asarray(lens)
-    runs = [(dtype, group, None) for dtype, group in WIDE] + ([("float16", 40, "float8_e4m3")] if fp8 else [])
+    runs = [(dtype, group, None) for dtype, group in WIDE] + ([("float16", 40, configs.FP8)] if fp8 else [])
     for dtype, group, kv_dtype in runs:
         shape = (sum(used), KV_HEADS, BLOCK, DIM)
         if kv_dtype:

@@ -21,34 +21,28 @@ way into the same workspace layout.
 """
 
 import functools
-import itertools
-import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from .. import source
-from ..kernels.args import (NULL, aligned, array_module, c_contiguous, check, device_pointers, int_array,
-                            multiprocessors, plane, positive_int, ptr, RunArrays, check_scales, scale_keywords,
-                            scale_pointers, store)
+from ..kernels.args import (NULL, Array, array_module, c_contiguous, check, int_array, multiprocessors, plane,
+                            positive_int, ptr, RunArrays)
 from ..errors import UnsupportedConfigError
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_block_tables
+from ..spec import plane_kv_dtype
 from . import reference
 from . import prefill_sm90
+from .plan_base import (LOG2E, Plan, Workspace, check_block_mask, check_workspace, default_scale, table_args,
+                        table_width)
 from .planner import (GEOMETRIES, check_geometry, geometry, kernel_group, plan_splits, prefill_sm90_geometry,
                       split_residency, wide_group, wide_split, workspace_layout)
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
-LOG2E = 1.4426950408889634
-
-# A caller's workspace holds the partials of one plan at a time: each split plan lays it out anew (its
-# arrival counts fall where another plan's partials were). The plan that laid out each caller workspace
-# last, by the workspace's address, so that an earlier plan refuses to run over it.
-_layout_owner = {}
-_plan_ids = itertools.count()
 
 
 def kernel_name(cfg, paged, geometry_name, indexed=False):
@@ -128,7 +122,7 @@ class _Bound:
     launch: _Launch
     workspace: object
     stream: object  # the stream's pointer when split, else None (any stream)
-    claim: object   # (workspace address, plan id) on a caller's split workspace, else None
+    claim: object   # (Workspace, the plan's claim) on a caller's split workspace, else None
     keep: object = None
 
     def check(self):
@@ -138,19 +132,9 @@ class _Bound:
         check(self.stream is None or self.stream == cupy.cuda.get_current_stream().ptr,
               lambda: "the plan splits sequences, and its split workspace belongs to the stream it was made on: "
                       "run it on that stream, or make a plan per stream")
-        check(self.claim is None or _layout_owner.get(self.claim[0]) == self.claim[1],
+        check(self.claim is None or self.claim[0].holds(self.claim[1]),
               "a later plan was made on this plan's workspace and laid it out for itself: a workspace holds one "
               "plan at a time; run the latest plan, or give each live plan its own workspace")
-
-
-def check_workspace(workspace):
-    """A caller's workspace: a contiguous 1-D uint8 array (device arrays also 16-byte aligned)."""
-    if workspace is None:
-        return
-    check(workspace.dtype == np.uint8 and workspace.ndim == 1 and workspace.flags.c_contiguous,
-          lambda: f"workspace must be a contiguous 1-D uint8 array, got {workspace.dtype} {workspace.shape}")
-    if not isinstance(workspace, np.ndarray):
-        aligned("workspace", workspace)
 
 
 def _workspace_fits(workspace, batch, q_heads, head_dim, split):
@@ -183,8 +167,8 @@ def _split_parts(split, layout, workspace, rows):
         return workspace, (NULL, NULL, NULL), None, None
     claim = None
     if workspace is not None:
-        claim = (workspace.data.ptr, next(_plan_ids))
-        _layout_owner[claim[0]] = claim[1]
+        held = Workspace.of(workspace)
+        claim = (held, held.lay_out())
     workspace, parts = _bind_workspace(workspace, layout, rows)
     return workspace, parts, cupy.cuda.get_current_stream().ptr, claim
 
@@ -259,28 +243,28 @@ def rows_launch(cfg, q_heads, pk, block_tables, kv_lens, rows, tokens, scale, ma
     split = _device_split(cfg, n, q_heads, max_seq_len, None, mean_seq_len, None)
     layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
     pairs = cupy.asarray(np.stack([rows, tokens], axis=1).astype(np.int32))
-    table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4))
-    return _prepare(cfg, n, q_heads, True, pk.block_stride, table_args, int(block_tables.shape[1]), ptr(kv_lens),
-                    scale, split, layout, workspace, rows=pairs)
+    return _prepare(cfg, n, q_heads, True, pk.block_stride, table_args(block_tables), int(block_tables.shape[1]),
+                    ptr(kv_lens), scale, split, layout, workspace, rows=pairs)
 
 
 def _common(q, dtype, head_dim, kv_heads, block_size, out, scale, num_splits, capacity, max_seq_len, geometry_name,
             workspace):
     """Checks shared by both launchers (q already checked 3-D contiguous); returns (config, scale, max_seq_len).
-    ``dtype``: the planes'; uint8 planes hold FP8 (UnsupportedConfigError where FP8 is not supported)."""
+    ``dtype``: the planes', read by :func:`pagedrt.spec.plane_kv_dtype` (UnsupportedConfigError where its K/V
+    dtype is not supported)."""
     batch, q_heads, q_dim = (int(x) for x in q.shape)
-    fp8 = dtype == np.uint8
-    check(fp8 or q.dtype == dtype, lambda: f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
+    kv_dtype = plane_kv_dtype(dtype)  # FP8, or None: the planes hold q's dtype
+    check(kv_dtype is not None or q.dtype == dtype,
+          lambda: f"q is {q.dtype} but the K/V cache is {dtype}: they must match")
     check(q_dim == head_dim, lambda: f"q has head_dim {q_dim} but the K/V cache has {head_dim}")
     check(q_heads % kv_heads == 0, lambda: f"q has {q_heads} heads, not a multiple of the {kv_heads} KV heads")
-    cfg = config(q.dtype, head_dim, block_size, q_heads // kv_heads, kv_dtype=dtype if fp8 else None)
+    cfg = config(q.dtype, head_dim, block_size, q_heads // kv_heads, kv_dtype=kv_dtype)
     check(batch <= MAX_GRID_YZ, lambda: f"batch {batch} exceeds {MAX_GRID_YZ}: split the batch")
     if out is not None:
         c_contiguous("out", out, 3)
         check(out.shape == q.shape and out.dtype == q.dtype,
               lambda: f"out must be {q.dtype} of q's shape {q.shape}, got {out.dtype} {out.shape}")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
+    scale = default_scale(scale, head_dim)
     positive_int("num_splits", num_splits, MAX_GRID_YZ)
     max_seq_len = positive_int("max_seq_len", max_seq_len, capacity) or capacity
     check_geometry(geometry_name)
@@ -302,22 +286,18 @@ def _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry_name):
     return _device_split(cfg, q.shape[0], q.shape[1], max_seq_len, num_splits, mean_seq_len, geometry_name)
 
 
-class _Plan:
+class _Plan(Plan):
     """What a decode plan of either layout does once it is checked: bind the launch, then run per layer."""
 
     def _bind(self, xp, q, k, cfg, scale, max_seq_len, split, reference_run, paged, spans, prepare):
         """Keep what :meth:`run` checks against, and prepare the launch (device arrays of a batch: ``prepare()``
         returns the :class:`_Bound`)."""
         self._split, self._scale, self._max_seq_len = split, scale, max_seq_len
-        self._kv_heads = int(k.shape[-3]) if cfg.fp8 else None  # FP8: the length of the scales a run takes
-        self._arrays = RunArrays(type(q), q.shape, q.dtype, (k.shape, k.strides, k.dtype),
-                                 "K plane" if paged else "k", spans)
-        self._reference = reference_run
+        arrays = RunArrays(type(q), q.shape, q.dtype, (k.shape, k.strides, k.dtype), "K plane" if paged else "k",
+                           spans)
+        self._keep(arrays, int(k.shape[-3]) if cfg.fp8 else None, reference_run, None if xp is np else q.device.id)
         self._bound = None
-        if xp is np:
-            return
-        self._device = q.device.id
-        if q.shape[0]:
+        if xp is not np and q.shape[0]:
             self._bound = prepare()
 
     @property
@@ -325,23 +305,13 @@ class _Plan:
         """The :class:`~pagedrt.attention.planner.SplitPlan` this plan runs."""
         return self._split
 
-    def run(self, q, k_cache, v_cache, out=None, *, k_scale=None, v_scale=None):
-        """Attention of ``q`` over one layer's K and V; returns ``out``. FP8 planes need that layer's
-        ``k_scale`` and ``v_scale`` (float32 [kv_heads]); other planes take none."""
-        k, v = k_cache, v_cache
-        self._arrays.check(q, k, v, out)
-        check_scales(self._kv_heads, self._arrays.array_type, k_scale, v_scale)
-        if self._arrays.array_type is np.ndarray:
-            return store(self._reference(q, k, v, **scale_keywords(self._kv_heads, k_scale, v_scale)), out)
-        import cupy
+    def _check_launch(self):
         if self._bound is not None:
             self._bound.check()
-        out = cupy.empty_like(q) if out is None else out
-        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
-        scales = scale_pointers(self._device, self._kv_heads, k_scale, v_scale)
+
+    def _launch(self, pointers, scales):
         if self._bound is not None:
             self._bound.launch(*pointers, scales)
-        return out
 
 
 class DecodePlan(_Plan):
@@ -380,8 +350,10 @@ class DecodePlan(_Plan):
     Other arguments are those of :func:`paged_decode`.
     """
 
-    def __init__(self, q, k_cache, block_tables, seq_lens, scale=None, *, num_splits=None, max_seq_len=None,
-                 mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None, _v_cache=None):
+    def __init__(self, q: Array, k_cache: Array, block_tables: Array, seq_lens: Array, scale: Optional[float] = None,
+                 *, num_splits: Optional[int] = None, max_seq_len: Optional[int] = None,
+                 mean_seq_len: Optional[float] = None, block_mask: Optional[Array] = None, validate: bool = True,
+                 geometry: Optional[str] = None, workspace: Optional[Array] = None, _v_cache=None):
         # _v_cache: paged_decode's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
                           block_mask=block_mask, workspace=workspace)
@@ -389,22 +361,14 @@ class DecodePlan(_Plan):
         pk = plane("k_cache", k_cache)
         planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
         spans = Spans(planes, k_cache.strides[0], pk.block_elems * k_cache.itemsize)
-        int_array("block_tables", block_tables, np.int32, 2)
-        width = int(block_tables.shape[1])
+        width = table_width(block_tables)
         check(block_tables.shape[0] == q.shape[0],
               lambda: f"block_tables has {block_tables.shape[0]} rows but q has {q.shape[0]} sequences")
-        check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
-              lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
-                      "contiguous columns and rows at least a row apart")
         cfg, scale, max_seq_len = _common(q, k_cache.dtype, pk.head_dim, pk.num_kv_heads, pk.block_size, None,
                                           scale, num_splits, width * pk.block_size, max_seq_len, geometry,
                                           workspace)
         _lens(seq_lens, q.shape[0])
-        if block_mask is not None:
-            check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
-                  and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
-                  lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
-                          f"block), got {block_mask.dtype} {block_mask.shape}")
+        check_block_mask(block_mask, pk.num_blocks)
         wide = xp is not np and _wide(cfg, scale, geometry, q.device.id)
         if wide:
             split = wide_split(cfg, q.shape[0], pk.num_kv_heads, max_seq_len, multiprocessors(q.device.id),
@@ -421,7 +385,7 @@ class DecodePlan(_Plan):
                                         scale, split, layout, workspace)
         else:
             prepare = lambda: _prepare(cfg, q.shape[0], q.shape[1], True, pk.block_stride,  # noqa: E731
-                                       (ptr(block_tables), np.int64(block_tables.strides[0] // 4)), width,
+                                       table_args(block_tables), width,
                                        ptr(seq_lens), scale, split, layout, workspace)
         self._bind(xp, q, k_cache, cfg, scale, max_seq_len, split, reference_run, True, spans, prepare)
 
@@ -446,7 +410,7 @@ class ContiguousDecodePlan(_Plan):
         batch, width, kv_heads, block_size, head_dim = (int(x) for x in k.shape)
         spans = Spans((k,), 0, 0)  # only refuses a k in a closed pool: the baseline reads no block table
         check(q.shape[0] == batch, lambda: f"k holds {batch} sequences but q has {q.shape[0]}")
-        if k.dtype == np.uint8:
+        if plane_kv_dtype(k.dtype) is not None:
             raise UnsupportedConfigError("FP8 (float8_e4m3) K/V runs on the paged kernel only: the contiguous "
                                          "baseline takes float16, bfloat16 or float32")
         cfg, scale, max_seq_len = _common(q, k.dtype, head_dim, kv_heads, block_size, None, scale, num_splits,
@@ -473,25 +437,47 @@ def _contiguous_reference(q, k, v, *, seq_lens, scale, num_splits, max_seq_len):
     return reference.contiguous_decode(q, k, v, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len)
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None, num_splits=None,
-                 max_seq_len=None, mean_seq_len=None, block_mask=None, validate=True, geometry=None, workspace=None,
-                 k_scale=None, v_scale=None):
+def paged_decode(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, seq_lens: Array,
+                 scale: Optional[float] = None, *, out: Optional[Array] = None, num_splits: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, mean_seq_len: Optional[float] = None,
+                 block_mask: Optional[Array] = None, validate: bool = True, geometry: Optional[str] = None,
+                 workspace: Optional[Array] = None, k_scale: Optional[Array] = None,
+                 v_scale: Optional[Array] = None) -> Array:
     """Attention of one query token per sequence over its paged K/V; returns ``out``.
 
-    q: [batch, q_heads, head_dim]; k_cache, v_cache: planes [num_blocks, kv_heads,
-    block_size, head_dim] (any block stride); block_tables: int32 [batch, width]
-    (row stride may exceed width); seq_lens: int32 [batch]. Query head h uses KV head
-    h // (q_heads // kv_heads). ``max_seq_len`` (default width * block_size) and
-    ``mean_seq_len`` (host-side figures of the lengths, if the caller has them, as
-    the cache does) size the split plan (and so the geometry) only.
-    ``validate`` checks lengths and every used block id (against ``block_mask`` too,
-    when given, and, for planes that lie in a pool, that the block's memory is mapped
-    now) on the device first, at the cost of one small launch and a 16-byte
-    device-to-host read; NumPy inputs are always checked (``BlockTableError``). Planes
-    in a closed pool raise ``PoolClosedError``, whatever ``validate`` says. ``geometry`` and ``workspace`` as for
-    :class:`DecodePlan`. For many layers over the same tables, make one
-    :class:`DecodePlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits) need ``k_scale`` and
-    ``v_scale``, float32 [kv_heads]: a stored value b means e4m3(b) * scale; q and out are float16 or bfloat16.
+    Query head h uses KV head h // (q_heads // kv_heads). Planes in a closed pool raise ``PoolClosedError``,
+    whatever ``validate`` says. For many layers over the same tables, make one :class:`DecodePlan` and run it
+    per layer.
+
+    Parameters
+    ----------
+    q : array [batch, q_heads, head_dim]
+        C-contiguous; float16 or bfloat16 over FP8 planes, else the planes' dtype.
+    k_cache, v_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        One layer's planes (any block stride). uint8 planes hold float8 e4m3 bits
+        (:func:`pagedrt.spec.plane_kv_dtype`): a stored value b means e4m3(b) * scale.
+    block_tables : array, int32 [batch, width]
+        Row stride may exceed width.
+    seq_lens : array, int32 [batch]
+    scale : float, optional
+        Default 1 / sqrt(head_dim).
+    out : array [batch, q_heads, head_dim], optional
+        Allocated when None.
+    num_splits : int, optional
+        Force the split count (default: the split plan's).
+    max_seq_len, mean_seq_len : optional
+        Host-side figures of the lengths, if the caller has them (as the cache does): they size the split plan
+        (and so the geometry) only. ``max_seq_len`` defaults to width * block_size.
+    block_mask : array, bool or uint8 [num_blocks], optional
+        Blocks a table may name (checked with ``validate``).
+    validate : bool
+        Check lengths and every used block id (against ``block_mask`` too, and, for planes that lie in a pool,
+        that the block's memory is mapped now) on the device first, at the cost of one small launch and a
+        16-byte device-to-host read; NumPy inputs are always checked (``BlockTableError``).
+    geometry, workspace : optional
+        As for :class:`DecodePlan`.
+    k_scale, v_scale : array, float32 [kv_heads], optional
+        FP8 planes only, and needed there: the layer's scales.
     """
     plan = DecodePlan(q, k_cache, block_tables, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                       mean_seq_len=mean_seq_len, block_mask=block_mask, validate=validate, geometry=geometry,

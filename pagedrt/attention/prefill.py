@@ -29,29 +29,30 @@ A mixed step's decode rows (one query token each:
 sends them (through :func:`pagedrt.attention.decode.rows_launch`): the decode kernel
 (``cuda_src/decode.cu``), which streams their K/V at memory speed, or for a wide group on
 compute capability 9.0 the sm_90a kernel, an item a row, split; the prefill kernel takes the other rows. With both,
-a run launches the decode rows on a side stream beside the prompt rows on the current
+a run launches the decode rows on a side stream of the plan's own beside the prompt rows on the current
 one (an event each way, so a CUDA graph captures both).
 """
 
 import functools
-import math
+from typing import Optional
 
 import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, plane,
-                            ptr, RunArrays, scale_keywords, scale_pointers, store)
+from ..kernels.args import Array, array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
+from ..spec import plane_kv_dtype
 from ..supported import check as check_supported
 from . import decode, prefill_sm90, reference
+from .plan_base import (LOG2E, Plan, check_block_mask, check_workspace, default_scale, table_args,
+                        table_width)
 from .planner import (PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items,
                       prefill_sm90_geometry)
 from .prefill_sm90 import Launch
 
 FILE = "prefill.cu"
-LOG2E = 1.4426950408889634
 MAX_GRID_Y = 65535  # KV heads are grid dimension y
 
 
@@ -100,20 +101,62 @@ def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device
     if sm90:
         return prefill_sm90.launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device)
     geo = prefill_geometry(cfg)
-    middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
-              np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
-              np.float32(scale * LOG2E))
+    middle = (np.int64(pk.block_stride), *table_args(block_tables), np.int32(block_tables.shape[1]), ptr(kv_lens),
+              ptr(items), np.int32(cfg.group), np.int32(bool(causal)), np.float32(scale * LOG2E))
     return Launch(_kernel(cfg, device), (items.shape[0], pk.num_kv_heads), (geo.threads,), geo.smem_bytes, middle)
 
 
-_side_streams = {}  # device id -> the stream a mixed step's decode rows run on beside its prompt rows
+class _Fork:
+    """A mixed step's two launches side by side: the decode rows on this object's own side stream, beside the
+    prompt rows on the current stream, an event each way (so a CUDA graph captures both)."""
+
+    def __init__(self):
+        import cupy
+        self._fork, self._join = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+        self._side = cupy.cuda.Stream(non_blocking=True)
+
+    def __call__(self, side_launch, main_launch):
+        """Run ``side_launch()`` on the side stream and ``main_launch()`` on the current one; the current stream
+        goes on once both are done."""
+        import cupy
+        main = cupy.cuda.get_current_stream()
+        self._fork.record(main)
+        self._side.wait_event(self._fork)
+        with self._side:
+            side_launch()
+        self._join.record(self._side)
+        main_launch()
+        main.wait_event(self._join)
 
 
-def _side_stream(device):
-    import cupy
-    if device not in _side_streams:
-        _side_streams[device] = cupy.cuda.Stream(non_blocking=True)
-    return _side_streams[device]
+def _check_step(q, k_cache, block_tables, kv_lens, qo_indptr, block_mask, scale, workspace):
+    """The checks of a prefill step's arguments, before anything is read back; returns (config, K plane, table
+    width, scale)."""
+    c_contiguous("q", q, 3)
+    pk = plane("k_cache", k_cache)
+    q_heads, head_dim = int(q.shape[1]), int(q.shape[2])
+    kv_dtype = plane_kv_dtype(k_cache.dtype)  # FP8, or None: the planes hold q's dtype
+    check(kv_dtype is not None or q.dtype == k_cache.dtype,
+          lambda: f"q is {q.dtype} but the K/V cache is {k_cache.dtype}: they must match")
+    check(head_dim == pk.head_dim, lambda: f"q has head_dim {head_dim} but the K/V cache has {pk.head_dim}")
+    check(q_heads % pk.num_kv_heads == 0,
+          lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
+    check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
+    cfg = supported(config(q.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads, kv_dtype=kv_dtype))
+    width = table_width(block_tables)
+    batch = int(block_tables.shape[0])
+    int_array("kv_lens", kv_lens, np.int32, 1)
+    check(kv_lens.shape[0] == batch and kv_lens.flags.c_contiguous,
+          lambda: f"kv_lens must be contiguous with one length per block-table row ({batch}), got shape "
+                  f"{kv_lens.shape}")
+    int_array("qo_indptr", qo_indptr, np.int32, 1)
+    check(qo_indptr.shape[0] == batch + 1 and qo_indptr.flags.c_contiguous,
+          lambda: f"qo_indptr must be contiguous with {batch + 1} offsets (one per block-table row, then the "
+                  f"end), got shape {qo_indptr.shape}")
+    check_block_mask(block_mask, pk.num_blocks)
+    scale = default_scale(scale, head_dim)
+    check_workspace(workspace)
+    return cfg, pk, width, scale
 
 
 def _host_offsets(qo_indptr, query_lens, batch, num_tokens, validate):
@@ -164,7 +207,7 @@ def _check_lengths(kv_lens, query_counts, width, block_size):
         raise err
 
 
-class PrefillPlan:
+class PrefillPlan(Plan):
     """One prefill step's attention, planned once and run for every layer (a plan/run split).
 
     ``PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, ...)`` does the per-step
@@ -218,46 +261,17 @@ class PrefillPlan:
     the layer's ``k_scale`` and ``v_scale``.
     """
 
-    def __init__(self, q, k_cache, block_tables, kv_lens, qo_indptr, *, query_lens=None, causal=True, scale=None,
-                 block_mask=None, validate=True, workspace=None, _v_cache=None):
+    def __init__(self, q: Array, k_cache: Array, block_tables: Array, kv_lens: Array, qo_indptr: Array, *,
+                 query_lens: Optional[np.ndarray] = None, causal: bool = True, scale: Optional[float] = None,
+                 block_mask: Optional[Array] = None, validate: bool = True, workspace: Optional[Array] = None,
+                 _v_cache=None):
         # _v_cache: paged_prefill's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, kv_lens=kv_lens, qo_indptr=qo_indptr,
                           block_mask=block_mask, workspace=workspace)
-        c_contiguous("q", q, 3)
-        pk = plane("k_cache", k_cache)
-        num_tokens, q_heads, head_dim = (int(x) for x in q.shape)
-        fp8 = k_cache.dtype == np.uint8  # FP8 planes: float8 e4m3 bits
-        check(fp8 or q.dtype == k_cache.dtype,
-              lambda: f"q is {q.dtype} but the K/V cache is {k_cache.dtype}: they must match")
-        check(head_dim == pk.head_dim, lambda: f"q has head_dim {head_dim} but the K/V cache has {pk.head_dim}")
-        check(q_heads % pk.num_kv_heads == 0,
-              lambda: f"q has {q_heads} heads, not a multiple of the {pk.num_kv_heads} KV heads")
-        check(pk.num_kv_heads <= MAX_GRID_Y, lambda: f"{pk.num_kv_heads} KV heads exceed {MAX_GRID_Y}")
-        cfg = supported(config(q.dtype, pk.head_dim, pk.block_size, q_heads // pk.num_kv_heads,
-                               kv_dtype=k_cache.dtype if fp8 else None))
-        int_array("block_tables", block_tables, np.int32, 2)
-        batch, width = (int(x) for x in block_tables.shape)
-        check(width >= 1 and block_tables.strides[1] == 4 and block_tables.strides[0] >= 4 * width,
-              lambda: f"block_tables (shape {block_tables.shape}, strides {block_tables.strides}) must have "
-                      "contiguous columns and rows at least a row apart")
-        int_array("kv_lens", kv_lens, np.int32, 1)
-        check(kv_lens.shape[0] == batch and kv_lens.flags.c_contiguous,
-              lambda: f"kv_lens must be contiguous with one length per block-table row ({batch}), got shape "
-                      f"{kv_lens.shape}")
-        int_array("qo_indptr", qo_indptr, np.int32, 1)
-        check(qo_indptr.shape[0] == batch + 1 and qo_indptr.flags.c_contiguous,
-              lambda: f"qo_indptr must be contiguous with {batch + 1} offsets (one per block-table row, then the "
-                      f"end), got shape {qo_indptr.shape}")
-        if block_mask is not None:
-            check(block_mask.ndim == 1 and block_mask.shape[0] == pk.num_blocks and block_mask.itemsize == 1
-                  and block_mask.flags.c_contiguous and block_mask.dtype.kind in "bu",
-                  lambda: f"block_mask must be a contiguous bool/uint8 array of {pk.num_blocks} entries (one per "
-                          f"block), got {block_mask.dtype} {block_mask.shape}")
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
-        decode.check_workspace(workspace)
+        cfg, pk, width, scale = _check_step(q, k_cache, block_tables, kv_lens, qo_indptr, block_mask, scale,
+                                            workspace)
         validate = validate or xp is np
-        offsets = _host_offsets(qo_indptr, query_lens, batch, num_tokens, validate)
+        offsets = _host_offsets(qo_indptr, query_lens, block_tables.shape[0], q.shape[0], validate)
         counts = np.diff(offsets)
         planes = (k_cache, _v_cache) if type(_v_cache) is type(k_cache) else (k_cache,)
         spans = Spans(planes, k_cache.strides[0], pk.block_elems * k_cache.itemsize)
@@ -267,33 +281,43 @@ class PrefillPlan:
             _check_lengths(lens, counts, width, pk.block_size)
             check_block_tables(block_tables, kv_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
         self._decode_rows = decode_rows(counts)
-        self._kv_heads = pk.num_kv_heads if fp8 else None  # FP8: the length of the scales a run takes
-        self._arrays = RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype),
-                                 "K plane", spans)
-        self._reference = functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens,
-                                            qo_indptr=offsets, scale=scale, causal=causal)
-        self._prefill = self._decode = self._forked = self.kernel = None
+        self._keep(RunArrays(type(q), q.shape, q.dtype, (k_cache.shape, k_cache.strides, k_cache.dtype), "K plane",
+                             spans),
+                   pk.num_kv_heads if cfg.fp8 else None,
+                   functools.partial(reference.prefill, block_tables=block_tables, kv_lens=kv_lens, qo_indptr=offsets,
+                                     scale=scale, causal=causal),
+                   None if xp is np else q.device.id)
+        self._prefill = self._decode = self._fork = self.kernel = None
         if xp is np:
             return
-        import cupy
-        self._device = q.device.id
+        if self._decode_rows.size:
+            self._decode = self._split_decode_rows(cfg, q.shape[1], pk, block_tables, kv_lens, offsets, lens, scale,
+                                                   workspace)
+        self._choose_prefill(cfg, pk, block_tables, kv_lens, counts, causal, scale)
+        if self._prefill is not None and self._decode is not None:
+            self._fork = _Fork()
+
+    def _split_decode_rows(self, cfg, q_heads, pk, block_tables, kv_lens, offsets, lens, scale, workspace):
+        """The decode rows' launch (:func:`pagedrt.attention.decode.rows_launch`), split by the rows' longest and
+        mean length when they were read (``lens``), else by the table's width."""
         rows = self._decode_rows
-        if rows.size:  # the split plan sized by the rows' lengths when they were read, else by the table's width
-            longest, mean = width * pk.block_size, None
-            if validate:
-                longest, mean = int(lens[rows].max()), float(lens[rows].mean())
-            self._decode = decode.rows_launch(cfg, q_heads, pk, block_tables, kv_lens, rows,
-                                              offsets[rows], scale, longest, mean, workspace)
-        sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not fp8  # a positive scale, fp16/bf16 planes
+        longest, mean = int(block_tables.shape[1]) * pk.block_size, None
+        if lens is not None:
+            longest, mean = int(lens[rows].max()), float(lens[rows].mean())
+        return decode.rows_launch(cfg, q_heads, pk, block_tables, kv_lens, rows, offsets[rows], scale, longest, mean,
+                                  workspace)
+
+    def _choose_prefill(self, cfg, pk, block_tables, kv_lens, counts, causal, scale):
+        """The prefill kernel and its work items for the rows that are not decode rows: the sm_90a kernel on
+        compute capability 9.0 for a positive scale over fp16/bf16 planes, else the mma.sync kernel."""
+        import cupy
+        sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not cfg.fp8
         tile_m = (prefill_sm90_geometry if sm90 else prefill_geometry)(cfg).tile_m
-        self._items = cupy.asarray(prefill_items(counts, cfg.group, tile_m, skip=rows))
+        self._items = cupy.asarray(prefill_items(counts, cfg.group, tile_m, skip=self._decode_rows))
         if self._items.shape[0]:
             self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device,
                                             sm90)
             self.kernel = (prefill_sm90.kernel_name if sm90 else kernel_name)(cfg)
-        if self._prefill is not None and self._decode is not None:
-            self._forked = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True),
-                            _side_stream(self._device))
 
     @property
     def decode_rows(self):
@@ -301,45 +325,47 @@ class PrefillPlan:
         others (:func:`~pagedrt.attention.planner.decode_rows`)."""
         return self._decode_rows
 
-    def run(self, q, k_cache, v_cache, out=None, *, k_scale=None, v_scale=None):
-        """Prefill attention of ``q`` over one layer's K and V; returns ``out``. FP8 planes need that layer's
-        ``k_scale`` and ``v_scale`` (float32 [kv_heads]); other planes take none."""
-        k, v = k_cache, v_cache
-        self._arrays.check(q, k, v, out)
-        check_scales(self._kv_heads, self._arrays.array_type, k_scale, v_scale)
-        if self._arrays.array_type is np.ndarray:
-            return store(self._reference(q, k, v, **scale_keywords(self._kv_heads, k_scale, v_scale)), out)
-        import cupy
+    def _check_launch(self):
         if self._decode is not None:
             self._decode.check()
-        out = cupy.empty_like(q) if out is None else out
-        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache", "out"), (q, k, v, out))
-        scales = scale_pointers(self._device, self._kv_heads, k_scale, v_scale)
-        if self._forked is not None:  # the decode rows on the side stream, beside the prompt rows
-            fork, join, side = self._forked
-            main = cupy.cuda.get_current_stream()
-            fork.record(main)
-            side.wait_event(fork)
-            with side:
-                self._decode.launch(*pointers, scales)
-            join.record(side)
-            self._prefill(*pointers, scales)
-            main.wait_event(join)
+
+    def _launch(self, pointers, scales):
+        if self._fork is not None:  # the decode rows on the side stream, beside the prompt rows
+            self._fork(lambda: self._decode.launch(*pointers, scales), lambda: self._prefill(*pointers, scales))
         elif self._prefill is not None:
             self._prefill(*pointers, scales)
         elif self._decode is not None:
             self._decode.launch(*pointers, scales)
-        return out
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, *, out=None, query_lens=None, causal=True,
-                  scale=None, block_mask=None, validate=True, workspace=None, k_scale=None, v_scale=None):
+def paged_prefill(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, kv_lens: Array, qo_indptr: Array,
+                  *, out: Optional[Array] = None, query_lens: Optional[np.ndarray] = None, causal: bool = True,
+                  scale: Optional[float] = None, block_mask: Optional[Array] = None, validate: bool = True,
+                  workspace: Optional[Array] = None, k_scale: Optional[Array] = None,
+                  v_scale: Optional[Array] = None) -> Array:
     """Attention of each sequence's query rows over its paged K/V; returns ``out``.
 
-    Arguments as for :class:`PrefillPlan`, which this makes and runs once; ``validate``
-    checks the V plane too. For many layers over the same step, make one
-    :class:`PrefillPlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits) need ``k_scale`` and
-    ``v_scale``, float32 [kv_heads], as :func:`~pagedrt.attention.paged_decode` does.
+    Makes a :class:`PrefillPlan` and runs it once; ``validate`` checks the V plane too. For many layers over the
+    same step, make one :class:`PrefillPlan` and run it per layer.
+
+    Parameters
+    ----------
+    q : array [num_tokens, q_heads, head_dim]
+        C-contiguous; float16 or bfloat16 over FP8 planes, else the planes' dtype.
+    k_cache, v_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        One layer's planes (any block stride); uint8 planes hold float8 e4m3 bits
+        (:func:`pagedrt.spec.plane_kv_dtype`).
+    block_tables : array, int32 [batch, width]
+    kv_lens : array, int32 [batch]
+        Each sequence's keys after the step (cached and new).
+    qo_indptr : array, int32 [batch + 1]
+        Sequence b's queries are rows ``qo_indptr[b]:qo_indptr[b + 1]`` of q.
+    out : array [num_tokens, q_heads, head_dim], optional
+        Allocated when None.
+    query_lens, causal, scale, block_mask, validate, workspace
+        As for :class:`PrefillPlan`.
+    k_scale, v_scale : array, float32 [kv_heads], optional
+        FP8 planes only, and needed there: the layer's scales, as for :func:`~pagedrt.attention.paged_decode`.
     """
     plan = PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, query_lens=query_lens, causal=causal,
                        scale=scale, block_mask=block_mask, validate=validate, workspace=workspace,

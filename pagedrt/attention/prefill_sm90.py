@@ -15,11 +15,11 @@ import numpy as np
 
 from .. import source
 from ..kernels.args import NULL, check, multiprocessors, ptr
+from .plan_base import LOG2E
 from .planner import prefill_sm90_geometry
 
 FILE = "prefill_sm90.cu"  # source.ARCHES compiles it for sm_90a
 SM90 = "90"  # CuPy's compute_capability of the devices that run it
-LOG2E = 1.4426950408889634
 ALL_TILES = np.iinfo(np.int32).max  # an unsplit launch's segment: every key tile
 MAX_UNITS = np.iinfo(np.int32).max  # (item, KV head, segment) units the kernel counts in int
 

@@ -41,6 +41,8 @@ import contextlib
 import numpy as np
 
 from .. import Pool
+from ..spec import numpy_dtype
+from ..supported import FP8
 from . import harness, partition
 from .cases import BENCH_DECODE_CASES, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
 from .layers import fill_random_e4m3
@@ -61,13 +63,6 @@ COLUMNS = (
     harness.Column("pct_size_stream", "%size", "{:.1f}", 6),
     harness.Column("note", "note", width=0, left=True),
 )
-
-
-def np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def random_bits(cp, shape, dtype):
@@ -96,7 +91,7 @@ def resident(dt, block):
 
 def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order, memory, block):
     from .. import attention
-    dt = np_dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)
     lens = np.asarray(case.lengths, np.int32)
     table, num_blocks = scattered_table(lens, block, shuffle=order == "random")
     width = table.shape[1]
@@ -188,7 +183,7 @@ FP8_COLUMNS = (
 def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
     """One case over FP8 (float8 e4m3) planes: the plan's run timed, bandwidth in FP8 bytes."""
     from .. import attention
-    dt = np_dtype(case.dtype)
+    dt = numpy_dtype(case.dtype)
     lens = np.asarray(case.lengths, np.int32)
     table, num_blocks = scattered_table(lens, block, shuffle=True)
     shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
@@ -210,7 +205,7 @@ def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
     note = "fits in L2: measures the cache" if kv_bytes <= l2_bytes else ""
     split = plan.split
     return {
-        "case": case.name, "dtype": case.dtype, "kv_dtype": "float8_e4m3", "batch": case.batch,
+        "case": case.name, "dtype": case.dtype, "kv_dtype": FP8, "batch": case.batch,
         "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20, "us": paged_us, "tb_s": bw / 1e12,
         "pct_copy": 100 * bw / bandwidth["copy"], "pct_stream": 100 * bw / bandwidth["stream"],
         "size_stream_us": size_us, "pct_size_stream": 100 * size_us / paged_us, "num_splits": split.num_splits,
@@ -222,7 +217,7 @@ def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
 def table(rows):
     """The results table, and the forced-split sweep under it when one was asked for."""
     first = rows[0]
-    if first.get("kv_dtype") == "float8_e4m3":
+    if first.get("kv_dtype") == FP8:
         return "\n".join([f"K/V float8_e4m3 (TB/s in FP8 bytes); pool chunks of {first['chunk_mib']} MiB; block size "
                           f"{first['block_size']}; strm us: the streaming kernel over the case's own FP8 planes",
                           harness.format_table(FP8_COLUMNS, rows)])
@@ -256,7 +251,7 @@ def parser():
                     help="block ids: a seeded random permutation (standard) or consecutive per sequence, to "
                          "separate the cost of scattered blocks from that of reading the table")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (the standard cases use 16)")
-    ap.add_argument("--kv-dtype", choices=("same", "float8_e4m3"), default="same",
+    ap.add_argument("--kv-dtype", choices=("same", FP8), default="same",
                     help="what the planes hold: the case's dtype (standard), or float8 e4m3 (FP8 K/V)")
     ap.add_argument("--memory", choices=("pool", "cudamalloc"), default="pool",
                     help="where the paged and contiguous K/V live: a pagedrt Pool (standard) or cudaMalloc memory")
@@ -278,7 +273,7 @@ def main(argv=None):
     print(harness.header(info, bandwidth))
     rows = []
     for name in names:
-        if args.kv_dtype == "float8_e4m3":
+        if args.kv_dtype == FP8:
             row = run_fp8_case(cp, timer, BENCH_DECODE_CASES[name], args.repeats, bandwidth, info["l2_bytes"],
                                args.chunk_mib << 20, args.block_size)
             rows.append(row)

@@ -23,6 +23,7 @@ decode rows and no parts.
 
 import numpy as np
 
+from ..supported import FP8
 from . import harness
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -121,7 +122,7 @@ def parser():
     ap = harness.parser("pagedrt.bench.prefill", __doc__)
     ap.add_argument("--cases", default=",".join(cases()), help="comma-separated case names")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    ap.add_argument("--kv-dtype", choices=("same", "float8_e4m3"), default="same",
+    ap.add_argument("--kv-dtype", choices=("same", FP8), default="same",
                     help="what the planes hold: fp16 (standard), or float8 e4m3 (FP8 K/V)")
     return ap
 
@@ -136,7 +137,7 @@ def main(argv=None):
     rows = []
     for name in args.cases.split(","):
         prefix, new = table[name]
-        fp8 = args.kv_dtype == "float8_e4m3"
+        fp8 = args.kv_dtype == FP8
         paged, contiguous, same, arrays = run_case(cp, timer, prefix, new, args.repeats, fp8)
         flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix, new)
         rows.append({"case": name, "tokens": int(sum(new)), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,

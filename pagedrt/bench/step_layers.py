@@ -31,6 +31,7 @@ the write quantises the new fp16 tokens, the attention reads FP8, and the bytes 
 import numpy as np
 
 from .. import PagedKVCache
+from ..supported import FP8
 from . import harness
 from .cases import BENCH_DECODE_CASES, BLOCK_SIZE, HEAD_DIM, KV_HEADS, Q_HEADS, scattered_table
 from .layers import LAYERS, fill_random, fill_random_e4m3
@@ -148,7 +149,7 @@ def run(cp, timer, case, repeats, stream_bw, kv_dtype=None):
 def parser():
     ap = harness.parser("pagedrt.bench.step_layers", __doc__)
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    ap.add_argument("--kv-dtype", choices=("same", "float8_e4m3"), default="same",
+    ap.add_argument("--kv-dtype", choices=("same", FP8), default="same",
                     help="K/V in the cases' dtype (fp16) or as float8 e4m3")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per single-launch measurement (steps: "
                                                             "half as many, at least 10)")

@@ -10,7 +10,7 @@ row has one new token, else ``attention.PrefillPlan``: prompts, prompt chunks af
 cached tokens, mixed batches), the output projection, then RMSNorm and SwiGLU (one
 GEMM for gate and up). The residual stream is float32; weights and activations are the
 cache's dtype on a GPU, float32 on the host (where q, k and v are cast to the cache's
-dtype for the attention references). Over an FP8 cache (``kv_dtype="float8_e4m3"``) the
+dtype for the attention references). Over an FP8 cache (``cache.spec.is_fp8``) the
 write quantises and the attention dequantises with the layer's scales
 (``cache.k_scale(layer)``, ``cache.v_scale(layer)``); q, k and v stay in the model's dtype.
 
@@ -45,8 +45,9 @@ class LlamaModel:
                 f"the model has {c.num_layers} of {c.kv_heads} x {c.head_dim}")
         self.cache, self.xp = cache, cache.xp
         host = self.xp is np
-        self.kv_dtype = cache.dtype
-        self.act_dtype = np.dtype(np.float32) if host else cache.dtype
+        spec = cache.spec  # what the cache holds: q, k, v in spec.dtype; the planes in spec.kv_dtype
+        self.qkv_dtype = spec.dtype  # q, k, v and the attention output: what the write and attention take
+        self.act_dtype = np.dtype(np.float32) if host else spec.dtype  # the activations' (weights' too)
         w = model.weights
         put = lambda a, dtype: self.xp.asarray(np.ascontiguousarray(a, dtype))  # noqa: E731
         act, f32 = self.act_dtype, np.float32
@@ -97,7 +98,7 @@ class LlamaModel:
 
     def buffers(self, n, batch):
         """Every activation of a step of ``n`` tokens in ``batch`` rows."""
-        c, xp, act, kv = self.config, self.xp, self.act_dtype, self.kv_dtype
+        c, xp, act, kv = self.config, self.xp, self.act_dtype, self.qkv_dtype
         d = c.head_dim
         shapes = {"residual": ((n, c.hidden), np.float32), "h": ((n, c.hidden), act),
                   "qkv": ((n, (c.q_heads + 2 * c.kv_heads) * d), act), "q": ((n, c.q_heads, d), kv),
@@ -131,8 +132,8 @@ class LlamaModel:
         delta = None
         for layer, w in enumerate(self.layers):
             k, v = cache.k(layer), cache.v(layer)
-            scales = {} if cache.k_scale(layer) is None else {"k_scale": cache.k_scale(layer),
-                                                              "v_scale": cache.v_scale(layer)}
+            scales = ({"k_scale": cache.k_scale(layer), "v_scale": cache.v_scale(layer)} if cache.spec.is_fp8
+                      else {})
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
             yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
             yield "rope", partial(ops.rope_split, b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens,

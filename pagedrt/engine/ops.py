@@ -25,7 +25,7 @@ from .. import source
 from ..errors import CudaError
 from ..kernels.args import NULL, ptr
 from ..kernels.configs import CUDA_TYPES
-from ..supported import dtype_name
+from ..spec import dtype_name
 
 FILE = "engine.cu"
 THREADS = 256

@@ -7,10 +7,13 @@ device import cupy lazily, so the NumPy path works without it.
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import LaunchArgumentError
+
+Array = Any  # a numpy.ndarray (the host backend: the NumPy reference runs) or a cupy.ndarray (cupy imported lazily)
 
 
 def array_module(**arrays):

@@ -8,11 +8,10 @@ dtype x head_dim (registers and shared memory grow with the group). The CI compi
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
-from ..errors import UnsupportedConfigError
-
-from ..supported import (BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, GROUPS, HEAD_DIMS, check, check_fp8,
-                         dtype_name, kv_dtype_name)
+from ..spec import DTypeLike, dtype_name, kv_dtype_of
+from ..supported import BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, GROUPS, HEAD_DIMS, check
 
 CUDA_TYPES = dict(zip(DTYPES, ("__half", "__nv_bfloat16", "float")))
 
@@ -51,18 +50,24 @@ SWEEP_GROUPS = tuple(range(1, 9)) + (12, 13, 16, 24, 40, 64)
 
 
 @functools.lru_cache(maxsize=None)
-def config(dtype, head_dim, block_size, group, kv_dtype=None):
-    """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value. ``kv_dtype``: what the
-    planes hold (a storage dtype or name, uint8 meaning FP8; None: ``dtype``)."""
+def config(dtype: DTypeLike, head_dim: int, block_size: int, group: int, kv_dtype: Optional[str] = None) -> Config:
+    """A checked :class:`Config`; raises UnsupportedConfigError naming the bad value.
+
+    Parameters
+    ----------
+    dtype : str, numpy.dtype or type
+        q's and the output's (:func:`pagedrt.spec.dtype_name`).
+    head_dim, block_size, group : int
+        From the tables of :mod:`pagedrt.supported`; ``group``: query heads per KV head.
+    kv_dtype : str, optional
+        What the planes hold, a canonical name (a cache's ``spec.kv_dtype``, or
+        :func:`pagedrt.spec.plane_kv_dtype` of a plane); None: ``dtype``.
+    """
     name = dtype_name(dtype)
     check("head_dim", head_dim, HEAD_DIMS)
     check("block_size", block_size, BLOCK_SIZES)
     check("group (query heads per KV head)", group, GROUPS)
-    kv = None if kv_dtype is None else kv_dtype_name(kv_dtype)
-    if kv == FP8:
-        check_fp8(name, head_dim)
-    elif kv is not None and kv != name:
-        raise UnsupportedConfigError(f"K/V of {kv} with q of {name}: q and K/V must match, or K/V be {FP8}")
+    kv = kv_dtype_of(kv_dtype, name, head_dim)
     return Config(name, head_dim, block_size, group, None if kv == name else kv)
 
 

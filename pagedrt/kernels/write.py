@@ -4,10 +4,14 @@ Into FP8 planes (uint8, float8 e4m3 bits) the values are quantised on the way, e
 head's scale (:mod:`pagedrt.fp8` defines the rounding, the saturation and what a NaN becomes).
 """
 
+from typing import Optional
+
 import numpy as np
 
 from .. import fp8, source
-from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
+from ..spec import plane_kv_dtype
+from ..supported import FP8_DTYPES
+from .args import (Array, array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
                    plane, ptr, same_layout, scale_pointers)
 from .configs import config, fp8_sweep, sweep
 from .launch import launch
@@ -43,16 +47,16 @@ class WritePlan:
     (``PoolClosedError``).
     """
 
-    def __init__(self, k, k_cache, slot_mapping, *, validate=True, _v_cache=None):
+    def __init__(self, k: Array, k_cache: Array, slot_mapping: Array, *, validate: bool = True, _v_cache=None):
         # _v_cache: write_kv's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
         pk = plane("k_cache", k_cache)
         c_contiguous("k", k, 3)
-        fp8_planes = k_cache.dtype == np.uint8
-        check((fp8_planes or k.dtype == k_cache.dtype) and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
-              lambda: f"k must be {'float16 or bfloat16' if fp8_planes else k_cache.dtype} [num_tokens, "
+        kv_dtype = plane_kv_dtype(k_cache.dtype)  # FP8, or None: the planes hold k's dtype
+        check((kv_dtype is not None or k.dtype == k_cache.dtype) and k.shape[1:] == (pk.num_kv_heads, pk.head_dim),
+              lambda: f"k must be {' or '.join(FP8_DTYPES) if kv_dtype else k_cache.dtype} [num_tokens, "
                       f"{pk.num_kv_heads}, {pk.head_dim}] to match the cache, got {k.dtype} {k.shape}")
-        cfg = config(k.dtype, pk.head_dim, pk.block_size, 1, kv_dtype=k_cache.dtype if fp8_planes else None)
+        cfg = config(k.dtype, pk.head_dim, pk.block_size, 1, kv_dtype=kv_dtype)
         self._kv_heads = pk.num_kv_heads if cfg.fp8 else None
         int_array("slot_mapping", slot_mapping, np.int64, 1)
         num_tokens = int(k.shape[0])
@@ -76,7 +80,8 @@ class WritePlan:
                                 (np.int64(pk.block_stride), ptr(slot_mapping), np.int64(num_tokens),
                                  np.int32(pk.num_kv_heads)))
 
-    def run(self, k, v, k_cache, v_cache, *, k_scale=None, v_scale=None):
+    def run(self, k: Array, v: Array, k_cache: Array, v_cache: Array, *, k_scale: Optional[Array] = None,
+            v_scale: Optional[Array] = None) -> None:
         """Store ``k`` and ``v`` into one layer's planes at the plan's slots; FP8 planes need that layer's
         ``k_scale`` and ``v_scale`` (float32 [kv_heads])."""
         array_type = self._type
@@ -104,18 +109,30 @@ class WritePlan:
             launch(kernel, grid, threads, (pk, pv, pkc, pvc, stride, slots, num_tokens, heads, *scales))
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, *, validate=True, k_scale=None, v_scale=None):
-    """Store k, v [num_tokens, kv_heads, head_dim] into the planes at ``slot_mapping``.
+def write_kv(k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: Array, *, validate: bool = True,
+             k_scale: Optional[Array] = None, v_scale: Optional[Array] = None) -> None:
+    """Store k, v into the planes at ``slot_mapping``.
 
-    slot_mapping: int64 [num_tokens], slot = block_id * block_size + slot_in_block;
-    a negative slot is padding and is skipped. ``validate`` refuses, on the device
+    A negative slot is padding and is skipped. ``validate`` refuses, on the device
     first (one small launch and a 16-byte device-to-host read), slots past the cache,
     slots in blocks whose memory is not mapped (planes in a pool) and a slot given to
     two tokens (``BlockTableError``); NumPy inputs are always checked. Planes in a
     closed pool raise ``PoolClosedError``. For many layers over the same slots, make
-    one :class:`WritePlan` and run it per layer. FP8 planes (uint8, float8 e4m3 bits)
-    take float16 or bfloat16 k and v and the layer's ``k_scale`` and ``v_scale``
-    (float32 [kv_heads]): each value is stored as e4m3(value / scale) (:mod:`pagedrt.fp8`).
+    one :class:`WritePlan` and run it per layer.
+
+    Parameters
+    ----------
+    k, v : array [num_tokens, kv_heads, head_dim]
+        C-contiguous, of the planes' dtype; over FP8 planes float16 or bfloat16.
+    k_cache, v_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        One layer's planes (any block stride). uint8 planes hold float8 e4m3 bits
+        (:func:`pagedrt.spec.plane_kv_dtype`): each value is stored as e4m3(value / scale) (:mod:`pagedrt.fp8`).
+    slot_mapping : array, int64 [num_tokens]
+        slot = block_id * block_size + slot_in_block.
+    validate : bool
+        Check the slots first (above).
+    k_scale, v_scale : array, float32 [kv_heads], optional
+        FP8 planes only, and needed there: the layer's scales.
     """
     WritePlan(k, k_cache, slot_mapping, validate=validate, _v_cache=v_cache).run(k, v, k_cache, v_cache,
                                                                                   k_scale=k_scale, v_scale=v_scale)
