@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf p
 from pagedrt.cli import main  # noqa: E402
 from pagedrt.engine import Engine, SamplingParams, loader  # noqa: E402
 from pagedrt.engine.tokenizer import Tokenizer, merge  # noqa: E402
-from pagedrt.errors import InvalidPromptError, RequestError  # noqa: E402
+from pagedrt.errors import InvalidPromptError, ModelFileError, RequestError, UnsupportedModelError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_text_with_lone_surrogates_is_an_invalid_prompt(tokenizer, text):
 def test_a_limit_refuses_a_long_text_before_splitting_it(tokenizer, monkeypatch):
     text = "x" * (tokenizer.longest * 100 + 1)  # at least 101 tokens, whatever they are
     monkeypatch.setattr(tokenizer, "pieces", lambda text: pytest.fail("split although its bytes were enough"))
-    with pytest.raises(RequestError, match="at least 101 tokens, more than the 100"):
+    with pytest.raises(RequestError, match="at least 101 tokens, but at most 100 fit"):
         tokenizer.encode(text, bos=False, limit=100)
 
 
@@ -99,7 +99,7 @@ def test_a_limit_stops_encoding_at_the_first_piece_past_it(tokenizer):
     text = "fox " * 50  # short in bytes for 100 tokens: the bound from bytes cannot refuse it
     ids = tokenizer.encode(text, bos=False)
     assert tokenizer.encode(text, bos=False, limit=ids.size).tolist() == ids.tolist()
-    with pytest.raises(RequestError, match=f"more than the {ids.size - 1} it may have"):
+    with pytest.raises(RequestError, match=f"but at most {ids.size - 1} fit"):
         tokenizer.encode(text, bos=False, limit=ids.size - 1)
 
 
@@ -107,6 +107,159 @@ def test_the_engine_refuses_a_prompt_not_utf8_or_too_long_by_name(tiny):
     with Engine(tiny, backend="host", max_seqs=2, kv_tokens=1024) as engine:
         with pytest.raises(InvalidPromptError):
             engine.generate(["a\ud800b"], SamplingParams(max_tokens=2))
-        with pytest.raises(RequestError, match="more than the 511"):
+        with pytest.raises(RequestError, match="at most 512 fit"):
             engine.generate(["the" * 33_333], SamplingParams(max_tokens=2))
         assert engine.generate(["the fox"], SamplingParams(max_tokens=2))[0].tokens[0].size == 2
+
+
+# --- GGUF metadata: every field of the wrong type, out of range, missing or huge is one named error -------------
+
+V = gguf.GGUFValueType
+# every metadata field the engine reads -> its kind; the base file below holds each of them
+FIELDS = {
+    "general.architecture": "str", "general.name": "str", "llama.context_length": "int",
+    "llama.embedding_length": "int", "llama.block_count": "int", "llama.feed_forward_length": "int",
+    "llama.attention.head_count": "int", "llama.attention.head_count_kv": "int", "llama.attention.key_length": "int",
+    "llama.attention.value_length": "int", "llama.rope.dimension_count": "int", "llama.rope.freq_base": "float",
+    "llama.rope.scaling.type": "str", "llama.rope.scaling.factor": "float", "llama.expert_count": "int",
+    "llama.attention.layer_norm_rms_epsilon": "float", "llama.vocab_size": "int", "tokenizer.ggml.model": "str",
+    "tokenizer.ggml.pre": "str", "tokenizer.ggml.tokens": "str list", "tokenizer.ggml.token_type": "int list",
+    "tokenizer.ggml.merges": "str list", "tokenizer.ggml.bos_token_id": "int", "tokenizer.ggml.eos_token_id": "int",
+    "tokenizer.ggml.eot_token_id": "int", "tokenizer.ggml.add_bos_token": "bool", "tokenizer.chat_template": "str",
+}
+EXTRA = {"llama.attention.key_length": (64, V.UINT32), "llama.attention.value_length": (64, V.UINT32),
+         "llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (1.0, V.FLOAT32),
+         "llama.expert_count": (0, V.UINT32), "tokenizer.ggml.eot_token_id": (2, V.UINT32)}
+WRONG_TYPE = {"int": [("two", V.STRING), (2.0, V.FLOAT32), (True, V.BOOL), ([2, 2], V.ARRAY, V.INT32)],
+              "float": [("ten", V.STRING), (10, V.UINT32), ([1.0], V.ARRAY, V.FLOAT32)],
+              "str": [(5, V.UINT32), (["llama"], V.ARRAY, V.STRING)], "bool": [(1, V.UINT8), ("yes", V.STRING)],
+              "str list": [(5, V.UINT32), ([1, 2], V.ARRAY, V.INT32), ("a b", V.STRING)],
+              "int list": [("normal", V.STRING), (1, V.INT32), ([1.0], V.ARRAY, V.FLOAT32)]}
+OUT_OF_RANGE = {"int": [(-1, V.INT32)], "float": [(math.nan, V.FLOAT32), (-1.0, V.FLOAT32), (math.inf, V.FLOAT32)],
+                "str": [("gpt3", V.STRING)], "bool": [], "str list": [(["a", "b"], V.ARRAY, V.STRING)],
+                "int list": [([0], V.ARRAY, V.INT32), ([7] * 339, V.ARRAY, V.INT32)]}
+HUGE = {"int": [(2 ** 63, V.UINT64)], "float": [(1e300, V.FLOAT64)]}
+FREE = {"general.name", "tokenizer.chat_template"}  # any string will do
+CASES = [(key, how, value) for key, kind in FIELDS.items()
+         for how, values in (("wrong type", WRONG_TYPE[kind]), ("out of range", [] if key in FREE else
+                                                                 OUT_OF_RANGE[kind]), ("huge", HUGE.get(kind, [])),
+                             ("missing", [None]))
+         for value in values]
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    """The tiny model's metadata and EXTRA: key -> (value, type[, sub type])."""
+    fields = gguf.GGUFReader(tiny).fields
+    return {k: (f.contents(), *f.types) for k, f in fields.items() if not k.startswith("GGUF.")} | EXTRA
+
+
+def metadata_file(base, dst, changes):
+    """A GGUF file of ``base`` metadata with ``changes`` made (key -> (value, type[, sub type]), or None: dropped),
+    without tensors (the fuzz is of the metadata)."""
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.kv_data[0].pop("general.architecture")
+    for key, spec in (base | changes).items():
+        if spec is not None:
+            value, vtype, *sub = spec
+            w.add_key_value(key, value, vtype, sub_type=sub[-1] if sub else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return dst
+
+
+def read_metadata(path):
+    fields = loader.open_gguf(path).fields
+    vocab = loader.read_vocabulary(fields)
+    return loader.read_config(fields, len(vocab.tokens)), Tokenizer(vocab)
+
+
+def test_the_fuzz_base_file_holds_every_field_and_reads(base, tmp_path):
+    path = metadata_file(base, tmp_path / "base.gguf", {})
+    assert set(FIELDS) <= set(gguf.GGUFReader(path).fields)
+    config, tokenizer = read_metadata(path)
+    assert config.rope_scale == 1.0 and tokenizer.stop == (2,)
+
+
+OPTIONAL = {"general.name", "llama.context_length", "llama.attention.head_count_kv", "llama.attention.key_length",
+            "llama.attention.value_length", "llama.rope.dimension_count", "llama.rope.freq_base",
+            "llama.rope.scaling.type", "llama.expert_count", "llama.vocab_size", "tokenizer.ggml.pre",
+            "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "llama.rope.scaling.factor"}
+
+
+@pytest.mark.parametrize("key, how, value", CASES, ids=[f"{k} {h} {v[:1] if v else ''}" for k, h, v in CASES])
+def test_every_metadata_field_wrong_out_of_range_missing_or_huge_is_one_named_error(base, tmp_path, key, how, value):
+    path = metadata_file(base, tmp_path / "fuzzed.gguf", {key: value})
+    try:
+        read_metadata(path)
+    except (UnsupportedModelError, ModelFileError) as exc:
+        assert "\n" not in str(exc)
+        assert how == "missing" and key in OPTIONAL or key in str(exc), str(exc)
+    else:
+        assert how == "missing" and key in OPTIONAL, f"{key} {how} {value} was accepted"
+
+
+# --- tensors: what can be checked cheaply at load -----------------------------------------------------------------
+
+
+def patched(tiny, dst, name, part, change):
+    """A copy of ``tiny`` whose tensor ``name``'s info has ``part`` (-1: its data offset, -2: its type) changed by
+    ``change(array)`` in place."""
+    dst.write_bytes(tiny.read_bytes())
+    reader = gguf.GGUFReader(dst, "r+")
+    change(next(t for t in reader.tensors if t.name == name).field.parts[part])
+    reader.data.flush()
+    del reader
+    return dst
+
+
+def shift(by):
+    def change(a):
+        a[0] += by
+    return change
+
+
+def retype(kind):
+    def change(a):
+        a[0] = int(kind)
+    return change
+
+
+F16, I32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.I32
+
+
+@pytest.mark.parametrize("name, part, change, error, match", [
+    ("blk.0.attn_q.weight", -1, shift(8), ModelFileError, "attn_q.weight's data starts at byte .* not a multiple of"),
+    ("blk.0.attn_q.weight", -1, shift(32), ModelFileError, "attn_q.weight's data starts at byte .* where the tensor"),
+    ("blk.0.attn_q.weight", -2, retype(F16), ModelFileError, "attn_k.weight's data starts at byte"),  # F32 data
+    ("blk.1.ffn_down.weight", -2, retype(F16), ModelFileError, "bytes past its last tensor's data"),  # the last
+    ("blk.1.ffn_down.weight", -1, shift(1 << 40), ModelFileError, "not a readable GGUF file"),  # past the end
+    ("blk.0.attn_norm.weight", -2, retype(I32), UnsupportedModelError, "attn_norm.weight is of type I32"),
+])
+def test_tensor_data_not_where_its_type_and_shape_put_it_is_refused(tiny, tmp_path, name, part, change, error, match):
+    path = patched(tiny, tmp_path / "patched.gguf", name, part, change)
+    with pytest.raises(error, match=match):
+        loader.load(path)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_weights_that_are_not_finite_are_refused_by_tensor(tiny, tmp_path, bad):
+    src = gguf.GGUFReader(tiny)
+    w = gguf.GGUFWriter(str(tmp_path / "nan.gguf"), "llama")
+    w.kv_data[0].pop("general.architecture")
+    for key, f in src.fields.items():
+        if not key.startswith("GGUF."):
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in src.tensors:
+        data = np.array(t.data)
+        if t.name == "blk.1.ffn_up.weight":
+            data[3, 5] = bad
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="tensor blk.1.ffn_up.weight holds 1 NaN or infinite weights"):
+        loader.load(tmp_path / "nan.gguf")

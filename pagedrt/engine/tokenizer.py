@@ -124,10 +124,10 @@ class Tokenizer:
 
     def __init__(self, vocab):
         if vocab.model != "gpt2":
-            raise UnsupportedModelError(f"tokenizer model {vocab.model!r} is not supported: the engine tokenizes "
-                                        "byte-level BPE (\"gpt2\")")
+            raise UnsupportedModelError(f"tokenizer model {vocab.model!r} (tokenizer.ggml.model) is not supported: "
+                                        "the engine tokenizes byte-level BPE (\"gpt2\")")
         if vocab.pre not in PRE_TOKENIZERS:
-            raise UnsupportedModelError(f"pre-tokenizer {vocab.pre!r} is not supported: "
+            raise UnsupportedModelError(f"pre-tokenizer {vocab.pre!r} (tokenizer.ggml.pre) is not supported: "
                                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
         self.vocab = vocab
         self.ids = {t: i for i, t in enumerate(vocab.tokens)}
@@ -135,6 +135,11 @@ class Tokenizer:
         self.patterns = [compile_pattern(e) for e in PRE_TOKENIZERS[vocab.pre]]
         alphabet = byte_alphabet()
         self.encode_bytes = [alphabet[b] for b in range(256)]
+        missing = [b for b in range(256) if self.encode_bytes[b] not in self.ids]
+        if missing:
+            raise UnsupportedModelError(f"the vocabulary (tokenizer.ggml.tokens) has no token for byte "
+                                        f"{missing[0]:#04x} (nor for {len(missing) - 1} other bytes): byte-level BPE "
+                                        "needs one for each of 256")
         self.decode_chars = {c: b for b, c in alphabet.items()}
         special = [i for i, t in enumerate(vocab.token_types) if t in (CONTROL, USER_DEFINED) and vocab.tokens[i]]
         self.special = np.zeros(len(vocab.tokens), bool)
@@ -196,8 +201,7 @@ class Tokenizer:
     @staticmethod
     def _refuse_past(limit, fewest):
         if fewest > limit:
-            raise RequestError(f"the text has at least {fewest} tokens, more than the {limit} it may have: "
-                               "shorten it")
+            raise RequestError(f"the text has at least {fewest} tokens, but at most {limit} fit: shorten it")
 
     def pieces(self, text):
         """The pre-tokenizer's pieces of ``text``."""
