@@ -245,26 +245,24 @@ def merge(parts, ranks):
     after = list(range(1, n + 1))        # part i -> the next live part (n: none)
     before = list(range(-1, n - 1))     # part i -> the previous live part (-1: none)
     live = [True] * n
-
-    def pair(left):
-        """The heap entry of ``left`` and the part after it, or None when they do not merge."""
-        right = after[left]
-        rank = ranks.get((text[left], text[right])) if right < n else None
-        return None if rank is None else (rank, left, right, after[right])
-
-    heap = [e for e in map(pair, range(n - 1)) if e]
+    rank, push, pop = ranks.get, heapq.heappush, heapq.heappop
+    heap = [(r, i, i + 1, i + 2) for i, r in enumerate(map(rank, zip(text, text[1:]))) if r is not None]
     heapq.heapify(heap)
     while heap:
-        _, left, right, end = heapq.heappop(heap)
+        _, left, right, end = pop(heap)
         if not live[left] or after[left] != right or after[right] != end:
             continue  # stale: the pair was merged away or a part of it changed
         text[left] += text[right]
         live[right] = False
         after[left] = end
-        if end < n:
+        if end < n:  # the merged part and the one after it
             before[end] = left
-        for start in (before[left], left):
-            entry = pair(start) if start >= 0 else None
-            if entry:
-                heapq.heappush(heap, entry)
-    return [text[i] for i in range(n) if live[i]]
+            r = rank((text[left], text[end]))
+            if r is not None:
+                push(heap, (r, left, end, after[end]))
+        previous = before[left]
+        if previous >= 0:  # the one before it and the merged part
+            r = rank((text[previous], text[left]))
+            if r is not None:
+                push(heap, (r, previous, left, end))
+    return [t for t, alive in zip(text, live) if alive]
