@@ -3,10 +3,11 @@
 Each is refused by name at parse time, before a model is loaded or a frame shown: a
 PROMPT that is not UTF-8 (a terminal in another encoding gives Python surrogate
 escapes); a ``--batch`` file that is not a regular file (a FIFO would block the read
-for ever, ``/dev/zero`` never ends), larger than :data:`MAX_BATCH_BYTES` or not
-UTF-8, or without a prompt; an interval that is NaN, infinite or out of range (``time.sleep`` would
-raise after the first frame); a ``--snapshot`` path whose directory is missing or
-not writable (found only when the snapshot is written, after the whole run).
+for ever, ``/dev/zero`` never ends), larger than :data:`MAX_BATCH_BYTES`, not UTF-8
+or without a prompt; an interval that is NaN, infinite or out of range
+(``time.sleep`` would raise after the first frame); a ``--snapshot`` path whose
+directory is missing or not writable (else found only when the snapshot is
+written, after the whole run).
 """
 
 import math
