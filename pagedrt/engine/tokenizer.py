@@ -8,6 +8,14 @@ merged pairwise, the pair of highest priority (earliest in the merges) first,
 leftmost first among equals, until no pair in the merges is left. Decoding maps the
 stand-ins back to bytes.
 
+A piece is merged in O(n log n) of its length: a heap of its adjacent pairs' ranks
+over a linked list of its symbols, stale pairs skipped as they come up (as llama.cpp
+does), so a long piece without spaces costs no more than as many short ones. A text
+is checked before it is split: it must be valid Unicode (a lone surrogate, as a
+non-UTF-8 command line gives, is an :class:`~pagedrt.errors.InvalidPromptError`),
+and with a ``limit`` no longer than that many tokens could hold, counted from its
+bytes and the longest token's.
+
 Python's ``re`` has no ``\\p{L}`` or ``\\p{N}``: :func:`category_class` builds those
 character classes from :mod:`unicodedata` once per process. Pieces and their
 merged tokens are cached, so a text is tokenized in a loop over its pieces, not its
@@ -15,13 +23,14 @@ characters.
 """
 
 import functools
+import heapq
 import re
 import sys
 import unicodedata
 
 import numpy as np
 
-from ..errors import UnsupportedModelError
+from ..errors import InvalidPromptError, RequestError, UnsupportedModelError
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -115,10 +124,10 @@ class Tokenizer:
 
     def __init__(self, vocab):
         if vocab.model != "gpt2":
-            raise UnsupportedModelError(f"tokenizer model {vocab.model!r} is not supported: the engine tokenizes "
-                                        "byte-level BPE (\"gpt2\")")
+            raise UnsupportedModelError(f"tokenizer model {vocab.model!r} (tokenizer.ggml.model) is not supported: "
+                                        "the engine tokenizes byte-level BPE (\"gpt2\")")
         if vocab.pre not in PRE_TOKENIZERS:
-            raise UnsupportedModelError(f"pre-tokenizer {vocab.pre!r} is not supported: "
+            raise UnsupportedModelError(f"pre-tokenizer {vocab.pre!r} (tokenizer.ggml.pre) is not supported: "
                                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
         self.vocab = vocab
         self.ids = {t: i for i, t in enumerate(vocab.tokens)}
@@ -134,6 +143,8 @@ class Tokenizer:
         self.special_split = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
         # token id -> its bytes (control tokens decode to nothing unless asked for)
         self.token_bytes = [self._bytes(i) for i in range(len(vocab.tokens))]
+        # the most bytes of text one token stands for: a text of n bytes is at least n / longest tokens
+        self.longest = max([len(b) for b in self.token_bytes] + [len(t.encode()) for t in texts] + [1])
         self._piece = functools.lru_cache(maxsize=1 << 16)(self._bpe)
 
     @property
@@ -155,12 +166,22 @@ class Tokenizer:
         except KeyError:  # not byte-level text: written as is
             return text.encode()
 
-    def encode(self, text, *, special=False, bos=None):
-        """Token ids of ``text`` (int64). ``special``: special tokens' texts become those tokens; ``bos``: put
-        the begin-of-sequence token first (default: as the model's metadata says)."""
+    def encode(self, text, *, special=False, bos=None, limit=None):
+        """Token ids of ``text`` (int64, 1-D). ``special``: special tokens' texts become those tokens; ``bos``:
+        put the begin-of-sequence token first (default: as the model's metadata says); ``limit``: refuse (a
+        RequestError) a text of more tokens than this, before splitting it when its length in bytes says so.
+
+        Raises InvalidPromptError when ``text`` is not valid Unicode (lone surrogates)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError as exc:
+            raise InvalidPromptError(f"the text is not valid Unicode: {text[exc.start]!r} at character {exc.start} is "
+                                     "a lone surrogate (bytes that were not UTF-8?): give UTF-8 text") from None
         ids = [self.bos] if (self.vocab.add_bos if bos is None else bos) else []
+        if limit is not None:
+            self._refuse_past(limit, len(ids) - (-size // self.longest))
         fragments = self.special_split.split(text) if special and self.special_split else [text]
         for k, fragment in enumerate(fragments):
             if k % 2:  # a special token's text (split keeps the separators at odd places)
@@ -168,7 +189,14 @@ class Tokenizer:
             elif fragment:
                 for piece in self.pieces(fragment):
                     ids.extend(self._piece(piece))
+                    if limit is not None:
+                        self._refuse_past(limit, len(ids))
         return np.array(ids, np.int64)
+
+    @staticmethod
+    def _refuse_past(limit, fewest):
+        if fewest > limit:
+            raise RequestError(f"the text has at least {fewest} tokens, but at most {limit} fit: shorten it")
 
     def pieces(self, text):
         """The pre-tokenizer's pieces of ``text``."""
@@ -177,24 +205,23 @@ class Tokenizer:
     def _bpe(self, piece):
         """The token ids of one piece: its bytes' stand-ins merged pair by pair, best-ranked and leftmost first."""
         parts = [self.encode_bytes[b] for b in piece.encode()]
-        ranks = self.ranks
-        while len(parts) > 1:
-            best, at = None, -1
-            for i in range(len(parts) - 1):
-                r = ranks.get((parts[i], parts[i + 1]))
-                if r is not None and (best is None or r < best):
-                    best, at = r, i
-            if best is None:
-                break
-            parts[at:at + 2] = [parts[at] + parts[at + 1]]
         out = []
-        for p in parts:
+        for p in merge(parts, self.ranks):
             i = self.ids.get(p)
             if i is None:  # a merged piece the vocabulary lacks: its single bytes
-                out.extend(self.ids[c] for c in p)
+                out.extend(self._byte(c) for c in p)
             else:
                 out.append(i)
         return tuple(out)
+
+    def _byte(self, c):
+        """The token of byte stand-in ``c``; InvalidPromptError when the vocabulary has none (SmolLM2's lacks some
+        control characters' bytes)."""
+        i = self.ids.get(c)
+        if i is None:
+            raise InvalidPromptError(f"the text holds byte {self.decode_chars[c]:#04x}, which the model's vocabulary "
+                                     "has no token for: leave it out")
+        return i
 
     def decode(self, ids, *, special=False):
         """The text of ``ids`` (invalid UTF-8 replaced); ``special``: control tokens as their texts."""
@@ -204,3 +231,38 @@ class Tokenizer:
         tokens = self.vocab.tokens
         return b"".join(tokens[i].encode() if special and self.special[i] else self.token_bytes[i]
                         for i in map(int, ids))
+
+
+def merge(parts, ranks):
+    """``parts`` (strs) merged as BPE does: while any adjacent pair is in ``ranks`` (pair -> rank), the pair of
+    the lowest rank, leftmost among equals, becomes one part. Returns the parts left, in order.
+
+    A heap of (rank, left, right, right's end) over a linked list of the parts (each known by where it starts,
+    which merging keeps): a pair is pushed when it becomes adjacent and skipped when it comes up stale (its left
+    part merged away, or either part grown), so n parts take O(n log n), not O(n^2)."""
+    n = len(parts)
+    text = list(parts)
+    after = list(range(1, n + 1))        # part i -> the next live part (n: none)
+    before = list(range(-1, n - 1))     # part i -> the previous live part (-1: none)
+    live = [True] * n
+    rank, push, pop = ranks.get, heapq.heappush, heapq.heappop
+    heap = [(r, i, i + 1, i + 2) for i, r in enumerate(map(rank, zip(text, text[1:]))) if r is not None]
+    heapq.heapify(heap)
+    while heap:
+        _, left, right, end = pop(heap)
+        if not live[left] or after[left] != right or after[right] != end:
+            continue  # stale: the pair was merged away or a part of it changed
+        text[left] += text[right]
+        live[right] = False
+        after[left] = end
+        if end < n:  # the merged part and the one after it
+            before[end] = left
+            r = rank((text[left], text[end]))
+            if r is not None:
+                push(heap, (r, left, end, after[end]))
+        previous = before[left]
+        if previous >= 0:  # the one before it and the merged part
+            r = rank((text[previous], text[left]))
+            if r is not None:
+                push(heap, (r, previous, left, end))
+    return [t for t, alive in zip(text, live) if alive]
