@@ -86,8 +86,9 @@ class ScheduledStep:
     (bool [rows]) the rows that append a sampled token (the others a prompt chunk); ``arrivals`` and
     ``arrival_tokens`` (the most prompt tokens each appends now); ``forks``: (parent, child's target, child's
     sample), one per child; ``frees``. ``staying``: the live sequences not freed, in arrival order.
-    ``budget``, ``rows`` and ``need``: the tokens, block-table rows and worst-case blocks left after the
-    decisions so far (admission reads them). ``arrived``: the arrivals' sequences, after :meth:`Scheduler.update`.
+    ``budget`` and ``rows``: the prompt tokens and block-table rows left after the decisions so far, ``need``
+    the blocks they may need (None until a fork or an arrival asks); admission reads them. ``arrived``: the
+    arrivals' sequences, after :meth:`Scheduler.update`.
     """
 
     seqs: list
@@ -98,7 +99,7 @@ class ScheduledStep:
     forks: list
     budget: int
     rows: int
-    need: int
+    need: int | None = None
     arrivals: list = field(default_factory=list)
     arrival_tokens: list = field(default_factory=list)
     arrived: list = field(default_factory=list)
@@ -109,8 +110,14 @@ class ScheduledStep:
         return np.array([s.handle for s in self.seqs], np.int64)
 
     def token_ids(self, decode_ids) -> np.ndarray:
-        """The batch's new token ids, one flat int64 array: ``decode_ids`` (one a decoding row, in order) and the
-        prompt chunks, interleaved as the rows are."""
+        """The batch's new token ids, int64 [counts.sum()]: the decoding rows' and the prompt chunks,
+        interleaved as the rows are.
+
+        Parameters
+        ----------
+        decode_ids : array_like of int
+            The token each decoding row appends, in row order: [decoding.sum()].
+        """
         decode_ids = np.asarray(decode_ids, np.int64)
         if self.decoding.all():
             return decode_ids
@@ -124,7 +131,13 @@ class ScheduledStep:
         return np.concatenate(parts)
 
     def cache_args(self, decode_ids) -> dict:
-        """``cache.step()``'s arguments, the decoding rows appending ``decode_ids`` (int64 [decoding rows])."""
+        """``cache.step()``'s keyword arguments.
+
+        Parameters
+        ----------
+        decode_ids : array_like of int
+            The token each decoding row appends, in row order: [decoding.sum()].
+        """
         return dict(seqs=self.handles, counts=self.counts,
                     token_ids=self.token_ids(decode_ids), arrivals=[r.prompt for r in self.arrivals],
                     arrival_tokens=self.arrival_tokens or None, forks=[p.handle for p, _, _ in self.forks],
@@ -155,17 +168,28 @@ class Scheduler:
         return not (self.waiting or self.running or self._forks)
 
     def add(self, request: Request) -> None:
-        """Queue ``request``; it arrives when admitted."""
+        """Queue ``request`` behind those waiting; it arrives when admitted.
+
+        Parameters
+        ----------
+        request : Request
+            Its prompt fits a sequence and its ``n`` samples the cache (the caller checks: the engine's
+            ``check``); one that never fits waits for ever.
+        """
         self.waiting.append(request)
 
-    def withdraw(self) -> list:
-        """Remove and return the requests still waiting (the demo's users do not wait)."""
-        requests = list(self.waiting)
+    def withdraw(self) -> None:
+        """Drop the requests still waiting (the demo's users do not wait)."""
         self.waiting.clear()
-        return requests
 
     def finish(self, seq: Sequence) -> None:
-        """``seq`` is done; it is freed the next step."""
+        """Mark a sequence done; it is freed the next step (a parent after its forks).
+
+        Parameters
+        ----------
+        seq : Sequence
+            A live sequence of :attr:`running`.
+        """
         seq.status = Status.FINISHED
 
     def schedule(self) -> ScheduledStep:
@@ -176,33 +200,62 @@ class Scheduler:
 
     def begin(self) -> ScheduledStep:
         """Frees, forks and the batch of the next step, its arrivals not admitted yet."""
-        c = self.config
         parents = {id(p) for p, _, _ in self._forks}
-        frees = [s for s in self.running.values() if s.status is Status.FINISHED and id(s) not in parents]
-        staying = [s for s in self.running.values() if s.status is not Status.FINISHED or id(s) in parents]
-        growing = [s for s in staying if s.status is not Status.FINISHED]
-        decoding = [s.status is Status.DECODE for s in growing]
-        budget = c.step_tokens - sum(decoding)
+        frees, staying, growing, decoding = [], [], [], []
+        finished, decode = Status.FINISHED, Status.DECODE
+        for seq in self.running.values():
+            if seq.status is not finished:
+                staying.append(seq), growing.append(seq), decoding.append(seq.status is decode)
+            else:
+                (staying if id(seq) in parents else frees).append(seq)
+        decoding = np.array(decoding, bool)
+        budget = self.config.step_tokens - int(decoding.sum())
+        rows = len(staying) + sum(s.unforked for s in staying) + len(self._forks)
+        if decoding.all():
+            return ScheduledStep(growing, np.ones(len(growing), np.int64), decoding, staying, frees,
+                                 list(self._forks), budget, rows)
         seqs, counts, rows_decoding = [], [], []
-        for seq, decodes in zip(growing, decoding):
+        for seq, decodes in zip(growing, decoding.tolist()):
             chunk = 1 if decodes else min(seq.request.prompt.size - seq.prefilled, budget)
             if chunk > 0:
                 seqs.append(seq), counts.append(chunk), rows_decoding.append(decodes)
                 budget -= 0 if decodes else chunk
-        lengths = self.cache.lengths([s.handle for s in growing]) if growing else np.zeros(0, np.int64)
-        blocks = np.array([ceil_div(s.target, c.block_size) for s in growing], np.int64) - lengths // c.block_size
-        weights = np.array([1 + s.unforked for s in growing], np.int64)
-        need = int((blocks * weights).sum())
-        need += sum(ceil_div(target, c.block_size) - self._length(p) // c.block_size for p, target, _ in self._forks)
-        rows = len(staying) + sum(s.unforked for s in staying) + len(self._forks)
         return ScheduledStep(seqs, np.array(counts, np.int64), np.array(rows_decoding, bool), staying, frees,
-                             list(self._forks), budget, rows, need)
+                             list(self._forks), budget, rows)
+
+    def _need(self, plan):
+        """The blocks the live sequences of ``plan``, the samples they will fork and its forks may still need:
+        each as if it shared none, its partly filled last block copied on write. Counted once a step, when a
+        fork or an arrival asks."""
+        if plan.need is None:
+            bs = self.config.block_size
+            growing = [s for s in plan.staying if s.status is not Status.FINISHED]
+            targets = np.array([s.target for s in growing], np.int64)
+            weights = np.array([1 + s.unforked for s in growing], np.int64)
+            lengths = self.cache.lengths([s.handle for s in growing]) if growing else targets
+            need = int((weights * (ceil_div(targets, bs) - lengths // bs)).sum())
+            plan.need = need + sum(ceil_div(t, bs) - self._length(p) // bs for p, t, _ in plan.forks)
+        return plan.need
 
     def fork(self, plan: ScheduledStep, parent: Sequence, target: int) -> bool:
-        """Fork ``parent`` in ``plan``'s step into a child that ends at ``target`` at the latest, if a row and the
-        blocks it may need are free; returns whether it was."""
+        """Fork a sequence in ``plan``'s step, if a row and the blocks the child may need are free.
+
+        Parameters
+        ----------
+        plan : ScheduledStep
+            From :meth:`begin`, not admitted yet.
+        parent : Sequence
+            A decoding sequence of ``plan.staying``.
+        target : int
+            The length at which the child ends at the latest.
+
+        Returns
+        -------
+        bool
+            Whether the fork is in ``plan``.
+        """
         need = ceil_div(target, self.config.block_size) - self._length(parent) // self.config.block_size
-        if plan.rows >= self.config.max_seqs or plan.need + need > self.cache.num_available_blocks:
+        if plan.rows >= self.config.max_seqs or self._need(plan) + need > self.cache.num_available_blocks:
             return False
         plan.forks.append((parent, target, parent.sample))
         plan.rows, plan.need = plan.rows + 1, plan.need + need
@@ -210,14 +263,20 @@ class Scheduler:
 
     def admit(self, plan: ScheduledStep) -> None:
         """Move waiting requests into ``plan``'s arrivals, in order, while the rules of the module docstring let
-        them."""
+        them.
+
+        Parameters
+        ----------
+        plan : ScheduledStep
+            From :meth:`begin` (and :meth:`fork`).
+        """
         c, available, firsts = self.config, self.cache.num_available_blocks, set()
         while self.waiting and plan.budget > 0:
             request = self.waiting[0]
             first = request.prompt[:c.block_size].tobytes()
             blocks = request.n * ceil_div(request.target, c.block_size)
             repeated = first in firsts and first not in self._firsts
-            if plan.rows + request.n > c.max_seqs or plan.need + blocks > available or repeated:
+            if plan.rows + request.n > c.max_seqs or self._need(plan) + blocks > available or repeated:
                 break
             chunk = min(request.prompt.size, plan.budget, c.first_chunk or plan.budget)
             plan.arrivals.append(self.waiting.popleft())
@@ -227,19 +286,32 @@ class Scheduler:
         self._firsts |= firsts
 
     def update(self, plan: ScheduledStep, step) -> list:
-        """Take in the step ``cache.step(**plan.cache_args(...))`` returned: the freed go, the children and the
-        arrivals (``plan.arrived``) join, prompt chunks advance. Returns the sequences whose prompt ended in
-        this step, in the step's row order (the arrivals last); their children fork next step."""
+        """Take in a step made: the freed go, the children and the arrivals (``plan.arrived``) join, prompt
+        chunks advance.
+
+        Parameters
+        ----------
+        plan : ScheduledStep
+            The step's decisions.
+        step : pagedrt.step.Step
+            What ``cache.step(**plan.cache_args(...))`` returned.
+
+        Returns
+        -------
+        list of Sequence
+            Those whose prompt ended in this step, in the step's row order (the arrivals last); their children
+            fork the next step.
+        """
         for seq in plan.frees:
             del self.running[seq.handle]
         self._forks = []
         for (parent, target, sample), handle in zip(plan.forks, step.forked.tolist()):
             self.running[handle] = Sequence(parent.request, handle, target, sample, Status.DECODE, parent.prefilled)
         ended = []
-        for seq, count, decoding in zip(plan.seqs, plan.counts.tolist(), plan.decoding.tolist()):
-            if not decoding:
-                seq.prefilled += count
-                ended += [seq] if seq.prefilled == seq.request.prompt.size else []
+        for i in np.flatnonzero(~plan.decoding).tolist():
+            seq = plan.seqs[i]
+            seq.prefilled += int(plan.counts[i])
+            ended += [seq] if seq.prefilled == seq.request.prompt.size else []
         rows = len(plan.seqs)
         for i, (request, handle) in enumerate(zip(plan.arrivals, step.arrived.tolist())):
             request.cached_tokens = int(step.cached[i])

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cache import PagedKVCache
-from ..shard import ShardedKVCache
 from ..blocks import ceil_div
+from ..cache import PagedKVCache
 from ..errors import InvalidTokenIdsError, RequestError
 from ..scheduler import Request, Scheduler, SchedulerConfig
+from ..shard import ShardedKVCache
 from . import loader, sampler
 from .model import LlamaModel
 from .parallel import TensorParallelModel
