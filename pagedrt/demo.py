@@ -191,11 +191,11 @@ class _Workload:
         return np.concatenate([system, self.rng.integers(VOCAB, size=max(1, int(user)))])
 
     def plan(self):
-        """This step's decisions (:class:`~pagedrt.scheduler.Scheduler`'s, with a budget of max_prompt prompt
-        tokens and an arrival's first chunk of a quarter of that): the sequences that reached their target are
-        freed, every other one appends one sampled token or its next prompt chunk. Then, drawn here: a fork of a
-        random decoding sequence (a parallel sample asked for late) and an arrival, each made if the scheduler
-        finds room; an arrival it does not admit now goes away.
+        """This step's decisions (:class:`~pagedrt.scheduler.Scheduler`'s: max_prompt + max_seqs tokens a step,
+        an arrival's first chunk a quarter of max_prompt): the sequences that reached their target are freed,
+        every other one appends one sampled token or its next prompt chunk. Then, drawn here: a fork of a random
+        decoding sequence (a parallel sample asked for late) and an arrival, each made if the scheduler finds
+        room; an arrival it does not admit now goes away. Returns the plan and its decoding rows' tokens.
         """
         c, rng = self.c, self.rng
         plan = self.scheduler.begin()

@@ -16,7 +16,8 @@ The engine and the demo both schedule with it, so these rules exist once:
 
 It reads the cache (lengths, available blocks) and returns ``cache.step()``'s arguments; the caller makes the
 step, runs its model (or the demo's synthetic K/V) and reports back (:meth:`Scheduler.update`,
-:meth:`Scheduler.finish`). Python loops run per sequence of a step (building its batch), never per token.
+:meth:`Scheduler.finish`). A step lists its batch in one Python pass over its sequences; the per-token work
+(token ids, sampling, recording) is the caller's, vectorised over the batch.
 """
 
 import enum
@@ -37,11 +38,10 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The policy's bounds: ``max_seqs`` rows of the block table; ``block_size`` tokens a block;
-    ``step_tokens`` tokens a step appends at most, decode tokens first (every decoding sequence appends one)
-    and prompt chunks in the rest; ``first_chunk`` prompt
-    tokens an arrival appends in its own step at most (None: what the budget leaves; the demo caps it to show
-    prompts prefilled over several steps)."""
+    """The policy's bounds: ``max_seqs`` rows of the block table; ``block_size`` tokens a block; ``step_tokens``
+    tokens a step appends, decode tokens first (every decoding sequence appends one, even past it) and prompt
+    chunks in the rest; ``first_chunk``: the most prompt tokens an arrival appends in its own step (None: what
+    the budget leaves; the demo caps it to show prompts prefilled over several steps)."""
 
     max_seqs: int
     block_size: int

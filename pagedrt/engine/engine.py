@@ -13,7 +13,9 @@ batch vectorised: a Python loop runs per event (an arrival, a fork, a finished s
 handles, never per generated token.
 """
 
+import os
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,7 +174,6 @@ class Engine:
         self.tokenizer = Tokenizer(gguf.vocab)
         c = self.config
         self.max_seq_len = min(c.context_length, kv_tokens)
-        self.step_tokens = step_tokens
         shape = (c.num_layers, c.kv_heads, c.head_dim, block_size, dtype)
         sizes = dict(max_tokens=kv_tokens, max_seqs=max_seqs, max_seq_len=self.max_seq_len,
                      max_step_tokens=step_tokens + max_seqs, backend=backend, kv_dtype=kv_dtype)
@@ -194,7 +195,7 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt, *, chat=True) -> np.ndarray:
+    def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray, *, chat: bool = True) -> np.ndarray:
         """Token ids (int64 [prompt_len]) of ``prompt``.
 
         Parameters
@@ -232,7 +233,7 @@ class Engine:
             raise InvalidTokenIdsError(f"{what}, got {int(ids.min() if ids.min() < 0 else ids.max())}")
         return ids.astype(np.int64)
 
-    def check(self, prompt_ids, params) -> None:
+    def check(self, prompt_ids: np.ndarray, params: SamplingParams) -> None:
         """Raise RequestError unless a prompt of ``prompt_ids`` (int64 [prompt_len], from :meth:`encode_prompt`)
         with ``params`` (:class:`SamplingParams`) can be served by this cache."""
         size = int(prompt_ids.size)
@@ -253,7 +254,9 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------------------
 
-    def generate(self, prompts, params=None, *, chat=True, on_token=None, snapshot=None) -> list:
+    def generate(self, prompts: Iterable, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 chat: bool = True, on_token: Callable[[int, int, int], None] | None = None,
+                 snapshot: str | os.PathLike | None = None) -> list[Completion]:
         """Complete every prompt; returns one :class:`Completion` per prompt, in order.
 
         Parameters
