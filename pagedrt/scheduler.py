@@ -182,6 +182,13 @@ class Scheduler:
         """Drop the requests still waiting (the demo's users do not wait)."""
         self.waiting.clear()
 
+    def clear(self) -> list:
+        """Forget every request and sequence (a caller that gave up midway); returns the live sequences' handles,
+        for the caller to free."""
+        handles = list(self.running)
+        self.waiting.clear(), self.running.clear(), self._forks.clear(), self._firsts.clear()
+        return handles
+
     def finish(self, seq: Sequence) -> None:
         """Mark a sequence done; it is freed the next step (a parent after its forks).
 

@@ -334,6 +334,18 @@ def test_rows_are_kept_for_the_samples_of_a_prompt_still_prefilling(tiny):
     assert one.tokens[0].tolist() == greedy_alone(tiny, "The dog", 4)
 
 
+def test_a_generate_that_raises_midway_frees_its_sequences(engine):
+    expected = greedy(engine, [COMMON + "woods.", "The dog"])
+
+    def hook(request, sample, token):
+        if request == 1:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([COMMON + "woods.", "The dog"], SamplingParams(max_tokens=16, n=2), on_token=hook)
+    assert engine.scheduler.idle and engine.cache.stats()["sequences"] == 0
+    assert greedy(engine, [COMMON + "woods.", "The dog"]) == expected
+
+
 def greedy_alone(tiny, prompt, max_tokens):
     with Engine(tiny, backend="host", max_seqs=2, kv_tokens=1 << 12) as e:
         return greedy(e, [prompt], max_tokens)[0]

@@ -273,6 +273,8 @@ class Engine:
         snapshot : str or os.PathLike, optional
             Where the cache's snapshot is written just before the first sequence is freed, while every sequence
             is live (for ``pagedrt map``).
+
+        A call that raises midway (``on_token`` raised, an interrupt) frees its sequences before it returns.
         """
         prompts = list(prompts)
         params = params or SamplingParams()
@@ -289,10 +291,17 @@ class Engine:
         self._snapshot, self._on_token = snapshot, on_token
         for request in requests:
             self.scheduler.add(request)
-        with self.model.stream:
-            while not self.scheduler.idle:
-                self.step()
-        self._snapshot = self._on_token = None
+        try:
+            with self.model.stream:
+                while not self.scheduler.idle:
+                    self.step()
+        except BaseException:  # an on_token hook that raised, Ctrl-C: the next call starts from an empty cache
+            handles = self.scheduler.clear()
+            if handles:
+                self.cache.step([], frees=handles)
+            raise
+        finally:
+            self._snapshot = self._on_token = None
         return [r.completion for r in requests]
 
     def step(self) -> None:
