@@ -4,8 +4,8 @@ Two address translations, in layers (each imports only the ones below it):
 ``driver`` -> ``memory`` (the pool: hardware mapping, the MMU translates) ->
 ``blocks`` (allocator and block tables: software mapping, the kernel translates) ->
 ``step`` (the step's device metadata) -> ``layout``, ``snapshot``, ``cache`` (PagedKVCache,
-translate) -> ``kernels`` (writes, copies, validation) -> ``attention`` (plan/run) -> ``cli``, with
-``bench`` (the benchmarks) on top. docs/ARCHITECTURE.md has the table.
+translate) -> ``kernels`` (writes, copies, validation) -> ``attention`` (plan/run) -> ``scheduler``
+(what a step runs) -> ``demo``, ``engine``, ``cli``, with ``bench`` (the benchmarks) on top. docs/ARCHITECTURE.md has the table.
 """
 
 from .cache import PagedKVCache

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import attention, kernels
-from .blocks import ceil_div, ranks
+from .blocks import ranks
 from .cache import PagedKVCache
 from .layout import Layout
 from .memory import select_backend
+from .scheduler import Request, Scheduler, SchedulerConfig, Status
 from .spec import KVSpec
 
 PRESETS = {  # name: (layers, query heads, kv heads, head_dim)
@@ -47,7 +48,6 @@ VOCAB = 32000        # token ids are drawn from [0, VOCAB)
 ARRIVAL, FORK = 0.5, 0.2  # the chance, each step, of an arrival and of a fork
 FREQUENCY = 100.0    # scale of the K/V's frequencies (radians per unit of a token's features)
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-_NO_IDS = np.empty(0, np.int64)
 
 
 @dataclass
@@ -111,8 +111,7 @@ class DemoResult:
 
 @dataclass
 class _Seq:
-    """A live sequence as the workload sees it."""
-    target: int          # the length at which it finishes
+    """A live sequence's record as the workload sees it (the scheduler holds its place and target)."""
     pending: np.ndarray  # prompt ids not appended yet; empty once it decodes
     length: int = 0
     id_sum: int = 0      # the sum of its ids so far (the next token's K/V depends on it)
@@ -167,8 +166,8 @@ def _mix(z):
 
 
 class _Workload:
-    """The seeded scheduler: what each step frees, forks, admits and appends; the contiguous K/V of the
-    checked layers per sequence."""
+    """The seeded workload: the requests and forks it asks for, each step's decisions (its scheduler's), and
+    the contiguous K/V of the checked layers per sequence."""
 
     def __init__(self, config, cache):
         c = self.c = config
@@ -178,7 +177,9 @@ class _Workload:
         self.values = _Values(c, self.xp, cache.dtype)
         low, high = max(1, c.max_prompt // 4), max(2, c.max_prompt // 2)
         self.system = [self.rng.integers(VOCAB, size=int(self.rng.integers(low, high))) for _ in range(SYSTEM_PROMPTS)]
-        self.chunk = max(1, c.max_prompt // 4)  # prompt tokens a sequence appends per step
+        policy = SchedulerConfig(c.max_seqs, c.block_size, step_tokens=c.max_prompt + c.max_seqs,
+                                 first_chunk=max(1, c.max_prompt // 4))  # a prompt prefilled over several steps
+        self.scheduler = Scheduler(policy, cache)
         self.limit = cache.max_blocks_per_seq * c.block_size
         self.empty = np.zeros((0, c.kv_heads, c.head_dim))
         self.seqs = {}  # handle -> _Seq, in arrival order
@@ -191,48 +192,26 @@ class _Workload:
         return np.concatenate([system, self.rng.integers(VOCAB, size=max(1, int(user)))])
 
     def plan(self):
-        """This step's decisions: ``cache.step``'s arguments, and the targets of its forks and arrivals.
-
-        The sequences that reached their target are freed. Each other one appends one
-        sampled token, or its next prompt chunk while the step's budget of max_prompt
-        prompt tokens lasts (in arrival order). A fork or an arrival is admitted when the
-        blocks that every sequence may still need, counted as if none were shared, fit in
-        the blocks available, so that no step runs out.
+        """This step's decisions (:class:`~pagedrt.scheduler.Scheduler`'s: max_prompt + max_seqs tokens a step,
+        an arrival's first chunk a quarter of max_prompt): the sequences that reached their target are freed,
+        every other one appends one sampled token or its next prompt chunk. Then, drawn here: a fork of a random
+        decoding sequence (a parallel sample asked for late) and an arrival, each made if the scheduler finds
+        room; an arrival it does not admit now goes away. Returns the plan and its decoding rows' tokens.
         """
-        c, rng, bs = self.c, self.rng, self.c.block_size
-        frees = [s for s, q in self.seqs.items() if q.length >= q.target]
-        staying = [s for s, q in self.seqs.items() if q.length < q.target]
-        sampled = rng.integers(VOCAB, size=len(staying))
-        seqs, ids, budget = [], [_NO_IDS], c.max_prompt
-        for i, s in enumerate(staying):
-            pending = self.seqs[s].pending
-            if not pending.size:
-                seqs.append(s)
-                ids.append(sampled[i:i + 1])
-            elif budget:
-                seqs.append(s)
-                ids.append(pending[:budget])
-                budget -= ids[-1].size
-        to_come = sum(ceil_div(self.seqs[s].target, bs) - self.seqs[s].length // bs for s in staying)
-        available, rows = self.cache.num_available_blocks, len(staying)
-        forks, arrivals = [], []  # (parent, the child's target), (prompt, target)
-        decoding = [s for s in staying if not self.seqs[s].pending.size]
-        if decoding and rows < c.max_seqs and rng.random() < FORK:
+        c, rng = self.c, self.rng
+        plan = self.scheduler.begin()
+        sampled = rng.integers(VOCAB, size=len(plan.staying))
+        decoding = [s for s in plan.staying if s.status is Status.DECODE]
+        if decoding and plan.rows < c.max_seqs and rng.random() < FORK:
             parent = decoding[int(rng.integers(len(decoding)))]
-            target = min(self.limit, self.seqs[parent].target + int(rng.integers(0, 16)))
-            need = ceil_div(target, bs) - self.seqs[parent].length // bs
-            if to_come + need <= available:
-                forks.append((parent, target))
-                rows, to_come = rows + 1, to_come + need
-        if budget and rows < c.max_seqs and rng.random() < ARRIVAL:
+            self.scheduler.fork(plan, parent, min(self.limit, parent.target + int(rng.integers(0, 16))))
+        if plan.budget and plan.rows < c.max_seqs and rng.random() < ARRIVAL:
             prompt = self.prompt()
             target = min(self.limit, prompt.size + int(rng.integers(4, max(5, c.steps // 2))))
-            if to_come + ceil_div(target, bs) <= available:
-                arrivals.append((prompt, target))
-        args = dict(seqs=seqs, counts=[a.size for a in ids[1:]], token_ids=np.concatenate(ids),
-                    arrivals=[p for p, _ in arrivals], arrival_tokens=min(self.chunk, budget) if arrivals else None,
-                    forks=[p for p, _ in forks], frees=frees)
-        return args, [t for _, t in forks], [t for _, t in arrivals]
+            self.scheduler.add(Request(prompt, target - prompt.size))
+        self.scheduler.admit(plan)
+        self.scheduler.withdraw()
+        return plan, sampled[[s.status is Status.DECODE for s in plan.staying]]
 
     def step(self, events):
         """Plan a step and make it (``cache.step()``), write its K/V and check attention; returns the errors.
@@ -242,26 +221,31 @@ class _Workload:
         cached prefix the step found for them (its K/V computed here, not written), then
         every row of the batch takes its new tokens.
         """
-        plan, fork_targets, arrival_targets = self.plan()
-        step = self.cache.step(**plan)
-        for s in plan["frees"]:
-            del self.seqs[s]
-        for child, parent, target in zip(step.forked.tolist(), plan["forks"], fork_targets):
-            self.seqs[child] = replace(self.seqs[parent], target=target, history=dict(self.seqs[parent].history))
-        prompts, cached = plan["arrivals"], step.cached
-        arrived = [_Seq(target, prompt, history={layer: (self.empty, self.empty) for layer in self.layers})
-                   for prompt, target in zip(prompts, arrival_targets)]
+        plan, decode_ids = self.plan()
+        args = plan.cache_args(decode_ids)
+        step = self.cache.step(**args)
+        self.scheduler.update(plan, step)
+        for s in plan.frees:
+            del self.seqs[s.handle]
+        for child, (parent, _, _) in zip(step.forked.tolist(), plan.forks):
+            self.seqs[child] = replace(self.seqs[parent.handle], history=dict(self.seqs[parent.handle].history))
+        prompts, cached = args["arrivals"], step.cached
+        arrived = [_Seq(prompt, history={layer: (self.empty, self.empty) for layer in self.layers})
+                   for prompt in prompts]
         if cached.any():  # the K/V the cached blocks hold: what these sequences would have written
             hit = np.concatenate([p[:n] for p, n in zip(prompts, cached.tolist())])
             x = self.xp.asarray(features(hit, cached, np.zeros_like(cached), np.zeros_like(cached)))
             self.extend(arrived, hit, cached, {layer: _host64(self.values.layer(x, layer)) for layer in self.layers})
         self.seqs.update(zip(step.arrived.tolist(), arrived))
         batch = [self.seqs[s] for s in step.seqs.tolist()]
-        ids = np.concatenate([plan["token_ids"]] + [q.pending[:plan["arrival_tokens"]] for q in arrived])
+        ids = np.concatenate([args["token_ids"]] + [q.pending[:n] for q, n in zip(arrived, plan.arrival_tokens)])
         prefill = np.array([q.pending.size > 0 for q in batch], bool)
         self.extend(batch, ids, step.query_lens, self.write(step, ids, batch))
+        for seq in self.scheduler.running.values():
+            if self.seqs[seq.handle].length >= seq.target:
+                self.scheduler.finish(seq)
         n_prompt = int(step.query_lens[prefill].sum())
-        for key, value in (("arrived", len(prompts)), ("forked", step.forked.size), ("finished", len(plan["frees"])),
+        for key, value in (("arrived", len(prompts)), ("forked", step.forked.size), ("finished", len(plan.frees)),
                            ("prompt_tokens", n_prompt), ("prefix_hit_tokens", int(cached.sum())),
                            ("decode_tokens", step.num_tokens - n_prompt),
                            ("mixed_steps", int(prefill.any() and not prefill.all())),

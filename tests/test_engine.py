@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf p
 
 from pagedrt.engine import Engine, SamplingParams, loader  # noqa: E402
 from pagedrt.engine.tokenizer import Tokenizer  # noqa: E402
-from pagedrt.errors import ModelFileError, RequestError, UnsupportedModelError  # noqa: E402
+from pagedrt.errors import InvalidTokenIdsError, ModelFileError, RequestError, UnsupportedModelError  # noqa: E402
 
 COMMON = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the "
 
@@ -277,12 +277,78 @@ def test_the_stop_token_ends_a_sample(tiny):
     ([], SamplingParams(), "empty"),
     ("The dog " * 300, SamplingParams(), "at most 512"),
     ("The dog", SamplingParams(max_tokens=600), "at most 512"),
-    ([1, 10**6], SamplingParams(), "ids in"),
     ("The dog", SamplingParams(n=64), "at most 16 sequences"),
 ])
 def test_requests_the_cache_cannot_serve_are_refused(engine, prompt, params, match):
     with pytest.raises(RequestError, match=match):
         engine.generate([prompt], params)
+
+
+@pytest.mark.parametrize("prompt", [["a"], None, [1.5], [1.0, 2.0], [[1, 2], [3, 4]], [[1], [2, 3]], [-1], [339],
+                                    [True], 7, [2**70]])
+def test_prompt_ids_that_are_not_a_flat_list_of_ids_in_the_vocabulary_are_refused(engine, prompt):
+    """Checked before anything runs: floats are refused, not truncated, and nothing is left waiting."""
+    steps = engine.stats.steps
+    with pytest.raises(InvalidTokenIdsError, match=r"flat list of ints in \[0, 339\)"):
+        engine.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=2))
+    assert engine.stats.steps == steps and engine.scheduler.idle and engine.cache.stats()["sequences"] == 0
+
+
+# Generations of the engine before the scheduler was a module of its own (commit 64106fb), on a cache tight
+# enough that prompts are chunked, rows and blocks bound admission, and prefixes are found cached.
+PROMPTS = [COMMON + "woods.", "Paging the cache: blocks, tables, slots.", COMMON * 2 + "house.",
+           "What's the name of the cat?", COMMON + "river, and then", "The dog"]
+PARAMS = [SamplingParams(max_tokens=12, n=3), SamplingParams(max_tokens=20), SamplingParams(max_tokens=9, n=2),
+          SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, n=4), SamplingParams(max_tokens=5),
+          SamplingParams(max_tokens=30, n=2, temperature=1.0, seed=1)]
+BEFORE = [([[152] + [33] * 11] * 3, 0), ([[231] * 5 + [147] + [1] * 14], 0), ([[152, 149, 96, 175] + [33] * 5] * 2, 48),
+          ([[330, 65, 39, 228, 49, 255, 212, 135, 158, 30, 144, 11, 44, 274, 212, 144],
+            [72, 144, 126, 14, 152, 180, 169, 83, 325, 215, 159, 323, 304, 50, 50, 256],
+            [85, 152, 174, 100, 212, 5, 290, 282, 241, 119, 81, 147, 323, 38, 214, 256],
+            [196, 305, 232, 193, 18, 325, 278, 204, 211, 223, 79, 327, 5, 225, 232, 325]], 0),
+          ([[234, 152, 149, 96, 96]], 48),
+          ([[172, 154, 263, 189, 49, 168, 208, 66, 137, 38, 155, 160, 42, 303, 173, 106, 131, 162, 68, 237, 73, 136,
+             305, 138, 91, 108, 102, 218, 216, 319],
+            [294, 277, 33, 184, 278, 154, 234, 76, 14, 325, 323, 319, 119, 186, 215, 37, 147, 274, 122, 234, 194, 280,
+             35, 160, 96, 25, 16, 27, 131, 143]], 0)]
+
+
+@pytest.mark.parametrize("sizes", [dict(max_seqs=16, kv_tokens=1 << 14),
+                                   dict(max_seqs=6, kv_tokens=640, step_tokens=40),
+                                   dict(max_seqs=4, kv_tokens=1 << 12, step_tokens=32)])
+def test_generations_are_those_of_the_engine_before_the_scheduler_module(tiny, sizes):
+    with Engine(tiny, backend="host", **sizes) as e:
+        results = e.generate(PROMPTS, PARAMS)
+        assert [([t.tolist() for t in r.tokens], r.cached_tokens) for r in results] == BEFORE
+        if sizes["max_seqs"] < 16:  # the tight caches: chunked prompts, a full batch
+            assert e.stats.prefill_steps > 4 and e.stats.max_batch == sizes["max_seqs"]
+
+
+def test_rows_are_kept_for_the_samples_of_a_prompt_still_prefilling(tiny):
+    """Four samples of a prompt prefilled over several steps take every row once it ends: a request behind it
+    waits for a row instead of taking one of theirs (the block table would overflow at the fork)."""
+    with Engine(tiny, backend="host", max_seqs=4, kv_tokens=1 << 12, step_tokens=16) as e:
+        many, one = e.generate([COMMON, "The dog"], [SamplingParams(max_tokens=4, n=4), SamplingParams(max_tokens=4)])
+        assert len(many.tokens) == 4 and len(one.tokens) == 1 and e.stats.max_batch == 4
+    assert [t.tolist() for t in many.tokens] == [greedy_alone(tiny, COMMON, 4)] * 4
+    assert one.tokens[0].tolist() == greedy_alone(tiny, "The dog", 4)
+
+
+def test_a_generate_that_raises_midway_frees_its_sequences(engine):
+    expected = greedy(engine, [COMMON + "woods.", "The dog"])
+
+    def hook(request, sample, token):
+        if request == 1:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([COMMON + "woods.", "The dog"], SamplingParams(max_tokens=16, n=2), on_token=hook)
+    assert engine.scheduler.idle and engine.cache.stats()["sequences"] == 0
+    assert greedy(engine, [COMMON + "woods.", "The dog"]) == expected
+
+
+def greedy_alone(tiny, prompt, max_tokens):
+    with Engine(tiny, backend="host", max_seqs=2, kv_tokens=1 << 12) as e:
+        return greedy(e, [prompt], max_tokens)[0]
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(n=0), dict(temperature=-1.0), dict(top_p=0.0),

@@ -8,8 +8,9 @@ metadata), :mod:`.loader` (reading and dequantising a GGUF file), :mod:`.tokeniz
 (byte-level BPE), :mod:`.chat` (ChatML), :mod:`.fetch` (the default model, fetched on
 first use), :mod:`.ops` (norms, rotary embeddings, SwiGLU, GEMMs: ``cuda_src/engine.cu``
 and NumPy references), :mod:`.model` (the forward pass of one step), :mod:`.sampler`
-(greedy and top-p sampling), :mod:`.engine` (the generate loop: continuous batching,
-parallel samples by fork, prefix caching). Needs the ``gguf`` package
+(greedy and top-p sampling), :mod:`.engine` (the generate loop over
+:mod:`pagedrt.scheduler`'s decisions: continuous batching, parallel samples by fork,
+prefix caching). Needs the ``gguf`` package
 (``pip install 'pagedrt[model]'``).
 """
 
