@@ -212,7 +212,7 @@ def svg(pic):
     px, gx, gy, rows, cols = _geometry(pic)
     table_x = gx + cols * px + 40
     height = max(gy + rows * px, gy + 18 * (len(pic.tables) + 2)) + 40 + 18 * (len(CATEGORIES) + len(CHUNK_STATES))
-    width = table_x + 260
+    width = max(table_x + 360, 16 + 8 * len(pic.title))  # room for the table's labels and the title (13 px bold)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="11">',
            f"<title>{escape(pic.title)}</title>",
@@ -243,6 +243,8 @@ def svg(pic):
     out.append("</g>")
     out.append(f'<g id="grid-lines" stroke="#ffffff" stroke-width="{0.5 if px < 8 else 1}">'
                f'<path d="{_grid_path(gx, gy, rows, cols, px)}"/></g>')
+    out.append(f'<rect x="{gx}" y="{gy}" width="{cols * px}" height="{rows * px}" fill="none" stroke="#999999" '
+               f'stroke-width="0.5"/>')
     out += _svg_tables(pic, px, gx, gy, table_x)
     out += _svg_legend(8, max(gy + rows * px, gy + 18 * (len(pic.tables) + 2)) + 24)
     out.append("</svg>")
@@ -263,8 +265,9 @@ def _svg_tables(pic, px, gx, gy, table_x):
     for i, (seq, length, n, swapped, colour, cells) in enumerate(pic.tables):
         y = gy + 18 * i
         fill = SEQ_COLOURS[colour]
-        points = " ".join(f"L{gx + c * px + px / 2:.1f} {gy + r * px + px / 2:.1f}" for r, c in cells)
-        out.append(f'<path class="pointer" d="M{table_x} {y + 6} {points}" fill="none" stroke="{fill}" '
+        points = " ".join(f"M{table_x} {y + 6}L{gx + c * px + px / 2:.1f} {gy + r * px + px / 2:.1f}"
+                          for r, c in cells)
+        out.append(f'<path class="pointer" d="{points}" fill="none" stroke="{fill}" '
                    f'stroke-opacity="0.45" stroke-width="1"/>')
         out.append(f'<rect class="table" x="{table_x}" y="{y}" width="{max(2, 120 * n // longest)}" height="12" '
                    f'fill="{fill}"><title>sequence {seq}: {length} tokens in {n} blocks'
