@@ -276,12 +276,15 @@ def load_state(snapshot, from_demo, backend, options):
 @click.option("--svg", "svg_path", type=click.Path(dir_okay=False), help="Draw both layers in an SVG file instead.")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False),
               help="Draw both layers in a PNG file instead (matplotlib: the plot extra).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="The SVG in a self-contained page where hovering a token shows its translation chain.")
 @named_errors
-def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, svg_path, png_path, **options):
-    """The chunk table, the block tables and the pool map, side by side; or, with --svg/--png, a picture."""
+def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, svg_path, png_path, html_path,
+                **options):
+    """The chunk table, the block tables and the pool map, side by side; or, with --svg/--png/--html, a picture."""
     snap = load_state(snapshot, from_demo, backend, options)
-    if svg_path or png_path:
-        draw_pictures(snap, svg_path, png_path)
+    if svg_path or png_path or html_path:
+        draw_pictures(snap, svg_path, png_path, html_path)
         return
     if as_json:
         click.echo(json.dumps(snap, indent=1))
@@ -289,11 +292,13 @@ def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, svg_
     show_map(snap, styler(no_color), show_seqs)
 
 
-def draw_pictures(snap, svg_path, png_path):
-    """Write the picture of ``snap`` as SVG and/or PNG, then say where and what it counts."""
+def draw_pictures(snap, svg_path, png_path, html_path):
+    """Write the picture of ``snap`` as SVG, PNG and/or HTML page, then say where and what it counts."""
+    from .page import write_html
     from .picture import picture, write_png, write_svg
     pic = picture(snap)
-    for path, write in ((png_path, write_png), (svg_path, write_svg)):  # the PNG first: it may lack matplotlib
+    for path, write in ((png_path, write_png), (svg_path, write_svg),  # the PNG first: it may lack matplotlib
+                        (html_path, lambda pic, path: write_html(pic, snap, path))):
         if path:
             write(pic, path)
             click.echo(f"wrote {path}: {pic.title}")

@@ -28,7 +28,8 @@ CATEGORIES = ("reserved", "released", "free", "cached", "shared", "held")
 RESERVED, RELEASED, FREE, CACHED, SHARED, HELD = range(len(CATEGORIES))
 COLOURS = {"reserved": "#ffffff", "released": "#f3c4c4", "free": "#d4d4d4", "cached": "#f2b701", "shared": "#222222"}
 LABELS = {"reserved": "reserved, never mapped", "released": "released (no memory)", "free": "free",
-          "cached": "cached-free (evictable)", "shared": "shared (fork or prefix)", "held": "held: one colour a sequence"}
+          "cached": "cached-free (evictable)", "shared": "shared (fork or prefix)",
+          "held": "held: one colour a sequence"}
 SEQ_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
                "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94")
 # a row of chunks, by what most of its chunks are
@@ -221,7 +222,7 @@ def svg(pic):
            f'<text x="8" y="36">one row = {pic.chunks_per_row} chunk{"s" if pic.chunks_per_row > 1 else ""}, '
            f'one cell = {pic.blocks_per_cell} block{"s" if pic.blocks_per_cell > 1 else ""} (the colour of most of '
            f'them); hover a row\'s mark for its chunks</text>']
-    out.append(f'<g id="chunks">')
+    out.append('<g id="chunks">')
     for r in range(rows):
         first, n = r * pic.chunks_per_row, int(pic.row_counts[r].sum())
         counts = ", ".join(f"{int(c)} {s}" for s, c in zip(CHUNK_STATES, pic.row_counts[r]) if c)
@@ -232,7 +233,7 @@ def svg(pic):
             out.append(f'<text x="{gx - 18}" y="{gy + r * px + px - 2}" text-anchor="end" font-size="9">'
                        f'{first}</text>')
     out.append("</g>")
-    out.append(f'<g id="blocks" stroke="none">')
+    out.append('<g id="blocks" stroke="none">')
     for r in range(rows):
         line = pic.cells[r]
         starts = np.flatnonzero(np.concatenate(([True], line[1:] != line[:-1])))

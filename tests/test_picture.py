@@ -8,6 +8,9 @@ the legend. Synthetic snapshots (tools/make_pictures.py) are checked by validate
 import importlib.util
 import json
 import math
+import re
+import shutil
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -241,3 +244,52 @@ def test_fragmentation_plot(tmp_path):
             (("contig-max", 0.2), ("contig-exact", 0.5), ("paged-8", 0.99), ("paged-16", 0.98), ("paged-128", 0.9))]
     plots.draw_fragmentation({"long": rows, "short": rows}, tmp_path / "frag.png")
     assert (tmp_path / "frag.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- the HTML page: its script's chain against render.chain ------------------------------------------------
+
+
+def page_translations(page, cases):
+    """Run the page's own script under node for (row, pos, layer, kv, head) cases; its translations."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's script cannot be run here")
+    data = re.search(r"<script type='application/json' id='data'>(.*?)</script>", page, re.S).group(1)
+    script = re.search(r"<script>(.*?)</script>", page, re.S).group(1)
+    program = (script + "\nconst d = JSON.parse(" + json.dumps(data.replace("<\\/", "</")) + ");\n"
+               "const ts = " + json.dumps(cases) + ".map(c => translation(d, ...c));\n"
+               "console.log(JSON.stringify([ts, chainText(d, ts[0])]));")
+    out = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=True).stdout
+    translations, text = json.loads(out)
+    first = translations[0]
+    assert f"block id {first['block_id']}" in text and hex(int(first["virtual_address"])) in text
+    return translations
+
+
+@pytest.mark.parametrize("source", ["plane", "block", "synthetic"])
+def test_the_page_follows_a_token_as_translate_does(source, tmp_path):
+    from pagedrt.render import chain
+    if source == "synthetic":  # block-major, a host tier holding a swapped-out sequence, a base past 2^40
+        snap = validate_snapshot(TOOL.synthetic_snapshot(5_000))
+    else:
+        run("demo", *TINY, "--placement", source, "--snapshot", tmp_path / "s.json")
+        snap = load_snapshot(tmp_path / "s.json")
+    pic = P.picture(snap)
+    run_args = ("map", tmp_path / "s.json", "--html", tmp_path / "p.html")
+    if source != "synthetic":
+        run(*run_args)
+        page = (tmp_path / "p.html").read_text()
+        ET.fromstring(re.search(r"<svg.*</svg>", page, re.S).group(0))  # the page's picture is well-formed
+    else:
+        from pagedrt.page import html
+        page = html(pic, snap)
+    lay = snap["layout"]
+    drawn = [e for e in snap["sequences"] if e["seq"] in {t[0] for t in pic.tables}]
+    cases = [(i, pos, layer, kv, head) for i, e in enumerate(drawn) for pos in {0, e["length"] // 2, e["length"] - 1}
+             for layer, kv, head in ((0, "k", 0), (lay["num_layers"] - 1, "v", lay["num_kv_heads"] - 1))]
+    got = page_translations(page, cases)
+    assert any(t["location"] == "host" for t in got) == (source == "synthetic")
+    for (i, pos, layer, kv, head), t in zip(cases, got):
+        want = chain(snap, drawn[i]["seq"], pos, layer, kv, head).as_dict()
+        assert {k: (int(v) if k in ("pool_offset", "virtual_address", "chunk", "chunk_offset", "page") else v)
+                for k, v in t.items()} == want

@@ -3,11 +3,12 @@
     python3 tools/make_pictures.py            # docs/img/*.png and benchmarks/img/*.png (matplotlib: the plot extra)
     python3 tools/make_pictures.py --measure  # seconds and bytes of an SVG and a PNG of 100,000 and 1,000,000 blocks
 
-The pictures: the pool of a seeded demo (host backend, ``pagedrt map --png``); the canonical benchmark records of ``benchmarks/results/`` drawn as their
-``--plot`` would (``pagedrt.bench.plots``); and ``tools/frag_sim.py``'s fragmentation by block size
-(its full run, about 25 s). A synthetic snapshot (:func:`synthetic_snapshot`) is made from NumPy alone, seeded,
-and passes ``validate_snapshot``: device chunks mapped, released and never mapped, a host tier holding a
-swapped-out sequence, forked sequences sharing blocks, cached-free blocks.
+The pictures: the pool of a seeded demo (host backend, ``pagedrt map --png``); the canonical benchmark
+records of ``benchmarks/results/`` drawn as their ``--plot`` would (``pagedrt.bench.plots``); and
+``tools/frag_sim.py``'s fragmentation by block size (its full run, about 25 s). A synthetic snapshot
+(:func:`synthetic_snapshot`) is made from NumPy alone, seeded, and passes ``validate_snapshot``: device chunks
+mapped, released and never mapped, a host tier holding a swapped-out sequence, forked sequences sharing
+blocks, cached-free blocks.
 """
 
 import argparse
@@ -56,7 +57,8 @@ def _records(lay, base, state):
 
 def _sequences(rng, free_ids, host_ids, mean_blocks):
     """Sequences over ``free_ids`` (shuffled device blocks) about 70% full, every fifth a fork sharing its
-    parent's first half; one swapped out onto ``host_ids``. Returns [(blocks, length, swapped)], blocks used."""
+    parent's first half; the first swapped out onto ``host_ids``. Returns [(blocks, length, swapped)], blocks
+    used."""
     seqs, used = [], 0
     while used < 0.7 * free_ids.size:
         n = int(np.clip(rng.lognormal(np.log(mean_blocks), 0.8), 1, 4 * mean_blocks))
@@ -69,8 +71,8 @@ def _sequences(rng, free_ids, host_ids, mean_blocks):
             own = free_ids[used:used + n]
             seqs.append((own, False))
         used += own.size
-    if host_ids.size:
-        seqs.append((host_ids[:max(1, host_ids.size // 2)], True))
+    if host_ids.size:  # first, so that a picture's block tables show it
+        seqs.insert(0, (host_ids[:max(1, host_ids.size // 2)], True))
     out = []
     for ids, swapped in seqs:
         length = (ids.size - 1) * BLOCK_SIZE + int(rng.integers(1, BLOCK_SIZE + 1))
