@@ -5,9 +5,10 @@
 chunks, each cell the blocks it covers, coloured by what most of them are (held by a
 sequence, shared, cached-free, free, or in a chunk released or never mapped); one mark per
 row of chunks (mapped, released, on the host tier or never mapped); and the block tables as
-rows pointing into the grid. Aggregation is vectorised: a cell count's cost is one bincount
-over the blocks up to the highest mapped chunk, and per chunk beyond it, so a million-block
-snapshot draws in about a second. :func:`svg` and :func:`write_png` draw the same model.
+rows pointing into the grid. Aggregation is vectorised: one bincount over the blocks up to the
+highest mapped chunk, and cumulative counts per chunk beyond it (a range may reserve far more blocks
+than any list in the file holds), so the cost grows with the file, not with the reservation.
+:func:`svg` and :func:`write_png` draw the same model.
 """
 
 import io
@@ -50,9 +51,10 @@ class Picture:
     chunks_per_row, blocks_per_cell : int
         Allocator chunks in one row of the grid; blocks in one cell (the last cell of a row may hold fewer).
     cells : ndarray, int16, shape (rows, cols)
-        A cell's colour: an index into :attr:`palette`.
+        A cell's colour: an index into :attr:`palette`; -1 past the range's end.
     palette : tuple of str
-        ``#rrggbb`` colours: CATEGORIES but ``held`` first, then SEQ_COLOURS.
+        ``#rrggbb`` colours: one for each of CATEGORIES (``held``'s unused: a held cell takes the colour of
+        the sequence holding most of its blocks), then SEQ_COLOURS.
     row_state : ndarray, int8, shape (rows,)
         What most chunks of a row are: an index into CHUNK_STATES.
     row_counts : ndarray, int64, shape (rows, len(CHUNK_STATES))
@@ -175,10 +177,14 @@ def _title(snap, chunk_state):
     refs = np.array(blocks["ref_counts"], np.int64)
     cached = np.array(blocks["cached"], np.int64)
     states = np.bincount(chunk_state, minlength=len(CHUNK_STATES))
-    return (f"pagedrt pool: {blocks['num_chunks']} chunks ({states[2]} mapped, {states[1]} released, "
-            f"{states[3]} on the host tier); {blocks['max_blocks']} blocks: {blocks['held']} held "
+    return (f"pagedrt pool: {_count(blocks['num_chunks'], 'chunk')} ({states[2]} mapped, {states[1]} released, "
+            f"{states[3]} on the host tier); {_count(blocks['max_blocks'], 'block')}: {blocks['held']} held "
             f"({int((refs > 1).sum())} shared), {int((refs[cached] == 0).sum())} cached-free, {blocks['free']} free; "
-            f"{len(snap['sequences'])} sequences")
+            f"{_count(len(snap['sequences']), 'sequence')}")
+
+
+def _count(n, noun):
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _tables(snap, per_row, cell, cols):

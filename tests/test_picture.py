@@ -59,12 +59,13 @@ def expected_title(snap):
     host_from = n - snap["layout"]["host_chunks"]
     mapped = [c["chunk"] % n for c in snap["pool"]["chunks"] if c["state"] == "mapped"]
     released = {c["chunk"] % n for c in snap["pool"]["chunks"]} - set(mapped)
-    refs = snap["blocks"]["ref_counts"]
-    return (f"pagedrt pool: {n} chunks ({len({k for k in mapped if k < host_from})} mapped, {len(released)} "
+    refs, sequences = snap["blocks"]["ref_counts"], len(snap["sequences"])
+    return (f"pagedrt pool: {n} chunk{'s' * (n != 1)} ({len({k for k in mapped if k < host_from})} mapped, "
+            f"{len(released)} "
             f"released, {len({k for k in mapped if k >= host_from})} on the host tier); "
             f"{snap['blocks']['max_blocks']} blocks: {sum(r > 0 for r in refs)} held ({sum(r > 1 for r in refs)} "
             f"shared), {sum(refs[b] == 0 for b in snap['blocks']['cached'])} cached-free, {snap['blocks']['free']} "
-            f"free; {len(snap['sequences'])} sequences")
+            f"free; {sequences} sequence{'s' * (sequences != 1)}")
 
 
 def block_colours(snap):
@@ -165,6 +166,29 @@ def test_a_large_pool_draws_one_mark_per_row_of_chunks_and_a_bounded_document():
     assert counted == snap["blocks"]["num_chunks"]
     assert len(root.find(f"{SVG}g[@id='blocks']")) <= P.MAX_ROWS * P.MAX_COLS
     assert len(root.findall(f".//{SVG}rect[@class='table']")) == P.MAX_TABLE_ROWS
+
+
+def test_a_pool_with_nothing_mapped_and_one_with_a_swapped_sequence():
+    from pagedrt.cache import PagedKVCache
+    with PagedKVCache(2, 2, 64, 16, max_tokens=4096, backend="host", host_tokens=1024, growth=False) as cache:
+        empty = validate_snapshot(cache.snapshot())
+        seq = cache.add_sequence()
+        cache.append(seq, 100)
+        cache.swap_out([seq])
+        swapped = validate_snapshot(cache.snapshot())
+    pic = P.picture(empty)
+    assert pic.title == expected_title(empty) and "0 sequences" in pic.title
+    device_rows = pic.cells[:len(pic.row_state) - 1] if empty["layout"]["host_chunks"] else pic.cells
+    assert set(np.unique(device_rows)) <= {P.RESERVED, -1}
+    pic = P.picture(swapped)
+    assert pic.title == expected_title(swapped) and pic.tables[0][3]  # drawn as swapped out
+    assert P.CHUNK_STATES[pic.row_state[-1]] == "host"
+    root = ET.fromstring(P.svg(pic))
+    assert "(swapped)" in "".join(root.find(f"{SVG}g[@id='tables']").itertext())
+    cells = cells_of(root, pic)
+    colour = P.SEQ_COLOURS[swapped["sequences"][0]["seq"] % len(P.SEQ_COLOURS)]
+    host_row = len(pic.row_state) - 1
+    assert [c for (r, _), c in cells.items() if r == host_row].count(colour) > 0
 
 
 def test_png_renders(snapshot, tmp_path):
