@@ -210,8 +210,9 @@ def _geometry(pic):
 
 
 def svg(pic):
-    """The picture as an SVG document (a str): one ``<rect class="cell">`` a run of equal cells in a row, one
-    ``<rect class="chunk">`` a row of chunks (with a ``<title>`` of its counts), a legend and the block tables.
+    """The picture as an SVG document (a str): in ``<g id="blocks">`` one ``<rect>`` a run of equal cells in a
+    row, one ``<rect class="chunk">`` a row of chunks (with a ``<title>`` of its counts), a legend and the block
+    tables.
 
     Written by hand, not through a library: the document is a few kinds of rectangles, paths and text, and
     the package then needs nothing beyond NumPy to draw it.
@@ -245,8 +246,8 @@ def svg(pic):
         starts = np.flatnonzero(np.concatenate(([True], line[1:] != line[:-1])))
         for start, end in zip(starts, np.append(starts[1:], cols)):
             if line[start] >= 0:
-                out.append(f'<rect class="cell" x="{gx + start * px}" y="{gy + r * px}" width="{(end - start) * px}"'
-                           f' height="{px}" fill="{pic.palette[line[start]]}"/>')
+                out.append(f'<rect x="{gx + start * px}" y="{gy + r * px}" width="{(end - start) * px}" '
+                           f'height="{px}" fill="{pic.palette[line[start]]}"/>')
     out.append("</g>")
     out.append(f'<g id="grid-lines" stroke="#ffffff" stroke-width="{0.5 if px < 8 else 1}">'
                f'<path d="{_grid_path(gx, gy, rows, cols, px)}"/></g>')
