@@ -274,14 +274,35 @@ def load_state(snapshot, from_demo, backend, options):
 @backend_option
 @output_options
 @click.option("--show-seqs", type=click.IntRange(0), default=8, show_default=True)
+@click.option("--svg", "svg_path", type=click.Path(dir_okay=False), help="Draw both layers in an SVG file instead.")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False),
+              help="Draw both layers in a PNG file instead (matplotlib: the plot extra).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="The SVG in a self-contained page where hovering a token shows its translation chain.")
 @named_errors
-def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, **options):
-    """The chunk table, the block tables and the pool map, side by side."""
+def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, svg_path, png_path, html_path,
+                **options):
+    """The chunk table, the block tables and the pool map, side by side; or, with --svg/--png/--html, a picture."""
     snap = load_state(snapshot, from_demo, backend, options)
+    if svg_path or png_path or html_path:
+        draw_pictures(snap, svg_path, png_path, html_path)
+        return
     if as_json:
         click.echo(json.dumps(snap, indent=1))
         return
     show_map(snap, styler(no_color), show_seqs)
+
+
+def draw_pictures(snap, svg_path, png_path, html_path):
+    """Write the picture of ``snap`` as SVG, PNG and/or HTML page, then say where and what it counts."""
+    from .page import write_html
+    from .picture import picture, write_png, write_svg
+    pic = picture(snap)
+    for path, write in ((png_path, write_png), (svg_path, write_svg),  # the PNG first: it may lack matplotlib
+                        (html_path, lambda pic, path: write_html(pic, snap, path))):
+        if path:
+            write(pic, path)
+            click.echo(f"wrote {path}: {pic.title}")
 
 
 def show_map(snap, style, show_seqs=8):

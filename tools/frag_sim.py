@@ -1,6 +1,6 @@
 """Experiment: how much of a fixed KV budget holds tokens, contiguous reservation vs pagedrt's blocks.
 
-    PYTHONPATH=. python3 tools/frag_sim.py [--seed 0] [--tiny]
+    PYTHONPATH=. python3 tools/frag_sim.py [--seed 0] [--tiny] [--plot FILE.png]
 
 Two seeded request traces (arrivals, prompt and output lengths; see ``TRACES``) are
 replayed step by step against the same KV budget, a 1-D space of token slots:
@@ -323,6 +323,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a small budget and trace (the tests' size)")
+    ap.add_argument("--plot", help="also draw the used share against block size here (a PNG; matplotlib)")
     args = ap.parse_args(argv)
     size = TINY if args.tiny else FULL
     rng = np.random.default_rng(args.seed)
@@ -336,6 +337,9 @@ def main(argv=None):
         print(describe(trace, size["max_model_len"]))
         print(format_rows(rows))
         results[name] = {"trace": trace, "rows": rows}
+    if args.plot:
+        from pagedrt.bench.plots import draw_fragmentation
+        draw_fragmentation({name: r["rows"] for name, r in results.items()}, args.plot)
     return results
 
 

@@ -290,7 +290,7 @@ def main(argv=None):
               f"(paging {row['paging_overhead_pct']:+.1f}%), {row['num_splits']} splits, "
               f"validation +{row['validate_us']:.1f} us" + ("  [fits in L2]" if row["fits_l2"] else ""))
     print()
-    harness.publish("decode", args.out, info, rows, table(rows), repeats=args.repeats, ceilings=bandwidth)
+    harness.publish("decode", args.out, info, rows, table(rows), args.plot, repeats=args.repeats, ceilings=bandwidth)
 
 
 if __name__ == "__main__":

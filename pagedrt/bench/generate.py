@@ -180,7 +180,7 @@ def main(argv=None):
         kinds += k
         cp.get_default_memory_pool().free_all_blocks()
     table = harness.format_table(COLUMNS, rows) + "\n\n" + harness.format_table(KIND_COLUMNS, kinds)
-    harness.publish("generate", args.out, info, rows + kinds, table, ceilings=ceilings,
+    harness.publish("generate", args.out, info, rows + kinds, table, args.plot, ceilings=ceilings,
                     model=str(path or gguf.config.name))
 
 

@@ -216,11 +216,16 @@ def write_record(path, rec):
     Path(path).write_text(json.dumps(rec, indent=2) + "\n")
 
 
-def publish(benchmark, out, info, rows, table, **extra):
-    """Print a run's table; with ``out`` (the ``--out`` option) also write its record there."""
+def publish(benchmark, out, info, rows, table, plot=None, **extra):
+    """Print a run's table; with ``out`` (the ``--out`` option) also write its record there, with ``plot``
+    (``--plot``) draw it there (``pagedrt.bench.plots``)."""
     print(table)
+    rec = record(benchmark, info, rows, table, **extra)
     if out:
-        write_record(out, record(benchmark, info, rows, table, **extra))
+        write_record(out, rec)
+    if plot:
+        from .plots import draw
+        draw(rec, plot)
 
 
 def case_names(ap, text, known):
@@ -233,11 +238,25 @@ def case_names(ap, text, known):
     return names
 
 
+def plot_path(text):
+    """``--plot``'s value, once matplotlib is known to be there: a long run does not end in an ImportError."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError("plots need matplotlib: pip install 'pagedrt[plot]'") from None
+    return text
+
+
 def parser(module, doc, *, backend=False, **kwargs):
     """The command line every benchmark shares: ``python3 -m MODULE``, its docstring's first line, ``--out``
-    (a JSON record of the run) and, for those that also run without a GPU, ``--backend``."""
+    (a JSON record of the run), ``--plot`` for those ``pagedrt.bench.plots`` draws and, for those that also
+    run without a GPU, ``--backend``."""
+    from .plots import DRAWERS
     ap = argparse.ArgumentParser(prog=f"python3 -m {module}", description=doc.splitlines()[0], **kwargs)
     if backend:
         ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help="the pool's backend")
     ap.add_argument("--out", help="also write the run as a JSON record here")
+    if module.rsplit(".", 1)[-1] in DRAWERS:
+        ap.add_argument("--plot", type=plot_path, metavar="FILE.png",
+                        help="also draw the run here as a PNG (matplotlib: the plot extra)")
     return ap

@@ -206,7 +206,7 @@ def main(argv=None):
         extra = {"contiguous_regrow_us": regrow, "cudamalloc_copy_tb_s": plain["kernel"] / 1e12,
                  "cudamalloc_memcpy_tb_s": plain["memcpy"] / 1e12, "mapping_copy_tb_s": busy["kernel"] / 1e12,
                  "mapping_memcpy_tb_s": busy["memcpy"] / 1e12, "mapping_chunks_per_s": rate}
-    harness.publish("pool", args.out, info, rows, "\n".join(lines), repeats=args.repeats, **extra)
+    harness.publish("pool", args.out, info, rows, "\n".join(lines), args.plot, repeats=args.repeats, **extra)
 
 
 if __name__ == "__main__":

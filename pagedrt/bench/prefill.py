@@ -159,7 +159,8 @@ def main(argv=None):
                     harness.format_table(COLUMNS, rows) + "\nmedian us, L2 flushed; contig: the same kernel over "
                     "block ids in order; floor (mixed): decode K/V at the stream ceiling + prompt FLOPs at the "
                     "best dense rate above; prompt, decode (mixed): a plan over the prompt row alone, and one over "
-                    "the decode rows alone", repeats=args.repeats, ceilings=bandwidth, kv_dtype=args.kv_dtype)
+                    "the decode rows alone", args.plot,
+                    repeats=args.repeats, ceilings=bandwidth, kv_dtype=args.kv_dtype)
 
 
 if __name__ == "__main__":
