@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import LaunchArgumentError
+from ..spec import Array
 
-Array = Any  # a numpy.ndarray (the host backend: the NumPy reference runs) or a cupy.ndarray (cupy imported lazily)
 
 
 def array_module(**arrays):
