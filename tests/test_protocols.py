@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 
 from pagedrt import PagedKVCache
+from pagedrt.memory.backends import Backend
+from pagedrt.memory.host import HostBackend
+from pagedrt.memory.vmm import CudaBackend
 from pagedrt.protocols import KVCache, KVPlanes
 from pagedrt.shard import Shard, ShardedKVCache
 
@@ -37,20 +40,29 @@ def accepts(signature, required):
     return all(q.default is not q.empty or q.kind in (q.VAR_POSITIONAL, q.VAR_KEYWORD) for q in extra)
 
 
+def unbound(signature):
+    """``signature`` without its first parameter (``self``)."""
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
 def check_member(protocol, cls, instance, name):
-    """AssertionError unless ``instance`` of ``cls`` has ``protocol``'s member ``name``: a property (or an
-    attribute the instance sets) where the protocol has a property, else a method that :func:`accepts` its
-    calls."""
+    """AssertionError unless ``cls`` (and ``instance``, where one is given) has ``protocol``'s member ``name``: a
+    property (or an attribute) where the protocol has a property, else a method or static method that
+    :func:`accepts` every call of the protocol's."""
     declared = members(protocol)[name]
-    assert hasattr(instance, name), f"{cls.__name__} lacks {protocol.__name__}.{name}"
+    assert hasattr(cls if instance is None else instance, name), f"{cls.__name__} lacks {protocol.__name__}.{name}"
     found = inspect.getattr_static(cls, name, None)
     if isinstance(declared, property):
         assert not callable(found), f"{cls.__name__}.{name} must be a property"  # or an attribute
+        return
+    if isinstance(found, staticmethod):
+        signature = inspect.signature(found.__func__)
     else:
         assert inspect.isfunction(found), f"{cls.__name__}.{name} must be a method"
-        assert accepts(inspect.signature(found), inspect.signature(declared)), (
-            f"{cls.__name__}.{name}{inspect.signature(found)} does not accept every call of "
-            f"{protocol.__name__}.{name}{inspect.signature(declared)}")
+        signature = unbound(inspect.signature(found))
+    assert accepts(signature, unbound(inspect.signature(declared))), (
+        f"{cls.__name__}.{name}{signature} does not accept every call of "
+        f"{protocol.__name__}.{name}{inspect.signature(declared)}")
 
 
 def check_structure(protocol, cls, instance):
@@ -80,6 +92,11 @@ def test_a_cache_and_each_shard_are_kv_planes(caches):
         check_structure(KVPlanes, Shard, shard)
 
 
+def test_both_backends_are_a_backend():
+    check_structure(Backend, HostBackend, HostBackend("test"))
+    check_structure(Backend, CudaBackend, None)  # by the class: no GPU needed
+
+
 def test_the_check_refuses_what_does_not_match():
     class Wrong:
         def step(self, seqs, counts=2):  # seqs required, a default changed, the keywords missing
@@ -99,7 +116,7 @@ def test_the_check_refuses_what_does_not_match():
         with pytest.raises(AssertionError, match=message):
             check_member(KVCache, Wrong, wrong, name)
     check_member(KVCache, Wrong, wrong, "closed")
-    assert len(members(KVCache)) >= 25 and len(members(KVPlanes)) == 11
+    assert len(members(KVCache)) >= 25 and len(members(KVPlanes)) == 11 and len(members(Backend)) == 17
 
 
 def test_sharded_stats_count_the_tables_once_and_bytes_on_every_shard(caches):

@@ -30,6 +30,7 @@ import ctypes
 import errno
 import mmap
 import os
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,7 +51,7 @@ _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def max_map_count():
+def max_map_count() -> Optional[int]:
     """Linux's limit on mappings per process, or None where it cannot be read."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -59,7 +60,7 @@ def max_map_count():
         return None
 
 
-def _os_error(call):
+def _os_error(call: str) -> OSError:
     err = ctypes.get_errno()
     if err == errno.ENOMEM and call in ("mmap", "mprotect"):
         exc = MappingLimitError(
@@ -72,7 +73,7 @@ def _os_error(call):
     return OSError(err, f"{call}: {os.strerror(err)}")
 
 
-def _mmap(addr, size, prot, flags, fd=-1):
+def _mmap(addr: Optional[int], size: int, prot: int, flags: int, fd: int = -1) -> int:
     out = _libc.mmap(addr, size, prot, flags, fd, 0)
     if out in (None, MAP_FAILED):
         raise _os_error("mmap")
@@ -82,12 +83,12 @@ def _mmap(addr, size, prot, flags, fd=-1):
     return out
 
 
-def _munmap(addr, size):
+def _munmap(addr: int, size: int) -> None:
     if _libc.munmap(addr, size):
         raise _os_error("munmap")
 
 
-def _fully_mapped(addr, size):
+def _fully_mapped(addr: int, size: int) -> bool:
     """Whether every page of ``[addr, addr + size)`` is mapped (msync fails ENOMEM where not)."""
     return _libc.msync(addr, size, 0) == 0
 
@@ -96,11 +97,12 @@ class Memfd:
     """A chunk's physical memory: a memfd, opened when mapped and closed at once after
     (the mapping keeps the memory alive, so a pool holds no file descriptors)."""
 
-    def __init__(self, size, name="pagedrt-chunk"):
+    def __init__(self, size: int, name: str = "pagedrt-chunk"):
         self.size, self.name = size, name
         self.inode = None
 
-    def map_at(self, va, fixed=MAP_FIXED):
+    def map_at(self, va: int, fixed: int = MAP_FIXED) -> None:
+        """Open the memfd, map it at ``va`` (no access: ``set_access`` grants it) and close it again."""
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, self.size)
@@ -111,15 +113,18 @@ class Memfd:
 
 
 class HostBackend:
+    """A :class:`~pagedrt.memory.backends.Backend` over the operating system's virtual memory (module docstring);
+    its methods are the protocol's. ``reason`` says why it was chosen."""
+
     name = "host"
     xp = np
 
-    def __init__(self, reason):
+    def __init__(self, reason: str):
         self.reason = reason
         self.page_bytes = self.host_page_bytes = mmap.PAGESIZE
         self.gaps = {}  # va -> size: released places the reservation could not be put back over
 
-    def reserve(self, size):
+    def reserve(self, size: int) -> int:
         try:
             return _mmap(None, size, PROT_READ, ANON)
         except MappingLimitError:
@@ -129,16 +134,16 @@ class HostBackend:
                 f"on x86-64 Linux, less under `ulimit -v`) or its count of mappings (vm.max_map_count = "
                 f"{max_map_count()}): reserve a smaller pool") from None
 
-    def free(self, base, size):
+    def free(self, base: int, size: int) -> None:
         for start, n in self._segments(base, size):
             _munmap(start, n)
         for va in [va for va in self.gaps if base <= va < base + size]:
             del self.gaps[va]
 
-    def create(self, size, location="device"):
+    def create(self, size: int, location: str = "device") -> Memfd:
         return Memfd(size, "pagedrt-chunk" if location == "device" else "pagedrt-chunk-host")
 
-    def map(self, va, size, handle):
+    def map(self, va: int, size: int, handle: Memfd) -> None:
         if va in self.gaps:  # never replace what may have landed in a gap
             try:
                 handle.map_at(va, MAP_FIXED_NOREPLACE)
@@ -158,11 +163,11 @@ class HostBackend:
                 self._reserve_hole(va, size)
             raise
 
-    def set_access(self, va, size):
+    def set_access(self, va: int, size: int) -> None:
         if _libc.mprotect(va, size, PROT_RW):
             raise _os_error("mprotect")
 
-    def unmap(self, va, size):
+    def unmap(self, va: int, size: int) -> None:
         """Put the reservation's zero pages back over a chunk (never a bare munmap, so that no
         other mapping of this process can land inside the pool's range). With the reservation's
         protection and flags the kernel merges it with its neighbours: no mapping is added."""
@@ -176,7 +181,7 @@ class HostBackend:
         _munmap(va, size)
         self._reserve_hole(va, size)
 
-    def _reserve_hole(self, va, size):
+    def _reserve_hole(self, va: int, size: int) -> None:
         """Map the zero pages into the empty ``[va, va + size)``, replacing nothing. If that
         fails (another thread's mapping took the place), it is remembered as a gap: never
         mapped over, never unmapped by the pool."""
@@ -185,10 +190,10 @@ class HostBackend:
         except (MappingLimitError, OSError):
             self.gaps[va] = size
 
-    def release(self, handle):
+    def release(self, handle: Memfd) -> None:
         pass  # unmapping freed the memory: nothing else holds it
 
-    def retire(self, base, size, chunks):
+    def retire(self, base: int, size: int, chunks: Iterable[Tuple[int, int, Memfd]]) -> None:
         """A closing pool: scratch memory over the whole range (see the module docstring);
         the chunks' memory goes with their last mapping. Falls back to unmapping the chunks
         first (past the mapping limit), then to read-only zero pages (no memory to commit)."""
@@ -204,11 +209,11 @@ class HostBackend:
         except (MappingLimitError, OSError):
             self._over_range(base, size, PROT_READ)
 
-    def _over_range(self, base, size, prot):
+    def _over_range(self, base: int, size: int, prot: int) -> None:
         for start, n in self._segments(base, size):
             _mmap(start, n, prot, ANON | MAP_FIXED)
 
-    def _segments(self, base, size):
+    def _segments(self, base: int, size: int) -> List[Tuple[int, int]]:
         """``[base, base + size)`` less the gaps, as (start, size) pieces."""
         pieces, start = [], base
         for va in sorted(va for va in self.gaps if base <= va < base + size):
@@ -220,33 +225,34 @@ class HostBackend:
         return pieces
 
     @staticmethod
-    def handle_id(handle):
+    def handle_id(handle: Memfd) -> int:
         return handle.inode
 
     @staticmethod
-    def location_id(location):
+    def location_id(location: str) -> Optional[int]:
         return None  # memfds have no device, and no NUMA node is asked for
 
-    access_devices = ()  # no GPU reads this memory
+    access_devices: Tuple[int, ...] = ()  # no GPU reads this memory
 
     @staticmethod
-    def grant_access(ordinal, ranges):
+    def grant_access(ordinal: int, ranges: Sequence[Tuple[int, int]]) -> None:
         raise UnsupportedConfigError(f"cannot grant device {ordinal!r:.40} access to a pool on the host backend: "
                                      "it has no GPU memory and no GPU to grant; peer access needs the CUDA backend")
 
     @staticmethod
-    def check_exportable(location):
+    def check_exportable(location: str) -> None:
         raise UnsupportedConfigError("a pool on the host backend cannot export its chunks: its memfds are closed once "
                                      "mapped, and another process's GPU could not map them; export needs the CUDA "
                                      "backend")
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         pass
 
-    def close(self):
+    def close(self) -> None:
         pass
 
-    def array(self, base, total, offset, shape, dtype, strides, owner):
+    def array(self, base: int, total: int, offset: int, shape: Tuple[int, ...], dtype: np.dtype,
+              strides: Tuple[int, ...], owner: object) -> np.ndarray:
         buf = (ctypes.c_char * total).from_address(base)
         buf.owner = owner  # the array keeps the pool (and so the mapping) alive
         return np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=strides)
