@@ -193,6 +193,7 @@ class ShardedKVCache:
         self.devices = devices
         with contextlib.ExitStack() as undo:
             kind = self._backend_kind(backend, devices)
+            self._xp: Any
             if kind == "host":
                 self._xp = np
             else:
@@ -216,7 +217,7 @@ class ShardedKVCache:
                     pool.map(chunks)
                     shard_scales = None if scales is None else self._xp.asarray(part(s))
                 self.shards.append(Shard(s, device, s * heads, pool, lay, shard_scales, self._xp, lead.spec))
-            self._buffers = [self._step_buffers(shard) for shard in self.shards[1:]]
+            self._buffers: List[Any] = [self._step_buffers(shard) for shard in self.shards[1:]]
             undo.pop_all()
 
     def _backend_kind(self, backend: str, devices: List[int]) -> str:

@@ -15,10 +15,21 @@ class Backend(Protocol):
     (:attr:`page_bytes`, or :attr:`host_page_bytes` for host-located chunks). The CUDA backend also exports
     chunks to other processes (``export``, ``import_handle``)."""
 
-    name: str            # "cuda" or "host"
-    xp: Any              # the array module of its views: cupy or numpy
-    reason: str          # why this backend was chosen, for a person to read
-    page_bytes: int      # the mapping granularity of device chunks
+    @property
+    def name(self) -> str:
+        """``"cuda"`` or ``"host"``."""
+
+    @property
+    def xp(self) -> Any:
+        """The array module of its views: ``cupy`` or ``numpy``."""
+
+    @property
+    def reason(self) -> str:
+        """Why this backend was chosen, for a person to read."""
+
+    @property
+    def page_bytes(self) -> int:
+        """The mapping granularity of device chunks."""
 
     @property
     def host_page_bytes(self) -> int:
@@ -53,8 +64,9 @@ class Backend(Protocol):
     def retire(self, base: int, size: int, chunks: Iterable[Tuple[int, int, Any]]) -> None:
         """A closing pool: unmap and release every ``(va, size, handle)`` of ``chunks`` in ``[base, base + size)``."""
 
-    def handle_id(self, handle: Any) -> int:
-        """A number naming chunk ``handle`` in records (snapshots, ``/proc/self/maps``)."""
+    def handle_id(self, handle: Any) -> Optional[int]:
+        """A number naming chunk ``handle`` in records (snapshots, ``/proc/self/maps``); None before it is mapped
+        (the host backend's)."""
 
     def location_id(self, location: str) -> Optional[int]:
         """The device ordinal of ``"device"`` chunks, the NUMA node of ``"host"`` ones; None where there is none."""

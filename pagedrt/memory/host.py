@@ -30,7 +30,7 @@ import ctypes
 import errno
 import mmap
 import os
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def max_map_count() -> Optional[int]:
         return None
 
 
-def _os_error(call: str) -> OSError:
+def _os_error(call: str) -> Exception:
     err = ctypes.get_errno()
     if err == errno.ENOMEM and call in ("mmap", "mprotect"):
         exc = MappingLimitError(
@@ -68,7 +68,7 @@ def _os_error(call: str) -> OSError:
             f"memory mappings (vm.max_map_count = {max_map_count()}; each mapped chunk is one "
             f"mapping, so fewer, larger chunks need fewer) or on its address space: use larger chunks, "
             f"or raise the limit (sysctl vm.max_map_count)")
-        exc.errno = err
+        exc.errno = err  # type: ignore[attr-defined]  # read as an OSError's
         return exc
     return OSError(err, f"{call}: {os.strerror(err)}")
 
@@ -99,7 +99,7 @@ class Memfd:
 
     def __init__(self, size: int, name: str = "pagedrt-chunk"):
         self.size, self.name = size, name
-        self.inode = None
+        self.inode: Optional[int] = None  # once mapped
 
     def map_at(self, va: int, fixed: int = MAP_FIXED) -> None:
         """Open the memfd, map it at ``va`` (no access: ``set_access`` grants it) and close it again."""
@@ -122,7 +122,7 @@ class HostBackend:
     def __init__(self, reason: str):
         self.reason = reason
         self.page_bytes = self.host_page_bytes = mmap.PAGESIZE
-        self.gaps = {}  # va -> size: released places the reservation could not be put back over
+        self.gaps: Dict[int, int] = {}  # va -> size: released places the reservation could not be put back over
 
     def reserve(self, size: int) -> int:
         try:
@@ -225,7 +225,7 @@ class HostBackend:
         return pieces
 
     @staticmethod
-    def handle_id(handle: Memfd) -> int:
+    def handle_id(handle: Memfd) -> Optional[int]:
         return handle.inode
 
     @staticmethod
@@ -253,6 +253,6 @@ class HostBackend:
 
     def array(self, base: int, total: int, offset: int, shape: Tuple[int, ...], dtype: np.dtype,
               strides: Tuple[int, ...], owner: object) -> np.ndarray:
-        buf = (ctypes.c_char * total).from_address(base)
+        buf: Any = (ctypes.c_char * total).from_address(base)
         buf.owner = owner  # the array keeps the pool (and so the mapping) alive
         return np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=strides)

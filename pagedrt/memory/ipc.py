@@ -113,7 +113,7 @@ class ImportedChunks:
     def __init__(self, fds: Iterable[int], chunk_bytes: int):
         fds = _fd_list(fds)
         _chunk_size(chunk_bytes)
-        backend = select_backend("cuda")
+        backend: Any = select_backend("cuda")  # the CUDA backend: it imports handles
         try:
             if chunk_bytes % backend.page_bytes:
                 raise PoolSizeError(f"chunk_bytes={chunk_bytes} is not a whole number of pages "

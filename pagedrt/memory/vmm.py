@@ -62,7 +62,7 @@ class CudaBackend:
         self.page_bytes = drv.page_granularity(self.device)
         self._access = [self._access_desc(self.device.ordinal)]  # read-write for this device (and those granted),
         # whatever the chunk's location
-        self._host = None  # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
+        self._host: Optional[Tuple[Any, Optional[int], int]] = None  # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
 
     def _call(self, fn: str, *args: Any) -> Any:
         self.device.activate()
@@ -106,7 +106,7 @@ class CudaBackend:
         """(allocation prop, NUMA node or None, granularity) of host-located chunks for this device."""
         if self._host is None:
             d = self._d
-            node = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
+            node: Optional[int] = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
             if node >= 0 and self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
                 kind = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
             elif self._attribute("CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
