@@ -2,6 +2,7 @@
 has one, a method with a signature that accepts every call the protocol's allows."""
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -50,7 +51,11 @@ def check_member(protocol, cls, instance, name):
     property (or an attribute) where the protocol has a property, else a method or static method that
     :func:`accepts` every call of the protocol's."""
     declared = members(protocol)[name]
-    assert hasattr(cls if instance is None else instance, name), f"{cls.__name__} lacks {protocol.__name__}.{name}"
+    if instance is None:  # by the class alone: an attribute may be one its __init__ sets
+        has = hasattr(cls, name) or re.search(rf"\bself\.{name}\b[^=\n]*=[^=]", inspect.getsource(cls.__init__))
+    else:
+        has = hasattr(instance, name)
+    assert has, f"{cls.__name__} lacks {protocol.__name__}.{name}"
     found = inspect.getattr_static(cls, name, None)
     if isinstance(declared, property):
         assert not callable(found), f"{cls.__name__}.{name} must be a property"  # or an attribute
