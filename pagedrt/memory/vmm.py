@@ -106,8 +106,9 @@ class CudaBackend:
         """(allocation prop, NUMA node or None, granularity) of host-located chunks for this device."""
         if self._host is None:
             d = self._d
-            node: Optional[int] = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
-            if node >= 0 and self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
+            numa = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
+            node: Optional[int] = numa
+            if numa >= 0 and self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
                 kind = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
             elif self._attribute("CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
                 kind, node = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST, None
