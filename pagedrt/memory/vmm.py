@@ -62,7 +62,8 @@ class CudaBackend:
         self.page_bytes = drv.page_granularity(self.device)
         self._access = [self._access_desc(self.device.ordinal)]  # read-write for this device (and those granted),
         # whatever the chunk's location
-        self._host: Optional[Tuple[Any, Optional[int], int]] = None  # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
+        # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
+        self._host: Optional[Tuple[Any, Optional[int], int]] = None
 
     def _call(self, fn: str, *args: Any) -> Any:
         self.device.activate()
