@@ -33,7 +33,7 @@ def array_module(**arrays: Optional[Array]) -> Any:
 
 def array_kind(**arrays: Optional[Array]) -> Any:
     """numpy if every given array is a NumPy array, cupy if every one is a CuPy array (on any devices)."""
-    kinds = {}
+    kinds: Dict[str, List[str]] = {}
     for name, a in arrays.items():
         if a is None:
             continue
@@ -168,14 +168,15 @@ class RunArrays:
                   lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
 
 
-def check_scales(kv_heads: Optional[int], array_type: type, k_scale: Optional[Array], v_scale: Optional[Array]) -> None:
+def check_scales(kv_heads: Optional[int], array_type: Any, k_scale: Optional[Array], v_scale: Optional[Array]) -> None:
     """Raise LaunchArgumentError unless the scales fit the planes: for FP8 planes (``kv_heads`` not None) two
     contiguous float32 arrays of ``kv_heads`` entries of ``array_type``; for other planes none."""
     if kv_heads is None:
         check(k_scale is None and v_scale is None,
               "k_scale and v_scale are for FP8 (float8_e4m3) planes only: these planes hold q's dtype")
         return
-    for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
+    scales: Tuple[Tuple[str, Any], ...] = (("k_scale", k_scale), ("v_scale", v_scale))
+    for name, a in scales:
         check(a is not None, lambda: f"FP8 (float8_e4m3) planes need {name}: float32 [{kv_heads}], one scale per "
                                      "KV head of this layer (cache.k_scale(layer), cache.v_scale(layer))")
         check(type(a) is array_type and a.dtype == np.float32 and a.shape == (kv_heads,) and a.flags.c_contiguous,

@@ -283,7 +283,7 @@ def _runs(pairs: np.ndarray, same_planes: bool = True) -> np.ndarray:
 
 def _spans(bases: Sequence[int], stride: int, block_bytes: int) -> List[List[int]]:
     """(first byte, width) of each stretch of planes whose blocks lie side by side inside one block stride."""
-    spans = []
+    spans: List[List[int]] = []
     for base in sorted(set(bases)):
         if spans and spans[-1][0] + spans[-1][1] == base and spans[-1][1] + block_bytes <= stride:
             spans[-1][1] += block_bytes
@@ -327,7 +327,7 @@ def _transfer_planes(src_planes: List[Array], dst_planes: List[Array]) -> Tuple[
     dst_bytes, dst_blocks = _side(dst_names, dst_planes)
     check(src_bytes == dst_bytes, lambda: f"source blocks are {src_bytes} bytes but destination blocks {dst_bytes}: "
                                           "copy between planes of one block shape and dtype")
-    devices = (None, None)
+    devices: tuple = (None, None)
     if xp is not np:
         devices = tuple(_one_device(names, planes) for names, planes in ((src_names, src_planes),
                                                                          (dst_names, dst_planes)))

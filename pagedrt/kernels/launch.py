@@ -13,14 +13,14 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-from typing import Any, Dict, Iterator, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple, cast
 
 import numpy as np
 
 from ..errors import LaunchArgumentError, UnsupportedConfigError
 
 _programmatic = contextvars.ContextVar("pagedrt_programmatic_launch", default=False)
-_CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+_CTYPES: Dict[np.dtype, Any] = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
            np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int32): ctypes.c_int32,
            np.dtype(np.float32): ctypes.c_float}
 _configs: Dict[tuple, Any] = {}  # (grid, block, shared_mem, stream, programmatic) -> CUlaunchConfig
@@ -70,7 +70,7 @@ def kernel_params(args: Sequence[np.generic]) -> Tuple[int, Any]:
     LaunchArgumentError
         An argument that is not one of those scalars.
     """
-    values = []
+    values: List[Any] = []
     for i, a in enumerate(args):
         kind = _CTYPES.get(a.dtype) if isinstance(a, np.generic) else None
         if kind is None:
@@ -88,7 +88,7 @@ def _driver() -> Any:
 
 
 def _dims(dims: Sequence[int]) -> Tuple[int, int, int]:
-    return tuple(max(1, int(x)) for x in (tuple(dims) + (1, 1))[:3])
+    return cast(Tuple[int, int, int], tuple(max(1, int(x)) for x in (tuple(dims) + (1, 1))[:3]))
 
 
 def _config(drv: Any, grid: tuple, block: tuple, shared_mem: int, stream: int, programmatic_serialization: bool) -> Any:

@@ -118,8 +118,8 @@ class BlockExchange:
         for side in (self._send, self._recv):
             if side is not None:
                 side.spans.check_open()
-        limits = [side.num_blocks if side is not None else ANY for side in (self._send, self._recv)]
-        pairs = _host_pairs(pairs, *limits, "the send planes'", "the receive planes'")
+        send_limit, recv_limit = (side.num_blocks if side is not None else ANY for side in (self._send, self._recv))
+        pairs = _host_pairs(pairs, send_limit, recv_limit, "the send planes'", "the receive planes'")
         if self._recv is not None:
             _distinct_destinations(pairs)
         for side, column, what in ((self._send, 0, "source block"), (self._recv, 1, "destination block")):

@@ -14,7 +14,7 @@ plane in a closed pool raises ``PoolClosedError`` before anything runs.
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -180,6 +180,7 @@ def _length_error(row: int, length: int, width: int, block_size: int) -> NoRetur
 
 def _entry_error(row: int, column: int, block_id: int, num_blocks: int, block_mask: Optional[Array],
                  spans: Spans) -> NoReturn:
+    why: Optional[str]
     if not 0 <= block_id < num_blocks:
         why = f"not a block of the pool: ids run 0..{num_blocks - 1}"
     elif block_mask is not None and not int(block_mask[block_id]):
@@ -219,14 +220,14 @@ def check_block_tables(block_tables: Optional[Array], seq_lens: Array, block_siz
     BlockTableError
         With ``row`` and ``length``, or ``row``, ``column`` and ``block_id``, as attributes.
     """
-    width = block_tables.shape[1] if block_tables is not None else width
+    width = cast(int, block_tables.shape[1] if block_tables is not None else width)
     first_bad = _host_first_bad if isinstance(seq_lens, np.ndarray) else _device_first_bad
     bad_row, bad_entry = first_bad(block_tables, seq_lens, block_size, num_blocks, block_mask, width, spans)
     if bad_row is not None:
         _length_error(bad_row, int(seq_lens[bad_row]), width, block_size)
     if bad_entry is not None:
         row, column = divmod(bad_entry, width)
-        _entry_error(row, column, int(block_tables[row, column]), num_blocks, block_mask, spans)
+        _entry_error(row, column, int(cast(Array, block_tables)[row, column]), num_blocks, block_mask, spans)
 
 
 def _host_first_bad(block_tables: Optional[np.ndarray], seq_lens: np.ndarray, block_size: int, num_blocks: int,
