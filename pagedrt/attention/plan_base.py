@@ -20,8 +20,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..kernels.args import (Array, aligned, check, check_scales, device_pointers, int_array, ptr, scale_keywords,
+from ..kernels.args import (aligned, check, check_scales, device_pointers, int_array, ptr, scale_keywords,
                             scale_pointers, store)
+from ..spec import Array
 
 LOG2E = 1.4426950408889634  # kernels take the scale times log2(e): their softmax runs on exp2
 

@@ -40,10 +40,10 @@ import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import Array, array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
+from ..kernels.args import array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
-from ..spec import plane_kv_dtype
+from ..spec import Array, plane_kv_dtype
 from ..supported import check as check_supported
 from . import decode, prefill_sm90, reference
 from .plan_base import (LOG2E, Plan, check_block_mask, check_workspace, default_scale, table_args,

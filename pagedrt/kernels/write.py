@@ -9,9 +9,9 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import fp8, source
-from ..spec import plane_kv_dtype
+from ..spec import Array, plane_kv_dtype
 from ..supported import FP8_DTYPES
-from .args import (Array, array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
+from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
                    plane, ptr, same_layout, scale_pointers)
 from .configs import Config, config, fp8_sweep, sweep
 from .launch import launch
