@@ -22,7 +22,7 @@ way into the same workspace layout.
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -121,10 +121,10 @@ class _Bound:
     stream a split launch belongs to, the plan's claim on a caller's workspace, and the device arrays its
     pointers name besides the per-layer ones (a mixed step's rows)."""
     launch: _Launch
-    workspace: object
-    stream: object  # the stream's pointer when split, else None (any stream)
-    claim: object   # (Workspace, the plan's claim) on a caller's split workspace, else None
-    keep: object = None
+    workspace: Optional[Array]
+    stream: Optional[int]  # the stream's pointer when split, else None (any stream)
+    claim: Optional[Tuple[Workspace, int]]  # (Workspace, the plan's claim) on a caller's split workspace, else None
+    keep: Optional[Array] = None
 
     def check(self) -> None:
         """Raise LaunchArgumentError unless the launch may run now: on the plan's stream when split, over a
@@ -219,11 +219,11 @@ def _decode_items_and_prepare(cfg, q_heads, pk, block_tables, seq_lens, scale, s
     return _prepare_wide(cfg, q_heads, pk, block_tables, seq_lens, items, scale, split, layout, workspace)
 
 
-def rows_launch(cfg: Config, q_heads: int, pk: Plane, block_tables: Array, kv_lens: Array, rows: Sequence[int],
-                tokens: Sequence[int], scale: float, max_seq_len: int, mean_seq_len: Optional[float],
+def rows_launch(cfg: Config, q_heads: int, pk: Plane, block_tables: Array, kv_lens: Array, rows: np.ndarray,
+                tokens: np.ndarray, scale: float, max_seq_len: int, mean_seq_len: Optional[float],
                 workspace: Optional[Array]) -> _Bound:
     """The launch (a :class:`_Bound`: :meth:`~_Bound.check`, then ``.launch(q, k, v, out)``) of a mixed step's
-    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host ints, one query
+    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host int64, one query
     token each, at most MAX_GRID_YZ), row ``rows[i]`` of ``block_tables`` and ``kv_lens`` with query token
     ``tokens[i]`` of q and out, over planes ``pk`` (:class:`~pagedrt.kernels.args.Plane`). Arguments are checked
     (``workspace`` as for :class:`DecodePlan`, holding ``len(rows)`` rows' partials); ``max_seq_len`` and
@@ -390,6 +390,7 @@ class DecodePlan(_Plan):
             check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
         reference_run = functools.partial(_paged_reference, block_tables=block_tables, seq_lens=seq_lens,
                                           scale=scale, num_splits=split.num_splits, max_seq_len=max_seq_len)
+        prepare: Callable[[], _Bound]
         if wide:
             prepare = functools.partial(_decode_items_and_prepare, cfg, q.shape[1], pk, block_tables, seq_lens,
                                         scale, split, layout, workspace)

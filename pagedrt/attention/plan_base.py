@@ -77,7 +77,8 @@ class Workspace:
     record; it lives while a plan holds it.
     """
 
-    _live = weakref.WeakValueDictionary()  # address -> the Workspace of that memory, while a plan holds it
+    # address -> the Workspace of that memory, while a plan holds it
+    _live: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 
     def __init__(self):
         self._claims = itertools.count()

@@ -298,7 +298,8 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, byte
     check_geometry(geometry)
     units = batch * num_kv_heads
     min_tokens = max(1, min_segment_bytes // bytes_per_token)
-    uneven = bool(mean_seq_len) and max_seq_len > UNEVEN * mean_seq_len
+    mean = mean_seq_len or 0.0  # unknown (or 0): not uneven
+    uneven = bool(mean) and max_seq_len > UNEVEN * mean
     if num_splits is not None:
         wanted = num_splits
     else:
@@ -306,7 +307,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, byte
         if 0 < units < resident_blocks:
             wanted = max(1, min(resident_blocks // units, max_seq_len // min_tokens))
         if uneven:
-            wanted = max(wanted, -(-max_seq_len // max(min_tokens, int(mean_seq_len) // 4)))
+            wanted = max(wanted, -(-max_seq_len // max(min_tokens, int(mean) // 4)))
     segment = -(-max_seq_len // wanted)
     segment = -(-segment // tile) * tile
     if num_splits is None:
