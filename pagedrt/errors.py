@@ -152,8 +152,8 @@ class LaunchArgumentError(PagedRTError, ValueError):
 
 class BlockTableError(PagedRTError, ValueError):
     """A block table, slot or pair names a block outside the planes or whose memory is not mapped, a length past
-    a row's capacity, or a slot twice. Table and slot checks set attributes saying where: ``row``, ``length``, ``column``,
-    ``block_id`` (tables), ``token``, ``slot``, ``first_token`` (slots)."""
+    a row's capacity, or a slot twice. Table and slot checks set attributes saying where: ``row``, ``length``,
+    ``column``, ``block_id`` (tables), ``token``, ``slot``, ``first_token`` (slots)."""
 
 
 # --- snapshots ----------------------------------------------------------------
