@@ -1,29 +1,10 @@
 """Host backend: the operating system's virtual memory stands in for the GPU MMU.
 
-The reservation is a private anonymous ``mmap(PROT_READ, MAP_NORESERVE)`` range:
-read-only zero pages, which cost nothing and read as zeros. A chunk is a memfd
-(anonymous shared memory) mapped into it with ``MAP_FIXED``; access is granted
-with ``mprotect``; releasing a chunk maps the reservation's zero pages back over
-it. The same two layers, with Linux page tables in place of the GPU's.
-
-A host-tier chunk (location "host") is one more memfd, named ``pagedrt-chunk-host`` so
-that ``/proc/self/maps`` tells the tiers apart: this backend has no device memory to
-tell it from, so the tier is a label here, the same bookkeeping as on CUDA.
-
-What a view over the range sees: a hole (a released chunk, or the part of the
-range never mapped) reads as zeros, and writing into one faults, so pagedrt's
-own writes are refused before they reach a hole. At close the whole range
-becomes private scratch memory (read-write, ``MAP_NORESERVE``: nothing is
-allocated until written), so a view taken before close reads zeros and its
-writes go nowhere; the range is unmapped when the pool and its last view are gone.
-
-Each mapped chunk is one kernel mapping (VMA), and Linux allows about 65,000 per
-process (``vm.max_map_count``): use chunks of megabytes, not pages, for large
-pools. Past that limit Linux refuses every ``mmap`` and splitting ``mprotect``
-(ENOMEM, raised as :class:`MappingLimitError`), so undoing a chunk never needs a
-new mapping: putting the zero pages back merges with the neighbouring
-reservation, and if even that is refused the chunk is unmapped (removing a whole
-mapping always succeeds and lowers the count) before the zero pages go back.
+The reservation is a private anonymous ``mmap(PROT_READ, MAP_NORESERVE)`` range (read-only zero pages); a
+chunk is a memfd mapped into it with ``MAP_FIXED`` (a host-tier chunk one named ``pagedrt-chunk-host``),
+enabled with ``mprotect``; a released chunk gets the zero pages back, and a closed pool's range becomes
+scratch memory. docs/ARCHITECTURE.md ("The pool": "Failures" and "What views see") says why, and how
+``vm.max_map_count`` is kept from leaving a hole unprotected.
 """
 
 import ctypes

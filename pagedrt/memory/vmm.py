@@ -1,32 +1,12 @@
 """CUDA backend: the driver's virtual memory management calls, and nothing else.
 
-cuMemAddressReserve reserves the range; a chunk is a cuMemCreate allocation
-mapped with cuMemMap; cuMemSetAccess enables reads and writes (one call per
-contiguous run, since its cost is per call); release is cuMemUnmap + cuMemRelease;
-close unmaps and releases every chunk, and cuMemAddressFree frees the range once
-the pool and its views are gone (so no later allocation takes those addresses
-while a view may live). Arrays are CuPy arrays over ``cupy.cuda.UnownedMemory``,
-so no copy is ever made. Holes stay unmapped (unlike the host backend's read-only
-zero pages), and so does a closed pool's range: a kernel that reads either faults
-with an illegal address, so pagedrt's launches refuse both before they start.
-
-A host-tier chunk is a cuMemCreate allocation located on the host: pinned memory on
-the NUMA node nearest the device (``CU_MEM_LOCATION_TYPE_HOST_NUMA``; plain
-``CU_MEM_LOCATION_TYPE_HOST`` where the device names no node), mapped into the same
-range and enabled for the device, so kernels and copies reach it through the same
-pointers. Creating one pins its pages, which is slow: a cache creates its host tier
-ahead of need. A refusal (out of pinned memory) is :class:`HostOutOfMemoryError`.
-
-Peer access: every chunk is enabled for the backend's device, and for each device granted
-since (:meth:`CudaBackend.grant_access`: one more ``CUmemAccessDesc`` in the list every
-``cuMemSetAccess`` passes, and that call over the chunks mapped already). VMM memory
-needs no ``cuCtxEnablePeerAccess``: the access list is the whole of it.
-
-Another process: device chunks are created exportable where the device supports POSIX file
-descriptor handles (:func:`pagedrt.driver.allocation_prop`); :meth:`CudaBackend.export` makes
-one descriptor per chunk (``cuMemExportToShareableHandle``) and :meth:`CudaBackend.import_handle`
-turns a received one back into an allocation handle (``cuMemImportFromShareableHandle``),
-which ``map``, ``set_access`` and ``release`` then treat as any chunk's.
+``cuMemAddressReserve`` reserves the range; a chunk is a ``cuMemCreate`` allocation (a host-tier chunk one
+located on the host NUMA node nearest the device) mapped with ``cuMemMap`` and enabled with
+``cuMemSetAccess``, one call a contiguous run, for the backend's device and each device granted since
+(:meth:`CudaBackend.grant_access`: VMM memory needs no ``cuCtxEnablePeerAccess``, the access list is the
+whole of it). Views are CuPy arrays over ``cupy.cuda.UnownedMemory`` (no copy). Device chunks are exportable
+as POSIX file descriptors where the device supports them. docs/ARCHITECTURE.md ("The pool", "The host tier")
+and docs/MULTIGPU.md say why and what views of holes and closed pools see.
 """
 
 from typing import Any, Iterable, Optional, Sequence, Tuple
