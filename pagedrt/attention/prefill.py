@@ -1,36 +1,12 @@
 """Prefill attention over a paged KV cache (many query tokens per sequence): the device side.
 
-:class:`PrefillPlan` does a step's checks and planning once; its :meth:`~PrefillPlan.run`
-attends for one layer. :func:`paged_prefill` is a plan run once. One batch may mix
-prompts, chunks of prompts after cached tokens and single decode tokens: sequence b's
-queries are rows ``qo_indptr[b]:qo_indptr[b + 1]`` of q and its keys the first
-``kv_lens[b]`` tokens of its block-table row (cached and new: the new tokens' K/V are
-written first). Causal attention is aligned bottom-right: query i of n sees keys
-0..kv_len - n + i. Given NumPy arrays the plan runs the float64 reference
-(:func:`pagedrt.attention.reference.prefill`).
-
-The kernels run on tensor cores for float16 and bfloat16 at head_dim 64, 128 and 256;
-other configurations raise ``UnsupportedConfigError`` on either backend, so a
-configuration is supported by both or neither. A device of compute capability 9.0
-(H100, H200) runs ``cuda_src/prefill_sm90.cu`` (warpgroup MMA with warp-specialised
-producer and consumers, compiled for sm_90a) for every positive scale; every other GPU,
-and a scale of 0 or below, runs ``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The
-work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.prefill_items`)
-are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
-the host (``query_lens``).
-
-Over FP8 K/V (uint8 planes of float8 e4m3 bits, scales per KV head given at each run) the rows that are not
-decode rows run ``prefill_fp8``, the mma.sync kernel converting K and V to f16 in registers
-(``cuda_src/prefill.cu``), on every GPU (the sm_90a kernel reads fp16/bf16 planes only); the decode rows run
-``decode_fp8``'s indexed variant.
-
-A mixed step's decode rows (one query token each:
-:func:`~pagedrt.attention.planner.decode_rows`) go where a :class:`~pagedrt.attention.DecodePlan`
-sends them (through :func:`pagedrt.attention.decode.rows_launch`): the decode kernel
-(``cuda_src/decode.cu``), which streams their K/V at memory speed, or for a wide group on
-compute capability 9.0 the sm_90a kernel, an item a row, split; the prefill kernel takes the other rows. With both,
-a run launches the decode rows on a side stream of the plan's own beside the prompt rows on the current
-one (an event each way, so a CUDA graph captures both).
+:class:`PrefillPlan` does a step's checks and planning once; its :meth:`~PrefillPlan.run` attends for one
+layer. :func:`paged_prefill` is a plan run once. One batch may mix prompts, chunks of prompts after cached
+tokens and single decode tokens. Compute capability 9.0 runs ``cuda_src/prefill_sm90.cu`` for a positive
+scale over fp16/bf16 planes, other devices and FP8 planes ``cuda_src/prefill.cu``; a mixed step's decode rows
+run where a :class:`~pagedrt.attention.DecodePlan` runs them, on a side stream of the plan's own. Given NumPy
+arrays the plan runs the float64 reference (:func:`pagedrt.attention.reference.prefill`). docs/KERNELS.md
+("Prefill", "Mixed steps") has the rest.
 """
 
 import functools
