@@ -80,9 +80,9 @@ class Workspace:
     # address -> the Workspace of that memory, while a plan holds it
     _live: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._claims = itertools.count()
-        self._holder = None  # the claim of the plan that laid the memory out last
+        self._holder: Optional[int] = None  # the claim of the plan that laid the memory out last
 
     @classmethod
     def of(cls, array: Array) -> "Workspace":

@@ -87,7 +87,7 @@ class _Fork:
     """A mixed step's two launches side by side: the decode rows on this object's own side stream, beside the
     prompt rows on the current stream, an event each way (so a CUDA graph captures both)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         import cupy
         self._fork, self._join = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
         self._side = cupy.cuda.Stream(non_blocking=True)
