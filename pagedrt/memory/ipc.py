@@ -16,16 +16,19 @@ On the CUDA backend only; a device that is not the chunks' own must have peer ac
 import os
 import socket
 import weakref
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .backends import Backend, select_backend
+from .backends import select_backend
 from .pool import _c_strides, _extent
 from ..errors import ChunkStateError, PoolClosedError, PoolSizeError, UnmappedRangeError
 
 MAX_CHUNKS = 253  # descriptors in one message: Linux's SCM_MAX_FD
 HEADER = b"pagedrt-chunks"
+
+if TYPE_CHECKING:
+    from .vmm import CudaBackend
 
 
 def send_chunks(sock: socket.socket, fds: Iterable[int], chunk_bytes: int) -> None:
@@ -206,7 +209,7 @@ class ImportedChunks:
 class _Range:
     """The imported range and chunks, apart from their owner, so that a finalizer can end them."""
 
-    def __init__(self, backend: Backend, base: int, size: int, chunks: List[Tuple[int, int, Any]]):
+    def __init__(self, backend: "CudaBackend", base: int, size: int, chunks: List[Tuple[int, int, Any]]):
         self.backend, self.base, self.size, self.chunks = backend, base, size, chunks
         self.retired = False
 
