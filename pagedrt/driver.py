@@ -7,11 +7,12 @@ returning an error code. :func:`probe` says whether CUDA is usable here and why 
 
 import functools
 from dataclasses import dataclass
+from typing import Any, Dict, Tuple
 
 from .errors import BackendUnavailableError, CudaError, DeviceOutOfMemoryError
 
 
-def load():
+def load() -> Any:
     """Import and initialise the driver bindings; raise BackendUnavailableError saying why not."""
     try:
         from cuda.bindings import driver
@@ -27,14 +28,29 @@ def load():
     return driver
 
 
-def _describe(driver, err):
+def _describe(driver: Any, err: Any) -> Tuple[str, str]:
     _, name = driver.cuGetErrorName(err)
     _, text = driver.cuGetErrorString(err)
     return (name or b"?").decode(), (text or b"?").decode()
 
 
-def call(driver, fn, *args):
-    """Call ``driver.<fn>(*args)``; return its outputs (none, one, or a tuple); raise on error."""
+def call(driver: Any, fn: str, *args: Any) -> Any:
+    """Call ``driver.<fn>(*args)`` and return its outputs: None, the one output, or a tuple of them.
+
+    Parameters
+    ----------
+    driver : module
+        The bindings :func:`load` returned.
+    fn : str
+        A driver function's name (``"cuMemCreate"``).
+
+    Raises
+    ------
+    DeviceOutOfMemoryError
+        ``CUDA_ERROR_OUT_OF_MEMORY``.
+    CudaError
+        Any other CUresult but success, with its name and text.
+    """
     result = getattr(driver, fn)(*args)
     err, out = result[0], result[1:]
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -50,30 +66,34 @@ def call(driver, fn, *args):
 class Device:
     """A CUDA device and its primary context (the one CuPy uses), made current on this thread."""
 
-    driver: object
+    driver: Any   # the bindings (load())
     ordinal: int
-    handle: object
-    context: object
+    handle: Any   # CUdevice
+    context: Any  # its primary CUcontext
 
-    def activate(self):
+    def activate(self) -> None:
+        """Make the primary context current on this thread."""
         call(self.driver, "cuCtxSetCurrent", self.context)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
+        """Wait for everything queued on the device."""
         self.activate()
         call(self.driver, "cuCtxSynchronize")
 
-    def mem_info(self):
+    def mem_info(self) -> Tuple[int, int]:
         """(free, total) device memory in bytes."""
         self.activate()
         return call(self.driver, "cuMemGetInfo")
 
-    def attribute(self, name):
+    def attribute(self, name: str) -> int:
+        """The device attribute ``name`` (``"CU_DEVICE_ATTRIBUTE_..."``); AttributeError where the bindings lack it."""
         attr = getattr(self.driver.CUdevice_attribute, name)
         return call(self.driver, "cuDeviceGetAttribute", attr, self.handle)
 
 
-def current_device():
-    """Bind to CuPy's current device: retain its primary context and make it current."""
+def current_device() -> Device:
+    """Bind to CuPy's current device: retain its primary context and make it current; BackendUnavailableError
+    without cuda-python, cupy, a driver or a device."""
     driver = load()
     try:
         import cupy
@@ -92,14 +112,14 @@ def current_device():
 
 
 @functools.cache
-def primary_context(ordinal):
+def primary_context(ordinal: int) -> Any:
     """The primary context of device ``ordinal`` (the one CuPy uses there), for calls that name contexts
     (``cuMemcpyPeerAsync``); retained once and kept for the process, as CuPy keeps it."""
     driver = load()
     return call(driver, "cuDevicePrimaryCtxRetain", call(driver, "cuDeviceGet", ordinal))
 
 
-def allocation_prop(device):
+def allocation_prop(device: Device) -> Any:
     """Pinned device memory on ``device``: what every chunk of a CUDA pool is; exportable to another process as a
     POSIX file descriptor (``cuMemExportToShareableHandle``) where the device supports that handle type."""
     d = device.driver
@@ -112,15 +132,16 @@ def allocation_prop(device):
     return prop
 
 
-def page_granularity(device):
+def page_granularity(device: Device) -> int:
     """The device's minimum mapping granularity in bytes (the page)."""
     d = device.driver
     flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     return call(d, "cuMemGetAllocationGranularity", allocation_prop(device), flag)
 
 
-def probe():
-    """A dict describing the CUDA side of this machine, or why it is unusable (``reason``)."""
+def probe() -> Dict[str, Any]:
+    """A dict describing the CUDA side of this machine: ``usable`` and ``reason`` always; where CUDA is usable,
+    the device's name, ordinal, compute capability, multiprocessors, versions, memory and page size."""
     try:
         device = current_device()
     except BackendUnavailableError as exc:
@@ -151,6 +172,6 @@ def probe():
     return info
 
 
-def _runtime_version(cupy):
+def _runtime_version(cupy: Any) -> str:
     v = cupy.cuda.runtime.runtimeGetVersion()
     return f"{v // 1000}.{v % 1000 // 10}"

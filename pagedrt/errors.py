@@ -17,7 +17,15 @@ class BackendUnavailableError(PagedRTError, RuntimeError):
 
 
 class CudaError(PagedRTError, RuntimeError):
-    """A CUDA driver call returned an error; carries the CUresult name and text."""
+    """A CUDA driver call returned an error.
+
+    Attributes
+    ----------
+    call : str
+        The driver function (``"cuMemCreate"``).
+    name, text : str
+        The CUresult's name (``"CUDA_ERROR_OUT_OF_MEMORY"``) and description.
+    """
 
     def __init__(self, call, name, text):
         self.call, self.name, self.text = call, name, text
@@ -143,7 +151,9 @@ class LaunchArgumentError(PagedRTError, ValueError):
 
 
 class BlockTableError(PagedRTError, ValueError):
-    """A block table refers to blocks outside the pool or lengths past its capacity."""
+    """A block table, slot or pair names a block outside the planes or whose memory is not mapped, a length past
+    a row's capacity, or a slot twice. Table and slot checks set attributes saying where: ``row``, ``length``,
+    ``column``, ``block_id`` (tables), ``token``, ``slot``, ``first_token`` (slots)."""
 
 
 # --- snapshots ----------------------------------------------------------------

@@ -18,7 +18,7 @@ MAX = 448.0
 NAN_BITS = 0x7F
 
 
-def _values():
+def _values() -> np.ndarray:
     """The float64 value of every byte (NaN at 0x7F and 0xFF)."""
     bits = np.arange(256)
     exponent, mantissa = (bits >> 3) & 0xF, bits & 7
@@ -32,7 +32,7 @@ VALUES = _values()
 _POSITIVE = VALUES[:0x7F]  # codes 0..126 ascending: 0, the subnormals, the normals up to 448
 
 
-def quantise(x, scale):
+def quantise(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The e4m3 bits (uint8, x's shape) of ``x`` [..., kv_heads, head_dim] with float32 ``scale``
     [kv_heads] (see the module's docstring for the rounding, saturation and NaN)."""
     y = np.asarray(x).astype(np.float32) / np.asarray(scale, np.float32)[:, None]
@@ -47,7 +47,7 @@ def quantise(x, scale):
     return bits
 
 
-def dequantise(bits, scale):
+def dequantise(bits: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Float64 values of FP8 ``bits`` [..., kv_heads, block_size, head_dim] with float32 ``scale``
     [kv_heads]: exact (a 4-bit mantissa times a float32 fits a float64)."""
     return VALUES[bits] * np.asarray(scale, np.float64)[:, None, None]

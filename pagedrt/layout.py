@@ -22,7 +22,7 @@ a block-table row alone, so it works on a snapshot as on a live cache.
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import Any, Collection, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -86,75 +86,88 @@ class Layout:
     # --- derived sizes ----------------------------------------------------------------
 
     @property
-    def num_planes(self):
+    def num_planes(self) -> int:
+        """Regions of the range: ``2 * num_layers`` plane-major, 1 block-major."""
         return 2 * self.num_layers if self.placement == "plane" else 1
 
     @property
-    def chunk_step(self):
+    def chunk_step(self) -> int:
         """Chunk sizes must be multiples of this: whole pages, and whole blocks of one plane."""
         return math.lcm(self.page_bytes, self.block_stride_bytes)
 
     @property
-    def plane_block_bytes(self):
+    def plane_block_bytes(self) -> int:
         """One block of one layer's K (or V)."""
         return self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
 
     @property
-    def block_bytes(self):
+    def block_bytes(self) -> int:
         """One block of every layer's K and V: what a block id costs."""
         return 2 * self.num_layers * self.plane_block_bytes
 
     @property
-    def bytes_per_token(self):
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
         return self.block_bytes // self.block_size
 
     @property
-    def block_stride_bytes(self):
+    def block_stride_bytes(self) -> int:
         """Bytes between block b and b + 1 of one plane; also what one block takes in one chunk."""
         return self.plane_block_bytes if self.placement == "plane" else self.block_bytes
 
     @property
-    def blocks_per_chunk(self):
+    def blocks_per_chunk(self) -> int:
+        """Blocks of one plane in one chunk."""
         return self.chunk_bytes // self.block_stride_bytes
 
     @property
-    def max_blocks(self):
+    def max_blocks(self) -> int:
         """Block ids of both tiers."""
         return self.chunks_per_plane * self.blocks_per_chunk
 
     @property
-    def device_blocks(self):
+    def device_blocks(self) -> int:
         """Block ids ``[0, device_blocks)`` are the device's; the rest the host tier's."""
         return (self.chunks_per_plane - self.host_chunks) * self.blocks_per_chunk
 
-    def location(self, block_id):
-        """Where a block lives: "device" or "host"."""
+    def location(self, block_id: int) -> str:
+        """Where block ``block_id`` lives: ``"device"`` or ``"host"`` (the host tier)."""
         return "host" if block_id >= self.device_blocks else "device"
 
     @property
-    def pool_bytes(self):
+    def pool_bytes(self) -> int:
+        """The pool's whole range: every chunk of every plane."""
         return self.chunks_per_plane * self.chunk_bytes * self.num_planes
 
     # --- addresses ----------------------------------------------------------------------
 
-    def plane_offset(self, layer, kv):
-        """Byte offset of block 0 of (layer, K|V) from the pool's base."""
+    def plane_offset(self, layer: int, kv: str) -> int:
+        """Byte offset of block 0 of layer ``layer``'s K (``kv`` ``"k"``) or V (``"v"``) from the pool's base."""
         index = 2 * layer + KV.index(kv)
         if self.placement == "plane":
             return index * self.chunks_per_plane * self.chunk_bytes
         return index * self.plane_block_bytes
 
-    def offset(self, block_id, slot, layer, kv, head=0):
-        """Byte offset of (block, slot, layer, K|V, kv head)'s ``head_dim`` values from the base."""
+    def offset(self, block_id: int, slot: int, layer: int, kv: str, head: int = 0) -> int:
+        """Byte offset from the pool's base of the ``head_dim`` values of one token's KV head.
+
+        Parameters
+        ----------
+        block_id, slot : int
+            The block and the token's slot in it (``0 <= slot < block_size``).
+        layer, kv, head : int, str, int
+            The layer, ``"k"`` or ``"v"``, and the KV head. Unchecked (:meth:`check`).
+        """
         inner = (head * self.block_size + slot) * self.head_dim * self.itemsize
         return self.plane_offset(layer, kv) + block_id * self.block_stride_bytes + inner
 
-    def locate(self, offset):
-        """(pool chunk, offset inside it, page inside it) of a byte offset."""
+    def locate(self, offset: int) -> Tuple[int, int, int]:
+        """(pool chunk, offset inside it, page inside it) of a byte offset from the pool's base."""
         chunk, within = divmod(offset, self.chunk_bytes)
         return chunk, within, within // self.page_bytes
 
-    def check(self, layer, kv, head):
+    def check(self, layer: Any, kv: Any, head: Any) -> None:
+        """UnsupportedConfigError unless ``layer`` and ``head`` are ints in range and ``kv`` is ``"k"`` or ``"v"``."""
         if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise UnsupportedConfigError(f"layer {layer!r:.80} does not exist: layers are 0..{self.num_layers - 1}")
         if not isinstance(kv, str) or kv not in KV:
@@ -163,7 +176,7 @@ class Layout:
             raise UnsupportedConfigError(f"kv head {head!r:.80} does not exist: heads are 0..{self.num_kv_heads - 1}")
 
 
-def is_int(value):
+def is_int(value: Any) -> bool:
     """An int or NumPy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -191,7 +204,7 @@ class Translation:
     shard: Optional[int] = None   # a sharded cache's shard holding kv_head (offset and address are in its pool)
     device: Optional[int] = None  # and that shard's device
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         """The fields as a dict; ``shard`` and ``device`` only for a sharded cache's."""
         fields = asdict(self)
         if self.shard is None:
@@ -199,10 +212,34 @@ class Translation:
         return fields
 
 
-def translate(layout, base, block_row, length, seq, pos, layer=0, kv="k", head=0, cached=()):
-    """The chain for token ``pos`` of a sequence whose block-table row and length are given.
+def translate(layout: Layout, base: int, block_row: Sequence[int], length: int, seq: int, pos: Any, layer: Any = 0,
+              kv: Any = "k", head: Any = 0, cached: Union[np.ndarray, Collection[int]] = ()) -> Translation:
+    """The chain for token ``pos`` of a sequence whose block-table row and length are given (from a live
+    cache's tables or a snapshot's).
 
-    ``cached``: per block id, whether it is cached (a bool array), or the cached ids (a set).
+    Parameters
+    ----------
+    layout : Layout
+        The cache's layout.
+    base : int
+        The pool's base address.
+    block_row : int sequence or int32 array [>= ceil(length / block_size)]
+        The sequence's block ids, in logical order.
+    length : int
+        The sequence's tokens.
+    seq : int
+        Its handle (recorded in the result).
+    pos, layer, kv, head
+        The token's position, the layer, ``"k"`` or ``"v"``, and the KV head; checked.
+    cached : bool array [max_blocks] or collection of int
+        Per block id, whether it is in the prefix cache; or the cached ids.
+
+    Raises
+    ------
+    InvalidPositionError
+        ``pos`` is not an int in ``[0, length)``.
+    UnsupportedConfigError
+        A layer, K|V or head that does not exist.
     """
     if not is_int(pos) or not 0 <= pos < length:
         raise InvalidPositionError(f"sequence {seq} has no token {pos!r:.80}: its positions are 0..{length - 1}")

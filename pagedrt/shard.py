@@ -1,47 +1,31 @@
 """A KV cache sharded by KV heads over several devices: tensor parallelism's share of the cache.
 
-One allocator and one set of block tables serve every shard, so a block id names the same
-tokens on every device; each device has its own pool holding its ``num_kv_heads / shards``
-heads of every block (the same layout on each: block ``b`` of layer ``l`` lies at the same
-offset of every shard's range). Shard 0 is a :class:`~pagedrt.cache.PagedKVCache` over its
-heads whose allocator, tables and step metadata are the cache's; the other shards are pools
-mapped chunk for chunk as shard 0's.
-
-A sharded cache maps its whole capacity on every device when it is made, and never grows or
-trims: the pools then never have to change together, so a step cannot succeed on one device
-and fail on another. :meth:`ShardedKVCache.step` turns the scheduler's decisions into a
-:class:`ShardedStep`: shard 0's :class:`~pagedrt.step.Step`, and one a shard in ``.shards``, its
-device arrays on the shard's device (peer copies of shard 0's, queued after them), so each
-device's writes and attention read their own.
-
-Attention and writes run per shard on its heads (:class:`Shard`): query heads are cut as the
-KV heads are (with ``group`` query heads per KV head, shard ``s`` takes query heads
-``[s * heads * group, (s + 1) * heads * group)``), and the outputs, concatenated along the
-heads, are the unsharded cache's. Shards may share a device (how the tests run on one GPU);
-on the host backend a device is a label and every shard's arrays are host arrays.
-
-Not offered here: a host tier, background growth and ``max_bytes`` (no such keywords: give
-``max_tokens``); a backend object is refused (give its name: one backend is made per device).
+One allocator and one set of block tables (shard 0's :class:`~pagedrt.cache.PagedKVCache`) serve every
+shard; each device holds its heads of every block in its own pool, mapped whole when the cache is made.
+docs/MULTIGPU.md ("Sharded cache") says how and why.
 """
 
 import contextlib
 from dataclasses import replace
+from typing import Any, ContextManager, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .cache import PagedKVCache, PlaneViews, plane_view
 from .errors import PoolClosedError, ShardError, UnsupportedConfigError
-from .layout import KV, is_int, translate
+from .layout import KV, Layout, Translation, is_int, translate
 from .memory import Pool, select_backend
 from .memory.backends import BACKENDS
 from .snapshot import build_snapshot, write_snapshot
-from .spec import KVSpec
+from .spec import Array, KVSpec
+from .protocols import Counts, Handles
 from .step import Step
 
 STEP_ARRAYS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr")  # a Step's device arrays
 
 
-def _devices(devices):
+def _devices(devices: Any) -> List[int]:
+    """The device ordinals of ``devices``, checked: ShardError unless one or more ints >= 0."""
     if isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__"):
         raise ShardError(f"devices={devices!r:.80} must be a sequence of device ordinals, one per shard")
     devices = list(devices)
@@ -50,10 +34,19 @@ def _devices(devices):
     return [int(d) for d in devices]
 
 
-def peer_copy(pairs, source, target):
-    """Copy each (dst, src) pair of CuPy arrays from device ``source`` to device ``target`` (cudaMemcpyPeerAsync,
-    a device-to-device copy when they are one), queued on ``source``'s current stream; ``target``'s current stream
-    then waits for the copies (an event), so work queued there afterwards reads them."""
+def peer_copy(pairs: Sequence[tuple], source: int, target: int) -> None:
+    """Copy arrays from device ``source`` to device ``target``, queued on ``source``'s current stream.
+
+    ``target``'s current stream then waits for the copies (an event), so work queued there afterwards reads
+    them. Each copy is one ``cudaMemcpyPeerAsync`` (a device-to-device copy when the devices are one).
+
+    Parameters
+    ----------
+    pairs : sequence of (dst, src) pairs of cupy.ndarray
+        ``dst`` on ``target``, ``src`` on ``source``, both contiguous, ``dst`` at least ``src.nbytes`` long.
+    source, target : int
+        CUDA device ordinals.
+    """
     import cupy
     with cupy.cuda.Device(source):
         stream = cupy.cuda.get_current_stream()
@@ -70,7 +63,9 @@ class ShardedStep(Step):
     """A sharded cache's step: shard 0's :class:`~pagedrt.step.Step` (so a scheduler reads it as any step's),
     and ``shards``, every shard's, in shard order (shard ``s``'s device arrays on its device)."""
 
-    def __new__(cls, shards):
+    shards: tuple
+
+    def __new__(cls, shards: Sequence[Step]) -> "ShardedStep":
         step = super().__new__(cls, *shards[0])
         step.shards = tuple(shards)
         return step
@@ -78,33 +73,61 @@ class ShardedStep(Step):
 
 class Shard(PlaneViews):
     """One device's share of a :class:`ShardedKVCache`: its KV heads of every block, in its own pool; its
-    planes and scales (:class:`~pagedrt.cache.PlaneViews`) are of its heads."""
+    planes and scales (:class:`~pagedrt.cache.PlaneViews`) are of its heads: a
+    :class:`~pagedrt.protocols.KVPlanes`, as a whole cache is.
 
-    def __init__(self, index, device, first_head, pool, layout, scales, xp, spec):
+    Parameters
+    ----------
+    index : int
+        The shard's place, 0 first.
+    device : int
+        Its device ordinal (on the host backend a label).
+    first_head : int
+        The first of the cache's KV heads it holds; it holds ``spec.num_kv_heads`` of them.
+    pool : Pool
+        Its pool, of ``layout``.
+    layout : Layout
+        Every shard's layout (of one shard's heads).
+    scales : array, float32 [num_layers, 2, spec.num_kv_heads], optional
+        FP8: its heads' scales, on its device; else None.
+    xp : module
+        ``cupy``, or ``numpy`` on the host backend.
+    spec : KVSpec
+        The shard's spec (its KV heads).
+    """
+
+    def __init__(self, index: int, device: int, first_head: int, pool: Pool, layout: Layout,
+                 scales: Optional[Array], xp: Any, spec: KVSpec):
         self.index, self.device, self.spec = index, device, spec  # spec: the shard's (its KV heads), as cache.spec
         self.kv_heads = range(first_head, first_head + spec.num_kv_heads)  # the cache's KV heads this shard holds
         self.pool, self.layout, self.xp = pool, layout, xp
         self._planes = [plane_view(pool, layout, spec, layer, kv) for layer in range(layout.num_layers) for kv in KV]
         self._scales = scales
 
-    dtype = property(lambda self: self.spec.dtype)  # the model's (q and attention output), as PagedKVCache.dtype
-
     # a cache's shape as a model reads it (pagedrt.engine's LlamaModel runs on a shard as on a cache)
-    num_layers = property(lambda self: self.layout.num_layers)
-    num_kv_heads = property(lambda self: self.layout.num_kv_heads)
-    head_dim = property(lambda self: self.layout.head_dim)
+    dtype = property(lambda self: self.spec.dtype, doc="The model's dtype (q and attention output): numpy.dtype")
+    num_layers = property(lambda self: self.layout.num_layers, doc="Layers of K and V: int")
+    num_kv_heads = property(lambda self: self.layout.num_kv_heads, doc="The KV heads this shard holds: int")
+    head_dim = property(lambda self: self.layout.head_dim, doc="Elements of one head of one token: int")
 
-    def q_heads(self, group):
-        """The query heads whose attention runs on this shard, for ``group`` query heads per KV head."""
+    def q_heads(self, group: int) -> range:
+        """The query heads whose attention runs on this shard: shard ``s`` of ``h`` KV heads each takes
+        ``range(s * h * group, (s + 1) * h * group)``.
+
+        Parameters
+        ----------
+        group : int
+            Query heads per KV head.
+        """
         return range(self.kv_heads.start * group, self.kv_heads.stop * group)
 
-    def device_context(self):
+    def device_context(self) -> ContextManager:
         """A context in which this shard's device is CuPy's current one (nothing on the host backend)."""
         if self.xp is np:
             return contextlib.nullcontext()
         return self.xp.cuda.Device(self.device)
 
-    def _check_open(self, name):
+    def _check_open(self, name: str) -> None:
         if self.pool.closed:
             raise PoolClosedError(f"shard {self.index}.{name}: this sharded cache was closed; make a new one")
 
@@ -116,19 +139,38 @@ class Shard(PlaneViews):
 class ShardedKVCache:
     """K and V of ``num_layers`` layers, their ``num_kv_heads`` KV heads split evenly over ``devices``.
 
-    ``devices``: one device ordinal per shard (shards may share one). ``max_tokens`` is
-    the capacity in tokens, every shard holding its heads of each. The other arguments
-    are :class:`~pagedrt.cache.PagedKVCache`'s; ``kv_scales`` ([num_layers, 2,
-    num_kv_heads], FP8 only) is cut by heads with the planes. ``backend`` is a name
-    (``"auto"``, ``"cuda"``, ``"host"``). :attr:`shards` lists the :class:`Shard` objects.
+    A :class:`~pagedrt.protocols.KVCache`, as :class:`~pagedrt.cache.PagedKVCache` is; :attr:`shards` lists
+    the :class:`Shard` objects, each a :class:`~pagedrt.protocols.KVPlanes`. Every shard's pool is mapped
+    whole here and never grows or trims, so there is no host tier, growth or ``max_bytes``.
 
-    Raises :class:`~pagedrt.errors.ShardError` for heads that do not divide among the
-    devices and devices that do not exist; everything made so far is closed again then.
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim, block_size, dtype
+        As :class:`~pagedrt.cache.PagedKVCache`'s; ``num_kv_heads`` a multiple of ``len(devices)``.
+    devices : sequence of int
+        One device ordinal per shard (shards may share one; on the host backend an ordinal is a label).
+    max_tokens : int
+        The capacity in tokens, every shard holding its heads of each.
+    max_seqs, max_seq_len, max_step_tokens, placement, chunk_bytes, kv_dtype
+        As :class:`~pagedrt.cache.PagedKVCache`'s.
+    backend : str
+        ``"auto"``, ``"cuda"`` or ``"host"``: one backend is made per device (a backend object is refused).
+    kv_scales : array-like, float32 [num_layers, 2, num_kv_heads], optional
+        FP8 only: cut by heads with the planes.
+
+    Raises
+    ------
+    ShardError
+        Heads that do not divide among the devices, no or bad devices, devices that do not exist; everything
+        made so far is closed again.
+    UnsupportedConfigError
+        A backend that is not a name, ``kv_scales`` of the wrong shape, and what PagedKVCache refuses.
     """
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *, devices, max_tokens,
-                 max_seqs=256, max_seq_len=None, max_step_tokens=None, placement="plane", chunk_bytes=None,
-                 backend="auto", kv_dtype=None, kv_scales=None):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any = "float16",
+                 *, devices: Sequence[int], max_tokens: int, max_seqs: int = 256, max_seq_len: Optional[int] = None,
+                 max_step_tokens: Optional[int] = None, placement: str = "plane", chunk_bytes: Optional[int] = None,
+                 backend: str = "auto", kv_dtype: Optional[str] = None, kv_scales: Any = None):
         devices = _devices(devices)
         n = len(devices)
         if not is_int(num_kv_heads) or num_kv_heads <= 0 or num_kv_heads % n:
@@ -151,6 +193,7 @@ class ShardedKVCache:
         self.devices = devices
         with contextlib.ExitStack() as undo:
             kind = self._backend_kind(backend, devices)
+            self._xp: Any
             if kind == "host":
                 self._xp = np
             else:
@@ -174,10 +217,10 @@ class ShardedKVCache:
                     pool.map(chunks)
                     shard_scales = None if scales is None else self._xp.asarray(part(s))
                 self.shards.append(Shard(s, device, s * heads, pool, lay, shard_scales, self._xp, lead.spec))
-            self._buffers = [self._step_buffers(shard) for shard in self.shards[1:]]
+            self._buffers: List[Any] = [self._step_buffers(shard) for shard in self.shards[1:]]
             undo.pop_all()
 
-    def _backend_kind(self, backend, devices):
+    def _backend_kind(self, backend: str, devices: List[int]) -> str:
         """"cuda" or "host" for every shard; ShardError for a CUDA device that does not exist."""
         probe = select_backend(backend)  # what "auto" comes to here; each shard makes its own on its device
         kind = probe.name
@@ -191,10 +234,10 @@ class ShardedKVCache:
                                  f"0..{count - 1}")
         return kind
 
-    def _on(self, device):
+    def _on(self, device: int) -> ContextManager:
         return contextlib.nullcontext() if self._xp is np else self._xp.cuda.Device(device)
 
-    def _step_buffers(self, shard):
+    def _step_buffers(self, shard: Shard) -> Optional[Dict[str, Array]]:
         """Fixed device buffers on ``shard``'s device for the step arrays (as large as shard 0's), so a CUDA
         graph captured over them stays valid from step to step."""
         if self._xp is np:
@@ -205,54 +248,73 @@ class ShardedKVCache:
 
     # --- shape ------------------------------------------------------------------------
 
-    num_layers = property(lambda self: self.lead.num_layers)
-    num_kv_heads = property(lambda self: self.lead.num_kv_heads * len(self.shards))
-    head_dim = property(lambda self: self.lead.head_dim)
-    block_size = property(lambda self: self.lead.block_size)
-    dtype = property(lambda self: self.spec.dtype)
-    kv_dtype = property(lambda self: self.spec.kv_dtype)
-    layout = property(lambda self: self.lead.layout)  # every shard's
+    num_layers = property(lambda self: self.lead.num_layers, doc="Layers of K and V: int")
+    num_kv_heads = property(lambda self: self.lead.num_kv_heads * len(self.shards),
+                            doc="KV heads of every shard together: int")
+    head_dim = property(lambda self: self.lead.head_dim, doc="Elements of one head of one token: int")
+    block_size = property(lambda self: self.lead.block_size, doc="Tokens a block holds: int")
+    dtype = property(lambda self: self.spec.dtype, doc="The model's dtype (q and attention output): numpy.dtype")
+    kv_dtype = property(lambda self: self.spec.kv_dtype, doc="What the planes store: a name of supported.KV_DTYPES")
+    layout = property(lambda self: self.lead.layout, doc="Every shard's layout (of one shard's heads): Layout")
+    xp = property(lambda self: self._xp, doc="cupy, or numpy on the host backend")
 
     # --- sequences: the one allocator and set of tables (shard 0's) ---------------------------
 
-    def add_sequence(self, prefix=None):
-        """A new sequence's handle (as :meth:`PagedKVCache.add_sequence`)."""
+    def add_sequence(self, prefix: Optional[Sequence[int]] = None) -> int:
+        """A new sequence's handle (as :meth:`PagedKVCache.add_sequence <pagedrt.cache.PagedKVCache.add_sequence>`).
+        """
         return self.lead.add_sequence(prefix)
 
-    def fork(self, seq):
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every block of ``seq``; returns its handle."""
         return self.lead.fork(seq)
 
-    def free(self, seqs):
-        return self.lead.free(seqs)
+    def free(self, seqs: Handles) -> None:
+        """Free sequences, each given once; their blocks go back when no fork holds them."""
+        self.lead.free(seqs)
 
-    def can_append(self, seqs, counts=1):
+    def can_append(self, seqs: Handles, counts: Counts = 1) -> bool:
+        """Whether ``counts`` more tokens for each of ``seqs`` would fit now (as the whole cache's)."""
         return self.lead.can_append(seqs, counts)
 
-    def length(self, seq):
+    def length(self, seq: int) -> int:
+        """The tokens sequence ``seq`` holds."""
         return self.lead.length(seq)
 
-    def lengths(self, seqs):
+    def lengths(self, seqs: Handles) -> np.ndarray:
+        """Host int64 [n]: the lengths of ``seqs``, in their order."""
         return self.lead.lengths(seqs)
 
     @property
-    def sequences(self):
+    def sequences(self) -> List[int]:
+        """The handles of the live sequences, in handle order."""
         return self.lead.sequences
 
     @property
-    def num_available_blocks(self):
+    def num_available_blocks(self) -> int:
+        """Blocks appends can still get (every shard has the same)."""
         return self.lead.num_available_blocks
 
-    xp = property(lambda self: self._xp)
+    def step(self, seqs: Optional[Handles] = None, counts: Counts = 1, token_ids: Optional[Sequence[int]] = None, *,
+             arrivals: Sequence[Sequence[int]] = (), arrival_tokens: Optional[Counts] = None, forks: Handles = (),
+             frees: Handles = ()) -> ShardedStep:
+        """One engine step, as :meth:`PagedKVCache.step <pagedrt.cache.PagedKVCache.step>` without swaps; all
+        or nothing.
 
-    def step(self, seqs=None, counts=1, token_ids=None, *, arrivals=(), arrival_tokens=None, forks=(), frees=()):
-        """One engine step (as :meth:`PagedKVCache.step`, without swaps): a :class:`ShardedStep`, shard 0's
-        step with every shard's in ``.shards``.
+        The host fields (sequences, copies, arrivals, ...) are the same objects in every shard's step. Shard
+        0's device arrays are uploaded on its device's current stream, then copied to each other shard's
+        device (:func:`peer_copy`) into fixed buffers; work queued afterwards on that device's current
+        stream reads them.
 
-        The host fields (sequences, copies, arrivals, ...) are the same objects in every one;
-        shard ``s``'s slot mapping, block tables, lengths and query offsets are on its device,
-        in fixed buffers: shard 0's are uploaded on its current stream, then copied to each
-        other shard's device on that stream, and each other device's current stream waits for
-        the copy, so work queued there afterwards reads them. All or nothing, as the cache's.
+        Parameters
+        ----------
+        seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees
+            As :meth:`PagedKVCache.step <pagedrt.cache.PagedKVCache.step>`.
+
+        Returns
+        -------
+        ShardedStep
+            Shard 0's :class:`~pagedrt.step.Step`, with every shard's in ``.shards``.
         """
         with self._on(self.devices[0]):
             step = self.lead.step(seqs, counts, token_ids, arrivals=arrivals, arrival_tokens=arrival_tokens,
@@ -262,16 +324,34 @@ class ShardedKVCache:
         return ShardedStep((step,) + tuple(self._copy_step(step, shard, buffers)
                                            for shard, buffers in zip(self.shards[1:], self._buffers)))
 
-    def _copy_step(self, step, shard, buffers):
+    def _copy_step(self, step: Step, shard: Shard, buffers: Dict[str, Array]) -> Step:
         fields = {name: buffers[name][:getattr(step, name).shape[0]] for name in STEP_ARRAYS}
         peer_copy([(fields[name], getattr(step, name)) for name in STEP_ARRAYS], self.devices[0], shard.device)
         return step._replace(**fields)
 
     # --- both layers -----------------------------------------------------------------------
 
-    def translate(self, seq, pos, layer=0, kv="k", head=0):
+    def translate(self, seq: int, pos: int, layer: int = 0, kv: str = "k", head: int = 0) -> Translation:
         """Token ``pos`` of ``seq``, KV head ``head`` of the cache -> the shard and device holding it, and the
-        chain in that shard's pool (:class:`~pagedrt.layout.Translation`, its ``kv_head`` the cache's head)."""
+        chain in that shard's pool.
+
+        Parameters
+        ----------
+        seq, pos, layer, kv
+            As :meth:`PagedKVCache.translate <pagedrt.cache.PagedKVCache.translate>`.
+        head : int
+            One of the cache's KV heads, ``0 <= head < num_kv_heads``.
+
+        Returns
+        -------
+        Translation
+            Its ``kv_head`` the cache's head, ``shard`` and ``device`` set.
+
+        Raises
+        ------
+        UnsupportedConfigError
+            A head out of range (and what the whole cache's translate refuses).
+        """
         self._check_open("translate")
         heads = self.lead.num_kv_heads
         if not is_int(head) or not 0 <= head < self.num_kv_heads:
@@ -283,9 +363,15 @@ class ShardedKVCache:
                           int(head) % heads, cached=self.lead.allocator.index.cached)
         return replace(chain, kv_head=int(head), shard=shard.index, device=shard.device)
 
-    def snapshot(self, shard=0):
+    def snapshot(self, shard: int = 0) -> dict:
         """Shard ``shard``'s snapshot (docs/SNAPSHOT.md): its pool and the shared tables, with a ``shard``
-        section naming its device and KV heads."""
+        section naming its device and KV heads.
+
+        Raises
+        ------
+        ShardError
+            ``shard`` is not one of ``0 .. len(shards) - 1``.
+        """
         self._check_open("snapshot")
         if not is_int(shard) or not 0 <= shard < len(self.shards):
             raise ShardError(f"shard={shard!r:.40} must be one of 0..{len(self.shards) - 1}")
@@ -295,21 +381,35 @@ class ShardedKVCache:
                          "kv_heads": [sh.kv_heads.start, sh.kv_heads.stop], "num_kv_heads": self.num_kv_heads}
         return snap
 
-    def write_snapshot(self, path, shard=0):
+    def write_snapshot(self, path: str, shard: int = 0) -> None:
         """Write :meth:`snapshot` of ``shard`` to ``path`` atomically."""
         write_snapshot(self.snapshot(shard), path)
 
+    def stats(self) -> dict:
+        """Token and byte counts, as :meth:`PagedKVCache.stats <pagedrt.cache.PagedKVCache.stats>`.
+
+        The counts of sequences, tokens and blocks are the shared tables'; ``token_bytes``,
+        ``mapped_bytes`` and ``reserved_bytes`` are summed over the shards.
+        """
+        self._check_open("stats")
+        stats = self.lead.stats()
+        stats["token_bytes"] *= len(self.shards)
+        stats["mapped_bytes"] = sum(shard.pool.mapped_bytes for shard in self.shards)
+        stats["reserved_bytes"] = sum(shard.pool.max_bytes for shard in self.shards)
+        return stats
+
     # --- lifetime ---------------------------------------------------------------------------
 
-    def _check_open(self, name):
+    def _check_open(self, name: str) -> None:
         if self.closed:
             raise PoolClosedError(f"sharded cache.{name}: this cache was closed; make a new one")
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self.lead.closed
 
-    def close(self):
+    def close(self) -> None:
         """Close every shard's pool (shard 0's cache last); idempotent."""
         if self.closed:
             return
@@ -320,12 +420,12 @@ class ShardedKVCache:
         with self._on(self.devices[0]):
             self.lead.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "ShardedKVCache":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"ShardedKVCache({self.num_layers} layers, {self.num_kv_heads} kv heads over devices "
                 f"{self.devices}, {self.layout.num_kv_heads} each)")

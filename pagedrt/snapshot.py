@@ -17,11 +17,13 @@ import stat
 import tempfile
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
 from .errors import SnapshotError
 from .layout import Layout
+from .memory import Pool
 from .supported import BLOCK_SIZES, HEAD_DIMS, KV_DTYPES, KV_ITEMSIZES, PLACEMENTS
 
 SNAPSHOT_SCHEMA, SNAPSHOT_VERSION = "pagedrt-snapshot", 1
@@ -31,9 +33,31 @@ ADDRESS_LIMIT = 1 << 64        # the pool's range must lie in a 64-bit address s
 MAX_INDEX = (1 << 31) - 1      # block ids, sequence handles and table shapes are int32
 BACKEND_NAMES = ("cuda", "host")
 
+if TYPE_CHECKING:
+    from .blocks import BlockAllocator, BlockTables
 
-def build_snapshot(layout, pool, allocator, tables):
-    """The snapshot dict of a cache made of these parts."""
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def build_snapshot(layout: Layout, pool: Pool, allocator: "BlockAllocator", tables: "BlockTables") -> dict:
+    """The snapshot dict of a cache made of these parts.
+
+    Parameters
+    ----------
+    layout : Layout
+        The cache's layout.
+    pool : Pool
+        Its pool (the hardware layer).
+    allocator : BlockAllocator
+        Its block allocator over ``pool``.
+    tables : BlockTables
+        Its block tables over ``allocator``.
+
+    Returns
+    -------
+    dict
+        JSON-ready, of the schema in docs/SNAPSHOT.md (:func:`validate_snapshot` accepts it).
+    """
     a, t = allocator, tables
     frontier = (int(np.flatnonzero(a.chunk_mapped).max()) + 1 if a.chunk_mapped.any() else 0)
     return {
@@ -68,11 +92,20 @@ def _umask():
     return mask
 
 
-def write_snapshot(snap, path):
+def write_snapshot(snap: dict, path: PathLike) -> None:
     """Write ``snap`` to ``path`` atomically: a temporary file in the same directory, renamed over it.
 
-    The file gets the permissions ``open`` would give a new file (0666 less the umask),
-    not the temporary file's 0600. An OSError names ``path``, not the temporary file.
+    Parameters
+    ----------
+    snap : dict
+        A snapshot (:func:`build_snapshot`), or any JSON-ready dict.
+    path : str or os.PathLike
+        The file; it gets the permissions ``open`` would give a new file (0666 less the umask).
+
+    Raises
+    ------
+    OSError
+        Naming ``path``, not the temporary file (which is removed).
     """
     directory = os.path.dirname(os.path.abspath(path))
     try:
@@ -391,8 +424,24 @@ def _check_sequences(snap, lay, mapped, refs):
         _fail(f"blocks.ref_counts[{b}]", f"is {refs[b]} but {holders[b]} sequences hold block {b}")
 
 
-def validate_snapshot(snap):
-    """Check a snapshot dict against the schema (types, ranges, sections agreeing); SnapshotError if not."""
+def validate_snapshot(snap: Any) -> dict:
+    """Check a snapshot dict against the schema (types, ranges, sections agreeing).
+
+    Parameters
+    ----------
+    snap : object
+        What a JSON reader returned, trusted in nothing.
+
+    Returns
+    -------
+    dict
+        ``snap`` itself, checked.
+
+    Raises
+    ------
+    SnapshotError
+        The first problem found, naming its JSON path.
+    """
     try:
         if not isinstance(snap, dict) or snap.get("schema") != SNAPSHOT_SCHEMA:
             raise _Invalid(f"not a pagedrt snapshot (no schema {SNAPSHOT_SCHEMA!r})")
@@ -412,8 +461,25 @@ def validate_snapshot(snap):
     return snap
 
 
-def load_snapshot(path):
-    """Read and check a snapshot file; SnapshotError naming the first problem if it is not a valid one."""
+def load_snapshot(path: PathLike) -> dict:
+    """Read and check a snapshot file: a regular file of at most 16 MiB, nested at most 16 levels.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file.
+
+    Returns
+    -------
+    dict
+        The snapshot, checked by :func:`validate_snapshot`.
+
+    Raises
+    ------
+    SnapshotError
+        The file cannot be read, is not a regular file, is too large or too deep, is not JSON, or is not a valid
+        snapshot; the message names the file and the first problem.
+    """
     snap = _parse(path, _read_bounded(path))
     try:
         return validate_snapshot(snap)

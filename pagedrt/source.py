@@ -16,12 +16,13 @@ only when none holds it; :func:`preload` compiles many instances in one NVRTC ca
 import functools
 import re
 from pathlib import Path
+from typing import Any, Dict, Iterable, Tuple
 
 _PACKAGE = Path(__file__).resolve().parent
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
-def _find_cuda_src():
+def _find_cuda_src() -> Path:
     for candidate in (_PACKAGE.parent / "cuda_src", _PACKAGE / "cuda_src"):
         if (candidate / "common.cuh").is_file():
             return candidate
@@ -32,14 +33,14 @@ CUDA_SRC = _find_cuda_src()
 OPTIONS = ("-std=c++17",)
 ARCHES = {"prefill_sm90.cu": "sm_90a"}  # files compiled for one target: Hopper's wgmma and setmaxnreg
 
-_functions = {}  # (filename, name expression) -> cupy.RawKernel
+_functions: Dict[Tuple[str, str], Any] = {}  # (filename, name expression) -> cupy.RawKernel
 
 
-def text(filename):
+def text(filename: str) -> str:
     """``cuda_src/<filename>`` with its local includes inlined, each file once."""
     seen = set()
 
-    def expand(name):
+    def expand(name: str) -> str:
         if name in seen:
             return ""
         seen.add(name)
@@ -55,29 +56,39 @@ def text(filename):
     return expand(filename) + "\n"
 
 
-def options(filename):
+def options(filename: str) -> Tuple[str, ...]:
     """The NVRTC options of ``cuda_src/<filename>``: OPTIONS, and its target when :data:`ARCHES` names one."""
     arch = ARCHES.get(filename)
     return OPTIONS + ((f"-arch={arch}",) if arch else ())
 
 
 @functools.lru_cache(maxsize=None)
-def module(filename, name_expressions):
-    """A compiled ``cupy.RawModule`` of ``cuda_src/<filename>`` holding ``name_expressions``."""
+def module(filename: str, name_expressions: Tuple[str, ...]) -> Any:
+    """A compiled ``cupy.RawModule`` of ``cuda_src/<filename>`` holding ``name_expressions`` (a tuple: the cache's
+    key), cached for the process."""
     import cupy
     return cupy.RawModule(code=text(filename), options=options(filename), name_expressions=tuple(name_expressions))
 
 
-def preload(filename, name_expressions):
-    """Compile all ``name_expressions`` of ``filename`` in one module and register them."""
+def preload(filename: str, name_expressions: Iterable[str]) -> None:
+    """Compile all ``name_expressions`` of ``filename`` in one module and register them for :func:`function`.
+
+    Parameters
+    ----------
+    filename : str
+        A file of ``cuda_src/``.
+    name_expressions : iterable of str
+        Kernel instances, as C++ name expressions (``"pagedrt::write_kv<half, 128, 16>"``).
+    """
     names = tuple(sorted(set(name_expressions)))
     mod = module(filename, names)
     for name in names:
         _functions.setdefault((filename, name), mod.get_function(name))
 
 
-def function(filename, name):
-    """The kernel ``name`` of ``filename``, from a preloaded module or compiled on first use."""
+def function(filename: str, name: str) -> Any:
+    """The kernel ``name`` of ``filename`` (a ``cupy.RawKernel``), from a preloaded module or compiled on first use.
+    """
     key = (filename, name)
     fn = _functions.get(key)
     if fn is None:

@@ -21,7 +21,7 @@ the canonical ones this module returns.
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .supported import (BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, HEA
                         PLACEMENTS, check)
 
 DTypeLike = Union[str, np.dtype, type]
+Array = Any  # a numpy.ndarray (the host backend: the NumPy reference runs) or a cupy.ndarray (cupy imported lazily)
 
 
 def dtype_name(dtype: DTypeLike) -> str:

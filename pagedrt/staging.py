@@ -7,18 +7,28 @@ host never overwrites bytes a queued copy still has to read. The step's metadata
 (:mod:`pagedrt.step`) and the block transfers' pairs (:mod:`pagedrt.kernels.copy`) travel so.
 """
 
+from typing import Any, Optional
+
 import numpy as np
+
+from .spec import Array
 
 
 class PinnedStaging:
-    """int64 arrays to one device array, one after another: double-buffered pinned staging, one async copy."""
+    """int64 arrays to one device array, one after another: double-buffered pinned staging, one async copy.
 
-    def __init__(self, cupy):
+    Parameters
+    ----------
+    cupy : module
+        The ``cupy`` module (passed in: this layer imports it only where a device is).
+    """
+
+    def __init__(self, cupy: Any):
         self.cupy = cupy
         self._capacity = 0  # int64 words each buffer holds
         self._turn = 0
 
-    def _reserve(self, words):
+    def _reserve(self, words: int) -> None:
         if words <= self._capacity:
             return
         import cupyx
@@ -30,10 +40,23 @@ class PinnedStaging:
         self._pending = [False, False]
         self._device = cupy.empty(self._capacity, np.int64)
 
-    def send(self, *arrays, out=None):
-        """Copy ``arrays`` to the device, in order, into ``out`` (a device int64 array of at least their size) or,
-        if None, into a device buffer this staging keeps, overwritten by the next :meth:`send`; returns that array.
-        The copy is queued on the current stream, so work queued after it there reads them."""
+    def send(self, *arrays: np.ndarray, out: Optional[Array] = None) -> Array:
+        """Copy ``arrays`` to the device, in order, in one copy queued on the current stream (work queued after
+        it there reads them).
+
+        Parameters
+        ----------
+        *arrays : numpy.ndarray, int64
+            Host arrays of any shape, sent flattened, one after another.
+        out : cupy.ndarray, int64, optional
+            Contiguous, at least their total size; None: a device buffer this staging keeps, overwritten by the
+            next :meth:`send`.
+
+        Returns
+        -------
+        cupy.ndarray
+            ``out``, or the kept buffer (its first ``sum(a.size)`` words are the arrays').
+        """
         n = sum(a.size for a in arrays)
         self._reserve(n)
         turn = self._turn = 1 - self._turn

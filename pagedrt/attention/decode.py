@@ -22,30 +22,30 @@ way into the same workspace layout.
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import source
-from ..kernels.args import (NULL, Array, array_module, c_contiguous, check, int_array, multiprocessors, plane,
+from ..kernels.args import (NULL, Plane, array_module, c_contiguous, check, int_array, multiprocessors, plane,
                             positive_int, ptr, RunArrays)
 from ..errors import UnsupportedConfigError
-from ..kernels.configs import config, fp8_sweep, sweep
+from ..kernels.configs import Config, config, fp8_sweep, sweep
 from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_block_tables
-from ..spec import plane_kv_dtype
+from ..spec import Array, plane_kv_dtype
 from . import reference
 from . import prefill_sm90
 from .plan_base import (LOG2E, Plan, Workspace, check_block_mask, check_workspace, default_scale, table_args,
                         table_width)
-from .planner import (GEOMETRIES, check_geometry, geometry, kernel_group, plan_splits, prefill_sm90_geometry,
-                      split_residency, wide_group, wide_split, workspace_layout)
+from .planner import (GEOMETRIES, SplitPlan, check_geometry, geometry, kernel_group, plan_splits,
+                      prefill_sm90_geometry, split_residency, wide_group, wide_split, workspace_layout)
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
 
 
-def kernel_name(cfg, paged, geometry_name, indexed=False):
+def kernel_name(cfg: Config, paged: bool, geometry_name: str, indexed: bool = False) -> str:
     """The decode kernel's name expression for configuration ``cfg`` in geometry ``geometry_name``; ``indexed``:
     the variant that reads each item's table row and query token from a rows array (a mixed step's decode rows).
     Its GROUP is the heads one thread block takes (:func:`~pagedrt.attention.planner.kernel_group`)."""
@@ -60,7 +60,8 @@ def kernel_name(cfg, paged, geometry_name, indexed=False):
             f"{flag(indexed)}>")
 
 
-def instances(configs=None, paged=(True, False), indexed=(False,)):
+def instances(configs: Optional[Sequence[Config]] = None, paged: Sequence[bool] = (True, False),
+              indexed: Sequence[bool] = (False,)) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} for ``configs`` (default: the representative sweeps, FP8's too), in every geometry;
     ``indexed=(False, True)`` adds the paged kernels' row-indexed variants (a mixed step's decode rows). FP8
     configurations have paged kernels only."""
@@ -109,7 +110,7 @@ class _Launch:
     middle: tuple  # the arguments between v and out: block stride ... group_chunks
     tail: tuple    # the split partials in the workspace (part_o, part_ml, arrivals) or nulls, then the rows or null
 
-    def __call__(self, q, k, v, out, scales=()):
+    def __call__(self, q: np.uint64, k: np.uint64, v: np.uint64, out: np.uint64, scales: tuple = ()) -> None:
         """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
         launch(self.function, self.grid, self.threads, (q, k, v, *self.middle, out, *self.tail, *scales), self.smem)
 
@@ -120,12 +121,12 @@ class _Bound:
     stream a split launch belongs to, the plan's claim on a caller's workspace, and the device arrays its
     pointers name besides the per-layer ones (a mixed step's rows)."""
     launch: _Launch
-    workspace: object
-    stream: object  # the stream's pointer when split, else None (any stream)
-    claim: object   # (Workspace, the plan's claim) on a caller's split workspace, else None
-    keep: object = None
+    workspace: Optional[Array]
+    stream: Optional[int]  # the stream's pointer when split, else None (any stream)
+    claim: Optional[Tuple[Workspace, int]]  # (Workspace, the plan's claim) on a caller's split workspace, else None
+    keep: Optional[Array] = None
 
-    def check(self):
+    def check(self) -> None:
         """Raise LaunchArgumentError unless the launch may run now: on the plan's stream when split, over a
         caller's workspace still laid out for this plan."""
         import cupy
@@ -218,9 +219,11 @@ def _decode_items_and_prepare(cfg, q_heads, pk, block_tables, seq_lens, scale, s
     return _prepare_wide(cfg, q_heads, pk, block_tables, seq_lens, items, scale, split, layout, workspace)
 
 
-def rows_launch(cfg, q_heads, pk, block_tables, kv_lens, rows, tokens, scale, max_seq_len, mean_seq_len, workspace):
+def rows_launch(cfg: Config, q_heads: int, pk: Plane, block_tables: Array, kv_lens: Array, rows: np.ndarray,
+                tokens: np.ndarray, scale: float, max_seq_len: int, mean_seq_len: Optional[float],
+                workspace: Optional[Array]) -> _Bound:
     """The launch (a :class:`_Bound`: :meth:`~_Bound.check`, then ``.launch(q, k, v, out)``) of a mixed step's
-    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host ints, one query
+    decode rows, on the current device and stream: batch rows ``rows`` of a prefill batch (host int64, one query
     token each, at most MAX_GRID_YZ), row ``rows[i]`` of ``block_tables`` and ``kv_lens`` with query token
     ``tokens[i]`` of q and out, over planes ``pk`` (:class:`~pagedrt.kernels.args.Plane`). Arguments are checked
     (``workspace`` as for :class:`DecodePlan`, holding ``len(rows)`` rows' partials); ``max_seq_len`` and
@@ -301,7 +304,7 @@ class _Plan(Plan):
             self._bound = prepare()
 
     @property
-    def split(self):
+    def split(self) -> SplitPlan:
         """The :class:`~pagedrt.attention.planner.SplitPlan` this plan runs."""
         return self._split
 
@@ -317,43 +320,50 @@ class _Plan(Plan):
 class DecodePlan(_Plan):
     """One decode step's attention, planned once and run for every layer (a plan/run split).
 
-    ``DecodePlan(q, k_cache, block_tables, seq_lens, ...)`` does the per-step work:
-    it checks the shapes, the table and the lengths (with ``validate``, on the
-    device, once), picks the split plan (:attr:`split`) and the kernel, and carves
-    the split partials out of the workspace, zeroing its arrival counts on the
-    current stream. :meth:`run` ``(q, k_cache, v_cache, out=None)`` then attends for
-    one layer: its q, K and V planes and out must have the shape, dtype and plane
-    layout of the q and K plane the plan was made with, and it only checks that and
-    launches, so a step over many layers pays the planning once (and a CUDA graph
-    can capture the runs). A plan reads ``block_tables`` and ``seq_lens`` when each
-    run executes: it belongs to the step whose tables and lengths it checked; make a
-    new one when they change. With planes in a pool, validation checks the plan's K
-    plane (and paged_decode's V plane): a cache maps and releases a block in every
-    plane at once, so that covers every layer; a run refuses planes whose pool was
-    closed since (``PoolClosedError``).
+    The constructor does the per-step work: it checks the shapes, the table and the lengths (with
+    ``validate``, on the device, once), picks the split plan (:attr:`split`) and the kernel, and carves the
+    split partials out of the workspace, zeroing its arrival counts on the current stream. :meth:`run` then
+    only checks one layer's arrays against the plan and launches (so a CUDA graph can capture the runs). A plan
+    reads ``block_tables`` and ``seq_lens`` when each run executes: it belongs to the step whose tables and
+    lengths it checked. With planes in a pool, validation checks the plan's K plane (a cache maps and releases a
+    block in every plane at once, so that covers every layer); a run refuses planes whose pool was closed since
+    (``PoolClosedError``). A split plan runs on the stream it was made on.
 
-    ``workspace``: a caller-owned CuPy uint8 array of at least
-    :func:`~pagedrt.attention.planner.workspace_bytes` bytes for the plan's split
-    count, reusable from step to step (one stream at a time) and fixed for graph
-    capture. It holds one plan at a time: making a split plan on it lays it out for
-    that plan, and an earlier plan made on it then refuses to run
-    (``LaunchArgumentError``); give plans that live side by side a workspace each.
-    Without one, a split plan allocates its own and holds it. A split
-    plan runs on the stream it was made on. ``geometry`` forces the kernel's geometry
-    ("standard" or "short"; None: the plan's choice). On a device of compute capability 9.0 the plan's
-    choice for a group of more than 16 query heads a KV head (fp16/bf16 planes at head_dim 64 or 128, a
-    positive scale: :func:`~pagedrt.attention.planner.wide_group`) is the sm_90a prefill kernel, split as
-    :func:`~pagedrt.attention.planner.wide_split` says (:attr:`split`'s geometry "wgmma"), with the same
-    workspace; a forced geometry keeps the decode kernel. On NumPy arrays the plan runs
-    the float64 reference, cut as :func:`reference.split` says (``num_splits``
-    segments of whole blocks, unsplit by default), and :attr:`split` is that cut.
-    Other arguments are those of :func:`paged_decode`.
+    On compute capability 9.0, the plan's choice for a group of more than 16 query heads a KV head
+    (:func:`~pagedrt.attention.planner.wide_group`) is the sm_90a prefill kernel, split as
+    :func:`~pagedrt.attention.planner.wide_split` says (:attr:`split`'s geometry ``"wgmma"``). On NumPy arrays
+    the plan runs the float64 reference, cut as :func:`reference.split` says (``num_splits`` segments of whole
+    blocks, unsplit by default), and :attr:`split` is that cut.
+
+    Parameters
+    ----------
+    q, k_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, mean_seq_len, block_mask, validate
+        As :func:`paged_decode`'s (``k_cache`` fixes the plane layout every run's K and V must have).
+    geometry : str, optional
+        Force the decode kernel's geometry, ``"standard"`` or ``"short"`` (a wide group then stays on the
+        decode kernel); None: the plan's choice.
+    workspace : cupy.ndarray, uint8, optional
+        Caller-owned, at least :func:`~pagedrt.attention.planner.workspace_bytes` for the plan's split count,
+        reusable from step to step (one stream at a time) and fixed for graph capture. It holds one plan at a
+        time: an earlier plan made on it then refuses to run (``LaunchArgumentError``), so plans that live side
+        by side need a workspace each. None: a split plan allocates its own.
+
+    Raises
+    ------
+    LaunchArgumentError
+        Shapes, dtypes, strides or a workspace that do not fit.
+    BlockTableError
+        A bad length or used table entry (with ``validate``; NumPy inputs always).
+    UnsupportedConfigError
+        A configuration the kernels do not support.
+    PoolClosedError
+        Planes in a closed pool.
     """
 
     def __init__(self, q: Array, k_cache: Array, block_tables: Array, seq_lens: Array, scale: Optional[float] = None,
                  *, num_splits: Optional[int] = None, max_seq_len: Optional[int] = None,
                  mean_seq_len: Optional[float] = None, block_mask: Optional[Array] = None, validate: bool = True,
-                 geometry: Optional[str] = None, workspace: Optional[Array] = None, _v_cache=None):
+                 geometry: Optional[str] = None, workspace: Optional[Array] = None, _v_cache: Optional[Array] = None):
         # _v_cache: paged_decode's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
                           block_mask=block_mask, workspace=workspace)
@@ -380,6 +390,7 @@ class DecodePlan(_Plan):
             check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)
         reference_run = functools.partial(_paged_reference, block_tables=block_tables, seq_lens=seq_lens,
                                           scale=scale, num_splits=split.num_splits, max_seq_len=max_seq_len)
+        prepare: Callable[[], _Bound]
         if wide:
             prepare = functools.partial(_decode_items_and_prepare, cfg, q.shape[1], pk, block_tables, seq_lens,
                                         scale, split, layout, workspace)
@@ -391,19 +402,28 @@ class DecodePlan(_Plan):
 
 
 class ContiguousDecodePlan(_Plan):
-    """The contiguous baseline's plan: the same kernel and split plan over K/V stored one sequence after another.
+    """The contiguous baseline's plan: the same kernel and split plan over K/V stored one sequence after another
+    (block id ``i * width + t // block_size`` instead of a table read); :meth:`run` takes K and V of k's shape.
+    Comparing it with :class:`DecodePlan` over the same tokens shows what paging itself costs.
 
-    ``ContiguousDecodePlan(q, k, seq_lens, ...)`` with k [batch, width, kv_heads,
-    block_size, head_dim] C-contiguous: sequence i's token t is
-    k[i, t // block_size, :, t % block_size], the paged kernel with block id
-    i*width + t // block_size instead of a table read. :meth:`run` ``(q, k, v, out=None)``
-    takes K and V of k's shape. Comparing it with :class:`DecodePlan` over the same
-    tokens shows what paging itself costs. ``validate`` checks the lengths on the
-    device first; other arguments are those of :class:`DecodePlan`.
+    Parameters
+    ----------
+    q : array [batch, q_heads, head_dim]
+        C-contiguous, of k's dtype (float16, bfloat16 or float32: no FP8).
+    k : array [batch, width, kv_heads, block_size, head_dim]
+        C-contiguous: sequence i's token t is ``k[i, t // block_size, :, t % block_size]``.
+    seq_lens : array, int32 [batch]
+        Each in ``[1, width * block_size]``.
+    validate : bool
+        Check the lengths on the device first (NumPy inputs always).
+    scale, num_splits, max_seq_len, mean_seq_len, geometry, workspace
+        As :class:`DecodePlan`'s.
     """
 
-    def __init__(self, q, k, seq_lens, scale=None, *, num_splits=None, max_seq_len=None, mean_seq_len=None,
-                 validate=True, geometry=None, workspace=None):
+    def __init__(self, q: Array, k: Array, seq_lens: Array, scale: Optional[float] = None, *,
+                 num_splits: Optional[int] = None, max_seq_len: Optional[int] = None,
+                 mean_seq_len: Optional[float] = None, validate: bool = True, geometry: Optional[str] = None,
+                 workspace: Optional[Array] = None):
         xp = array_module(q=q, k=k, seq_lens=seq_lens, workspace=workspace)
         c_contiguous("q", q, 3)
         c_contiguous("k", k, 5)
@@ -485,9 +505,12 @@ def paged_decode(q: Array, k_cache: Array, v_cache: Array, block_tables: Array, 
     return plan.run(q, k_cache, v_cache, out, k_scale=k_scale, v_scale=v_scale)
 
 
-def contiguous_decode(q, k, v, seq_lens, scale=None, *, out=None, num_splits=None, max_seq_len=None,
-                      mean_seq_len=None, validate=True, geometry=None, workspace=None):
-    """The contiguous baseline run once: :class:`ContiguousDecodePlan` ``(q, k, seq_lens, ...).run(q, k, v, out)``."""
+def contiguous_decode(q: Array, k: Array, v: Array, seq_lens: Array, scale: Optional[float] = None, *,
+                      out: Optional[Array] = None, num_splits: Optional[int] = None, max_seq_len: Optional[int] = None,
+                      mean_seq_len: Optional[float] = None, validate: bool = True, geometry: Optional[str] = None,
+                      workspace: Optional[Array] = None) -> Array:
+    """The contiguous baseline run once: :class:`ContiguousDecodePlan` ``(q, k, seq_lens, ...).run(q, k, v, out)``;
+    returns ``out`` (allocated when None, of q's shape and dtype). ``v`` has k's shape, dtype and layout."""
     plan = ContiguousDecodePlan(q, k, seq_lens, scale, num_splits=num_splits, max_seq_len=max_seq_len,
                                 mean_seq_len=mean_seq_len, validate=validate, geometry=geometry, workspace=workspace)
     return plan.run(q, k, v, out)

@@ -20,8 +20,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..kernels.args import (Array, aligned, check, check_scales, device_pointers, int_array, ptr, scale_keywords,
+from ..kernels.args import (aligned, check, check_scales, device_pointers, int_array, ptr, scale_keywords,
                             scale_pointers, store)
+from ..spec import Array
 
 LOG2E = 1.4426950408889634  # kernels take the scale times log2(e): their softmax runs on exp2
 
@@ -76,11 +77,12 @@ class Workspace:
     record; it lives while a plan holds it.
     """
 
-    _live = weakref.WeakValueDictionary()  # address -> the Workspace of that memory, while a plan holds it
+    # address -> the Workspace of that memory, while a plan holds it
+    _live: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._claims = itertools.count()
-        self._holder = None  # the claim of the plan that laid the memory out last
+        self._holder: Optional[int] = None  # the claim of the plan that laid the memory out last
 
     @classmethod
     def of(cls, array: Array) -> "Workspace":

@@ -8,10 +8,12 @@ never a changed constant.
 """
 
 from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..kernels.args import check
+from ..kernels.configs import Config
 
 GEOMETRIES = ("standard", "short")
 
@@ -49,12 +51,12 @@ WGMMA = "wgmma"                 # the SplitPlan geometry of such a decode
 WIDE_SEGMENT_BYTES = 512 << 10  # K+V of its shortest segment: 8 key tiles at head_dim 128 (wide_split)
 
 
-def _unknown(name):
+def _unknown(name: object) -> Callable[[], str]:
     return lambda: (f"geometry={name!r} is not a geometry: use one of {', '.join(map(repr, GEOMETRIES))} "
                     "(or None for the plan's choice)")
 
 
-def check_geometry(name):
+def check_geometry(name: Optional[str]) -> None:
     """Raise LaunchArgumentError unless ``name`` is None or one of GEOMETRIES."""
     check(name is None or name in GEOMETRIES, _unknown(name))
 
@@ -72,16 +74,16 @@ class Geometry:
     ids_window: int = IDS_WINDOW  # block ids staged in shared memory at a time
 
 
-def _pow2_floor(x):
+def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def mma(cfg):
+def mma(cfg: Config) -> bool:
     """Whether configuration ``cfg``'s decode runs on tensor cores: fp16/bf16 (and FP8 K/V) at MMA_HEAD_DIMS."""
     return cfg.dtype != "float32" and cfg.head_dim in MMA_HEAD_DIMS
 
 
-def kernel_group(cfg):
+def kernel_group(cfg: Config) -> Tuple[int, int]:
     """(query heads a decode thread block takes, thread blocks a KV head gets): ``(group, 1)`` on tensor cores,
     whose m16 tiles hold up to 64 heads, and for groups of at most CORE_GROUP. A wider group on CUDA cores is
     cut into chunks of its largest divisor up to CORE_GROUP (a prime group into single heads), one thread block
@@ -92,36 +94,21 @@ def kernel_group(cfg):
     return heads, cfg.group // heads
 
 
-def geometry(cfg, geometry_name="standard"):
-    """The :class:`Geometry` of configuration ``cfg`` (a ``kernels.configs.Config``) named ``geometry_name``.
+def geometry(cfg: Config, geometry_name: str = "standard") -> Geometry:
+    """The :class:`Geometry` of configuration ``cfg`` named ``geometry_name`` (docs/KERNELS.md, "Decode").
 
-    CUDA cores: lanes per token: the fewer, the fewer shuffles and the less softmax
-    work repeated across lanes, but each lane then holds more dims of q and of the
-    output for every query head: LANE_FLOATS of them (q and output together, about
-    2 * LANE_FLOATS registers). A stage holds TILE_BYTES of K (a power-of-two token
-    count, at least one per lane group). The ``"short"`` geometry is for short
-    segments, where each thread block's start and end weigh most: half the lane
-    budget and one stage less let twice as many thread blocks share an SM and hide
-    each other's start; on long segments it does more shuffles and softmax work per
-    byte, so the split plan picks it only for many short segments (:func:`plan_splits`).
+    CUDA cores: each lane holds at most LANE_FLOATS dims of q and of the output over the thread block's heads
+    (:func:`kernel_group`), which sizes the lanes per token; a stage holds TILE_BYTES of K. Tensor cores
+    (fp16/bf16 at MMA_HEAD_DIMS): a warp per 16 tokens of a 64-token tile, MMA_STAGES stages. FP8 K/V: fp16's
+    tile and stages up to FP8_NARROW_GROUP heads (the transposed kernel), FP8_FACTOR times the tile up to 16
+    heads, FP8_FACTOR times the stages past that. ``"short"`` (for many short segments): half the lane budget
+    and one stage less on CUDA cores; two warps and a 32-token tile on tensor cores, except past
+    MMA_SHORT_GROUP heads, which run the standard geometry under either name.
 
-    fp16/bf16 at head_dim 64 or 128 run on tensor cores instead: a warp per 16 tokens
-    of a 64-token tile, MMA_STAGES stages. Their short geometry has two warps (a
-    32-token tile) and stages of half the bytes, so twice as many thread blocks
-    share an SM with the same bytes in flight, and each block's start is hidden by
-    the others'. FP8 K/V (tensor cores only) stores a token in half the bytes. Up to
-    FP8_NARROW_GROUP heads the kernel runs transposed, with half the output registers, so
-    twice the thread blocks of fp16 fit an SM: fp16's tile and stages, at half the bytes,
-    keep the bytes in flight of fp16 and give twice the warps to hide the conversions'
-    latencies. Up to 16 heads, tiles of twice the tokens (FP8_FACTOR) keep the bytes of a stage, and each
-    warp consumes two chunks of 16 tokens at once, so that their chains of loads,
-    conversions and mma overlap (with one chunk a warp the FP8 kernel waited on those
-    chains); wider groups, whose warps already take two or four chunks, keep their tile
-    and take twice the stages (more chunks a warp spilled).
-    Groups wider than 16 heads take two or four m16 tiles, each held by whole warps: over
-    MMA_SHORT_GROUP heads the short geometry's two warps cannot hold them, and such a
-    group runs the standard geometry under either name. On CUDA cores the lanes are
-    sized for the thread block's heads (:func:`kernel_group`).
+    Raises
+    ------
+    LaunchArgumentError
+        ``geometry_name`` is not one of GEOMETRIES.
     """
     check(geometry_name in GEOMETRIES, _unknown(geometry_name))
     short = geometry_name == "short"
@@ -155,7 +142,7 @@ class PrefillGeometry:
     threads: int = PREFILL_THREADS
 
 
-def prefill_geometry(cfg):
+def prefill_geometry(cfg: Config) -> PrefillGeometry:
     """The :class:`PrefillGeometry` of configuration ``cfg`` (fp16/bf16, head_dim in PREFILL_HEAD_DIMS).
 
     Four warps of 16 packed rows each, PREFILL_STAGES stages of 64 keys (32 at head_dim
@@ -168,7 +155,7 @@ def prefill_geometry(cfg):
                            + PREFILL_TILE_M * cfg.head_dim * cfg.itemsize)
 
 
-def prefill_sm90_geometry(cfg):
+def prefill_sm90_geometry(cfg: Config) -> PrefillGeometry:
     """The :class:`PrefillGeometry` of the sm_90a kernel (``cuda_src/prefill_sm90.cu``) for ``cfg``.
 
     Two consumer warpgroups of 64 packed rows (SM90_TILE_M = 128), key tiles of 128
@@ -183,7 +170,7 @@ def prefill_sm90_geometry(cfg):
                            SM90_THREADS)
 
 
-def wide_group(cfg):
+def wide_group(cfg: Config) -> bool:
     """Whether a decode of ``cfg`` runs on the sm_90a prefill kernel on a device of compute capability 9.0 (with
     a positive scale and the plan's choice of geometry): fp16/bf16 planes, head_dim 64 or 128 (where that kernel
     splits: at 256 its consumers have no registers left for the merge), and more than WIDE_GROUP query heads a
@@ -194,7 +181,8 @@ def wide_group(cfg):
     return not cfg.fp8 and cfg.dtype in PREFILL_DTYPES and cfg.head_dim in MMA_HEAD_DIMS and cfg.group > WIDE_GROUP
 
 
-def wide_split(cfg, batch, num_kv_heads, max_seq_len, multiprocessors, *, num_splits=None, mean_seq_len=None):
+def wide_split(cfg: Config, batch: int, num_kv_heads: int, max_seq_len: int, multiprocessors: int, *,
+               num_splits: Optional[int] = None, mean_seq_len: Optional[float] = None) -> "SplitPlan":
     """The :class:`SplitPlan` of a wide group's decode on the sm_90a kernel (geometry WGMMA): as
     :func:`plan_splits` cuts it for a thread block per SM over the kernel's key tiles, into segments of at least
     WIDE_SEGMENT_BYTES of K+V. A segment's partials are the whole group's output rows, and the last segment
@@ -206,7 +194,8 @@ def wide_split(cfg, batch, num_kv_heads, max_seq_len, multiprocessors, *, num_sp
     return SplitPlan(split.num_splits, split.segment_tokens, WGMMA)
 
 
-def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):
+def prefill_items(query_lens: Sequence[int], group: int, tile_m: int = PREFILL_TILE_M,
+                  skip: Sequence[int] = ()) -> np.ndarray:
     """The work items of a prefill: int32 [n, 4] rows (batch row, its first query token, its query count,
     the item's first packed row), from the host's per-row query counts.
 
@@ -227,7 +216,7 @@ def prefill_items(query_lens, group, tile_m=PREFILL_TILE_M, skip=()):
     return items[np.argsort(-index, kind="stable")]
 
 
-def decode_rows(query_lens):
+def decode_rows(query_lens: Sequence[int]) -> np.ndarray:
     """The rows of a prefill batch the decode kernel attends for (int64, ascending): a mixed step's decode rows.
 
     Those of one query token, the first MAX_DECODE_ROWS of them; the prefill kernel takes the
@@ -246,7 +235,7 @@ class SplitPlan:
     segment_tokens: int  # split i covers tokens [i*segment_tokens, (i+1)*segment_tokens); the last, the rest
     geometry: str        # "standard" or "short" (see :func:`geometry`)
 
-    def segments(self, length):
+    def segments(self, length: int) -> List[Tuple[int, int]]:
         """Token ranges [begin, end) of the splits of a sequence of ``length`` tokens, as the kernel cuts
         them: the last split takes the rest; splits past the end are empty."""
         out = []
@@ -257,7 +246,7 @@ class SplitPlan:
         return out
 
 
-def split_residency(resident_blocks, multiprocessors):
+def split_residency(resident_blocks: int, multiprocessors: int) -> int:
     """The resident thread blocks a split plan fills: the kernel's (``resident_blocks``), but at most
     SPLIT_BLOCKS_PER_SM an SM. Two blocks of a decode kernel keep an SM's share of HBM streaming; where more
     fit (FP8's transposed kernel, whose blocks hold half the registers), cutting sequences further to fill
@@ -265,38 +254,52 @@ def split_residency(resident_blocks, multiprocessors):
     return min(resident_blocks, SPLIT_BLOCKS_PER_SM * multiprocessors)
 
 
-def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, resident_blocks, *, num_splits=None,
-                mean_seq_len=None, geometry=None, min_segment_bytes=MIN_SEGMENT_BYTES, wave_blocks=None):
-    """Cut sequences into segments for split-K; ``num_splits`` overrides the count, ``geometry`` the geometry.
+def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, bytes_per_token: int,
+                resident_blocks: int, *, num_splits: Optional[int] = None, mean_seq_len: Optional[float] = None,
+                geometry: Optional[str] = None, min_segment_bytes: int = MIN_SEGMENT_BYTES,
+                wave_blocks: Optional[int] = None) -> "SplitPlan":
+    """Cut sequences into segments for split-K, and choose the geometry (docs/KERNELS.md, "Split plan").
 
-    Without a request: ``batch * num_kv_heads`` thread blocks. If they leave some of
-    the ``resident_blocks`` (thread blocks the device holds at once: SMs x blocks per
-    SM) unused, split each sequence into as many segments as fill them in one wave,
-    but never into segments of fewer than ``min_segment_bytes`` of K+V (each thread block
-    pays a pipeline fill and a share of the final merge). If lengths are uneven (the
-    longest over UNEVEN times the mean, when ``mean_seq_len`` is known), cut segments of
-    at most about a quarter of the mean length, so that short and long sequences become
-    work units of similar size and no long sequence runs alone at the end (whether or
-    not the thread blocks fill the device: filling it once does not balance it).
-    Segments are whole tiles; splits the rounding left empty are dropped. A requested
-    count is kept even if some segments are then empty.
+    Without a request, ``batch * num_kv_heads`` thread blocks that leave resident blocks unused split each
+    sequence to fill them in one wave, in segments of at least ``min_segment_bytes`` of K+V; uneven lengths
+    (the longest over UNEVEN times ``mean_seq_len``) are cut in segments of about a quarter of the mean.
+    Segments are whole tiles; splits the rounding left empty are dropped, but a requested count is kept.
+    Unless forced, ``"short"`` when segments are at most SHORT_TILES tiles, the thread blocks outnumber
+    SHORT_WAVES waves of ``wave_blocks`` and the lengths were not cut for unevenness.
 
-    ``tile`` and ``resident_blocks`` are the standard geometry's (the short
-    geometry's tile divides the standard one's, so the segments are whole tiles of
-    either). Unless forced, the plan picks the ``"short"`` geometry when segments are
-    at most SHORT_TILES tiles, the thread blocks outnumber SHORT_WAVES waves of the
-    standard geometry (``wave_blocks`` thread blocks each: the device's, where a split
-    plan counts fewer, :func:`split_residency`; else ``resident_blocks``) and the
-    lengths were not cut for unevenness: many short thread blocks, whose starts the
-    extra resident blocks hide. A single wave of short segments, or segments cut for
-    unevenness, keep the standard geometry, whose thread blocks stream faster once
-    started, and whose one wave lets the next launch's blocks start beside its last
-    ones (a step's programmatic dependent launches).
+    Parameters
+    ----------
+    batch, num_kv_heads : int
+        Sequences, and thread blocks a sequence takes unsplit.
+    max_seq_len : int
+        The longest sequence's tokens.
+    tile : int
+        Tokens a pipeline stage of the standard geometry holds (the short geometry's divides it).
+    bytes_per_token : int
+        K+V bytes of one token of one KV head.
+    resident_blocks : int
+        Thread blocks of the standard geometry the device holds at once (:func:`split_residency`).
+    num_splits : int, optional
+        Force the count.
+    mean_seq_len : float, optional
+        The mean length, where known.
+    geometry : str, optional
+        Force the geometry.
+    min_segment_bytes : int
+        The shortest segment, in K+V bytes.
+    wave_blocks : int, optional
+        Thread blocks of one wave of the standard geometry; default ``resident_blocks``.
+
+    Raises
+    ------
+    LaunchArgumentError
+        An unknown ``geometry``.
     """
     check_geometry(geometry)
     units = batch * num_kv_heads
     min_tokens = max(1, min_segment_bytes // bytes_per_token)
-    uneven = bool(mean_seq_len) and max_seq_len > UNEVEN * mean_seq_len
+    mean = mean_seq_len or 0.0  # unknown (or 0): not uneven
+    uneven = bool(mean) and max_seq_len > UNEVEN * mean
     if num_splits is not None:
         wanted = num_splits
     else:
@@ -304,7 +307,7 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
         if 0 < units < resident_blocks:
             wanted = max(1, min(resident_blocks // units, max_seq_len // min_tokens))
         if uneven:
-            wanted = max(wanted, -(-max_seq_len // max(min_tokens, int(mean_seq_len) // 4)))
+            wanted = max(wanted, -(-max_seq_len // max(min_tokens, int(mean) // 4)))
     segment = -(-max_seq_len // wanted)
     segment = -(-segment // tile) * tile
     if num_splits is None:
@@ -316,11 +319,11 @@ def plan_splits(batch, num_kv_heads, max_seq_len, tile, bytes_per_token, residen
     return SplitPlan(wanted, segment, geometry)
 
 
-def _round16(n):
+def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def workspace_layout(batch, q_heads, head_dim, num_splits):
+def workspace_layout(batch: int, q_heads: int, head_dim: int, num_splits: int) -> Tuple[int, int, int, int]:
     """Byte offsets of the split partials in a workspace, and its size: (o, ml, arrivals, total).
 
     o: float32 [batch*q_heads, num_splits, head_dim] (unnormalised outputs); ml:
@@ -336,6 +339,6 @@ def workspace_layout(batch, q_heads, head_dim, num_splits):
     return 0, o_bytes, o_bytes + ml_bytes, o_bytes + ml_bytes + _round16(rows * 4)
 
 
-def workspace_bytes(batch, q_heads, head_dim, num_splits):
+def workspace_bytes(batch: int, q_heads: int, head_dim: int, num_splits: int) -> int:
     """Bytes of workspace a plan of ``num_splits`` splits needs (0 when unsplit)."""
     return workspace_layout(batch, q_heads, head_dim, num_splits)[3]

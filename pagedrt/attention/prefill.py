@@ -1,49 +1,25 @@
 """Prefill attention over a paged KV cache (many query tokens per sequence): the device side.
 
-:class:`PrefillPlan` does a step's checks and planning once; its :meth:`~PrefillPlan.run`
-attends for one layer. :func:`paged_prefill` is a plan run once. One batch may mix
-prompts, chunks of prompts after cached tokens and single decode tokens: sequence b's
-queries are rows ``qo_indptr[b]:qo_indptr[b + 1]`` of q and its keys the first
-``kv_lens[b]`` tokens of its block-table row (cached and new: the new tokens' K/V are
-written first). Causal attention is aligned bottom-right: query i of n sees keys
-0..kv_len - n + i. Given NumPy arrays the plan runs the float64 reference
-(:func:`pagedrt.attention.reference.prefill`).
-
-The kernels run on tensor cores for float16 and bfloat16 at head_dim 64, 128 and 256;
-other configurations raise ``UnsupportedConfigError`` on either backend, so a
-configuration is supported by both or neither. A device of compute capability 9.0
-(H100, H200) runs ``cuda_src/prefill_sm90.cu`` (warpgroup MMA with warp-specialised
-producer and consumers, compiled for sm_90a) for every positive scale; every other GPU,
-and a scale of 0 or below, runs ``cuda_src/prefill.cu`` (mma.m16n8k16, sm_80+). The
-work items (query tiles of each sequence, :func:`~pagedrt.attention.planner.prefill_items`)
-are cut on the host from the query counts, which a :class:`~pagedrt.step.Step` carries on
-the host (``query_lens``).
-
-Over FP8 K/V (uint8 planes of float8 e4m3 bits, scales per KV head given at each run) the rows that are not
-decode rows run ``prefill_fp8``, the mma.sync kernel converting K and V to f16 in registers
-(``cuda_src/prefill.cu``), on every GPU (the sm_90a kernel reads fp16/bf16 planes only); the decode rows run
-``decode_fp8``'s indexed variant.
-
-A mixed step's decode rows (one query token each:
-:func:`~pagedrt.attention.planner.decode_rows`) go where a :class:`~pagedrt.attention.DecodePlan`
-sends them (through :func:`pagedrt.attention.decode.rows_launch`): the decode kernel
-(``cuda_src/decode.cu``), which streams their K/V at memory speed, or for a wide group on
-compute capability 9.0 the sm_90a kernel, an item a row, split; the prefill kernel takes the other rows. With both,
-a run launches the decode rows on a side stream of the plan's own beside the prompt rows on the current
-one (an event each way, so a CUDA graph captures both).
+:class:`PrefillPlan` does a step's checks and planning once; its :meth:`~PrefillPlan.run` attends for one
+layer. :func:`paged_prefill` is a plan run once. One batch may mix prompts, chunks of prompts after cached
+tokens and single decode tokens. Compute capability 9.0 runs ``cuda_src/prefill_sm90.cu`` for a positive
+scale over fp16/bf16 planes, other devices and FP8 planes ``cuda_src/prefill.cu``; a mixed step's decode rows
+run where a :class:`~pagedrt.attention.DecodePlan` runs them, on a side stream of the plan's own. Given NumPy
+arrays the plan runs the float64 reference (:func:`pagedrt.attention.reference.prefill`). docs/KERNELS.md
+("Prefill", "Mixed steps") has the rest.
 """
 
 import functools
-from typing import Optional
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import Array, array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
-from ..kernels.configs import config, fp8_sweep, sweep
+from ..kernels.args import array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
+from ..kernels.configs import Config, config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
-from ..spec import plane_kv_dtype
+from ..spec import Array, plane_kv_dtype
 from ..supported import check as check_supported
 from . import decode, prefill_sm90, reference
 from .plan_base import (LOG2E, Plan, check_block_mask, check_workspace, default_scale, table_args,
@@ -56,14 +32,14 @@ FILE = "prefill.cu"
 MAX_GRID_Y = 65535  # KV heads are grid dimension y
 
 
-def supported(cfg):
+def supported(cfg: Config) -> Config:
     """Raise UnsupportedConfigError unless the prefill kernel runs configuration ``cfg``."""
     check_supported("dtype (prefill runs on tensor cores)", cfg.dtype, PREFILL_DTYPES)
     check_supported("head_dim (prefill)", cfg.head_dim, PREFILL_HEAD_DIMS)
     return cfg
 
 
-def kernel_name(cfg):
+def kernel_name(cfg: Config) -> str:
     """The prefill kernel's name expression for configuration ``cfg`` (the group is a kernel argument): the
     mma.sync kernel, or its FP8 twin for FP8 K/V."""
     geo = prefill_geometry(cfg)
@@ -71,7 +47,8 @@ def kernel_name(cfg):
             f"{geo.threads}, {geo.tile_m}, {geo.tile_n}, {geo.stages}>")
 
 
-def instances(configs=None, capability=None):
+def instances(configs: Optional[Sequence[Config]] = None,
+              capability: Optional[str] = None) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweeps,
     FP8's too): of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it
     runs (FP8 configurations: the mma.sync kernel's FP8 twin, on every device)."""
@@ -110,12 +87,12 @@ class _Fork:
     """A mixed step's two launches side by side: the decode rows on this object's own side stream, beside the
     prompt rows on the current stream, an event each way (so a CUDA graph captures both)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         import cupy
         self._fork, self._join = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
         self._side = cupy.cuda.Stream(non_blocking=True)
 
-    def __call__(self, side_launch, main_launch):
+    def __call__(self, side_launch: Callable[[], None], main_launch: Callable[[], None]) -> None:
         """Run ``side_launch()`` on the side stream and ``main_launch()`` on the current one; the current stream
         goes on once both are done."""
         import cupy
@@ -210,61 +187,71 @@ def _check_lengths(kv_lens, query_counts, width, block_size):
 class PrefillPlan(Plan):
     """One prefill step's attention, planned once and run for every layer (a plan/run split).
 
-    ``PrefillPlan(q, k_cache, block_tables, kv_lens, qo_indptr, ...)`` does the per-step
-    work: it checks the shapes and offsets, the lengths and the table (with
-    ``validate``), cuts the work items on the host and uploads them. :meth:`run`
-    ``(q, k_cache, v_cache, out=None)`` then attends for one layer: its q, planes and
-    out must have the shape, dtype and plane layout of the q and K plane the plan was
-    made with, and it only checks that and launches (no allocation and no host sync
-    when ``out`` is given, so a CUDA graph can capture it). A plan reads
-    ``block_tables`` and ``kv_lens`` when each run executes: it belongs to the step
-    whose table and lengths it checked.
+    The constructor does the per-step work: it checks the shapes and offsets, the lengths and the table (with
+    ``validate``), cuts the work items on the host and uploads them. :meth:`run` then only checks one layer's
+    arrays against the plan and launches (no allocation and no host sync when ``out`` is given, so a CUDA graph
+    can capture it). A plan reads ``block_tables`` and ``kv_lens`` when each run executes: it belongs to the
+    step whose table and lengths it checked. Decode rows (:attr:`decode_rows`) run where a
+    :class:`~pagedrt.attention.DecodePlan` would run them, split by their longest and mean length when
+    ``validate`` read the lengths, else by the table's width. On NumPy arrays every row runs the reference.
+    Over FP8 planes (q and out float16 or bfloat16, head_dim 64 or 128) :meth:`run` takes the layer's
+    ``k_scale`` and ``v_scale``.
 
-    q: [num_tokens, q_heads, head_dim], C-contiguous; k_cache: a plane [num_blocks,
-    kv_heads, block_size, head_dim] (any block stride); block_tables: int32 [batch,
-    width] (row stride may exceed width); kv_lens: int32 [batch], each sequence's keys
-    after the step (cached and new), in [max(1, its query count), width * block_size];
-    qo_indptr: int32 [batch + 1], starting at 0, never decreasing, ending at
-    num_tokens. Query head h uses KV head h // (q_heads // kv_heads). ``scale``
-    defaults to 1 / sqrt(head_dim). ``causal``: query i of a sequence's n sees keys
-    0..kv_len - n + i (the mask aligned bottom-right, as chunked prefill needs); else
-    every key.
+    Parameters
+    ----------
+    q : array [num_tokens, q_heads, head_dim]
+        C-contiguous. Query head h uses KV head ``h // (q_heads // kv_heads)``.
+    k_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        A plane (any block stride): every run's K and V have its layout.
+    block_tables : array, int32 [batch, width]
+        Row stride may exceed width.
+    kv_lens : array, int32 [batch]
+        Each sequence's keys after the step (cached and new), in ``[max(1, its query count), width * block_size]``.
+    qo_indptr : array, int32 [batch + 1]
+        Starting at 0, never decreasing, ending at num_tokens.
+    query_lens : numpy.ndarray of int, optional
+        Each row's query count on the host (a :class:`~pagedrt.step.Step`'s ``query_lens``), agreeing with
+        ``qo_indptr`` (``validate`` checks it on the device); the work items are cut from it. None: the plan
+        reads ``qo_indptr`` back from the device (a sync).
+    causal : bool
+        Query i of a sequence's n sees keys ``0 .. kv_len - n + i`` (aligned bottom-right, as chunked prefill
+        needs); else every key.
+    scale : float, optional
+        Default 1 / sqrt(head_dim).
+    block_mask : array, bool or uint8 [num_blocks], optional
+        Blocks a table may name.
+    validate : bool
+        Read ``kv_lens`` back and check every length on the host, then every used table entry on the device as
+        :class:`~pagedrt.attention.DecodePlan` does (two device-to-host reads). False trusts them: the kernels
+        still never read past a table row's width or write outside q's rows. NumPy inputs are always checked.
+    workspace : cupy.ndarray, uint8, optional
+        For the decode rows' split partials: at least :func:`~pagedrt.attention.workspace_bytes`
+        ``(len(decode_rows), q_heads, head_dim, splits)`` bytes, with DecodePlan's rules; None: the plan
+        allocates one when it splits.
 
-    ``query_lens``: each row's query count as a host NumPy integer array (a
-    :class:`~pagedrt.step.Step`'s ``query_lens``). The work items are cut from it; it
-    must agree with ``qo_indptr``, which ``validate`` checks on the device. Without it
-    the plan reads ``qo_indptr`` back from the device (a sync) to cut them.
+    Attributes
+    ----------
+    kernel : str or None
+        The name expression of the prefill kernel a device plan launches for the rows that are not decode rows
+        (the sm_90a kernel on compute capability 9.0 when ``scale`` is positive); None when there are none, and
+        for NumPy inputs.
 
-    ``kernel``: the name expression of the prefill kernel a device plan launches for the
-    rows that are not decode rows (the sm_90a kernel on compute capability 9.0 when
-    ``scale`` is positive); None when there are none, and for NumPy inputs.
-
-    ``validate`` (the default) reads ``kv_lens`` back and checks every length on the
-    host (in range, and not below its row's query count: ``BlockTableError`` with
-    ``.row``, ``.length``), then checks every used table entry on the device as
-    :class:`~pagedrt.attention.DecodePlan` does (against ``block_mask`` when given, and,
-    for planes in a pool, that the block is mapped): two device-to-host reads.
-    ``validate=False`` trusts the lengths and the table: the kernels still never read
-    past a table row's width or write outside q's rows. NumPy inputs are always checked.
-
-    Decode rows (:attr:`decode_rows`) run on the decode kernel, split as a
-    :class:`~pagedrt.attention.DecodePlan` would split them (by their longest and mean
-    length when ``validate`` read the lengths, else by the table's width); a split
-    plan keeps their partials in ``workspace``, a caller-owned CuPy uint8 array of at
-    least :func:`~pagedrt.attention.workspace_bytes` ``(len(decode_rows), q_heads,
-    head_dim, splits)`` bytes, with DecodePlan's rules (one plan at a time, runs on the
-    stream the plan was made on), or in one the plan allocates and holds when none is
-    given. On NumPy arrays every row runs the reference.
-
-    FP8 planes (uint8 float8 e4m3 bits; q and out float16 or bfloat16; head_dim 64 or 128) run the prompt rows
-    on the mma.sync kernel's FP8 twin and the decode rows on decode_fp8's indexed variant, and :meth:`run` takes
-    the layer's ``k_scale`` and ``v_scale``.
+    Raises
+    ------
+    BlockTableError
+        A bad length (with ``.row`` and ``.length``) or used table entry.
+    LaunchArgumentError
+        Shapes, dtypes, strides, offsets or a workspace that do not fit.
+    UnsupportedConfigError
+        A configuration the prefill kernels do not run (float16 or bfloat16 at head_dim 64, 128 or 256 only).
+    PoolClosedError
+        Planes in a closed pool.
     """
 
     def __init__(self, q: Array, k_cache: Array, block_tables: Array, kv_lens: Array, qo_indptr: Array, *,
                  query_lens: Optional[np.ndarray] = None, causal: bool = True, scale: Optional[float] = None,
                  block_mask: Optional[Array] = None, validate: bool = True, workspace: Optional[Array] = None,
-                 _v_cache=None):
+                 _v_cache: Optional[Array] = None):
         # _v_cache: paged_prefill's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(q=q, k_cache=k_cache, block_tables=block_tables, kv_lens=kv_lens, qo_indptr=qo_indptr,
                           block_mask=block_mask, workspace=workspace)
@@ -320,7 +307,7 @@ class PrefillPlan(Plan):
             self.kernel = (prefill_sm90.kernel_name if sm90 else kernel_name)(cfg)
 
     @property
-    def decode_rows(self):
+    def decode_rows(self) -> np.ndarray:
         """The batch rows the decode kernel attends for (host int64, ascending); the prefill kernel takes the
         others (:func:`~pagedrt.attention.planner.decode_rows`)."""
         return self._decode_rows

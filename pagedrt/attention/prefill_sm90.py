@@ -10,11 +10,14 @@ segment) units.
 
 import functools
 from dataclasses import dataclass
+from typing import Any, Tuple
 
 import numpy as np
 
 from .. import source
-from ..kernels.args import NULL, check, multiprocessors, ptr
+from ..kernels.args import NULL, Plane, check, multiprocessors, ptr
+from ..kernels.configs import Config
+from ..spec import Array
 from .plan_base import LOG2E
 from .planner import prefill_sm90_geometry
 
@@ -24,13 +27,13 @@ ALL_TILES = np.iinfo(np.int32).max  # an unsplit launch's segment: every key til
 MAX_UNITS = np.iinfo(np.int32).max  # (item, KV head, segment) units the kernel counts in int
 
 
-def kernel_name(cfg):
+def kernel_name(cfg: Config) -> str:
     """The kernel's name expression for ``cfg`` (the block size and the group are kernel arguments)."""
     geo = prefill_sm90_geometry(cfg)
     return f"pagedrt::prefill_sm90<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}>"
 
 
-def runs_on(device_id):
+def runs_on(device_id: int) -> bool:
     """Whether the device runs this kernel (compute capability 9.0)."""
     import cupy
     return cupy.cuda.Device(device_id).compute_capability == SM90
@@ -48,19 +51,20 @@ def _kernel(cfg, device_id):
 class Launch:
     """A prefill launch (of this kernel or of ``prefill.cu``'s) but for its per-layer pointers: q, the K and V
     planes, out."""
-    function: object
+    function: Any  # cupy.RawKernel
     grid: tuple
     threads: tuple
     smem: int
     middle: tuple  # the arguments between v and out
 
-    def __call__(self, q, k, v, out, scales=()):
+    def __call__(self, q: np.uint64, k: np.uint64, v: np.uint64, out: np.uint64, scales: tuple = ()) -> None:
         """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
         self.function(self.grid, self.threads, (q, k, v, *self.middle, out, *scales), shared_mem=self.smem)
 
 
-def launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, num_splits=1, split_tiles=ALL_TILES,
-           parts=(NULL,) * 3):
+def launch(cfg: Config, pk: Plane, block_tables: Array, kv_lens: Array, items: Array, causal: bool, scale: float,
+           device: int, num_splits: int = 1, split_tiles: int = ALL_TILES,
+           parts: Tuple[np.uint64, np.uint64, np.uint64] = (NULL,) * 3) -> Launch:
     """The :class:`Launch` over the work ``items`` (a device int32 [n, 4], n > 0) of planes ``pk``
     (:class:`~pagedrt.kernels.args.Plane`): unsplit, or cut into ``num_splits`` segments of ``split_tiles`` key
     tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers."""

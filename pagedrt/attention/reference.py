@@ -10,14 +10,16 @@ query rows, causal aligned bottom-right.
 """
 
 import math
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import fp8
-from .planner import plan_splits
+from .planner import SplitPlan, plan_splits
 
 
-def _partial(q, k, v, scale, first, causal_offset):
+def _partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int,
+             causal_offset: Optional[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Unnormalised state of query rows q [rows, kv, group, d] over keys k, v [kv, n, d] at positions
     first..first+n-1 (float64): (m, l, o) = max score, sum of exp(score - m), sum of exp(score - m) * v.
     A row that sees no key gets m = -inf, l = 0, o = 0."""
@@ -31,7 +33,7 @@ def _partial(q, k, v, scale, first, causal_offset):
     return m, p.sum(axis=3), np.einsum("rhgn,hnd->rhgd", p, v, optimize=True)
 
 
-def merge_partials(m, l, o):
+def merge_partials(m: np.ndarray, l: np.ndarray, o: np.ndarray) -> np.ndarray:
     """Combine split states along axis 0: m, l [splits, ...], o [splits, ..., d] -> normalised output.
 
     m* = max m_i; l* = sum l_i exp(m_i - m*); out = sum o_i exp(m_i - m*) / l*.
@@ -44,7 +46,8 @@ def merge_partials(m, l, o):
     return (w[..., None] * o).sum(axis=0) / total[..., None]
 
 
-def attend(q, k, v, scale, *, causal_offset=None, segments=None):
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *, causal_offset: Optional[int] = None,
+           segments: Optional[Sequence[Tuple[int, int]]] = None) -> np.ndarray:
     """Float64 attention of one sequence's query rows q [rows, q_heads, d] over its keys k, v [kv_heads, n, d].
 
     Returns float64 [rows, q_heads, d]; query head h uses KV head h // (q_heads // kv_heads).
@@ -64,13 +67,14 @@ def attend(q, k, v, scale, *, causal_offset=None, segments=None):
     return merge_partials(m, l, o).reshape(rows, q_heads, d)
 
 
-def split(max_seq_len, block_size, num_splits=1, geometry="standard"):
+def split(max_seq_len: int, block_size: int, num_splits: int = 1, geometry: str = "standard") -> SplitPlan:
     """The :class:`~pagedrt.attention.planner.SplitPlan` the decode references cut by: ``num_splits``
     segments of whole blocks (the kernel cuts whole tiles), the last taking the rest."""
     return plan_splits(1, 1, max_seq_len, block_size, 1, 1, num_splits=num_splits, geometry=geometry)
 
 
-def _decode(q, keys, scale, num_splits, max_seq_len, block_size):
+def _decode(q: np.ndarray, keys: Callable[[int], Tuple[np.ndarray, np.ndarray]], scale: Optional[float],
+            num_splits: int, max_seq_len: int, block_size: int) -> np.ndarray:
     """Decode (one query row per sequence) over the per-sequence keys and values ``keys(i)``, in q's dtype."""
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     plan = split(max_seq_len, block_size, num_splits)
@@ -81,21 +85,23 @@ def _decode(q, keys, scale, num_splits, max_seq_len, block_size):
     return out.astype(q.dtype)
 
 
-def _tokens(blocks, n):
+def _tokens(blocks: np.ndarray, n: int) -> np.ndarray:
     """[nb, kv, bs, d] blocks -> [kv, n, d] float64, the first n tokens in order."""
     nb, kv, bs, d = blocks.shape
     return blocks.astype(np.float64).transpose(1, 0, 2, 3).reshape(kv, nb * bs, d)[:, :n]
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, num_splits=1, max_seq_len=None,
-                 k_scale=None, v_scale=None):
+def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                 seq_lens: np.ndarray, scale: Optional[float] = None, *, num_splits: int = 1,
+                 max_seq_len: Optional[int] = None, k_scale: Optional[np.ndarray] = None,
+                 v_scale: Optional[np.ndarray] = None) -> np.ndarray:
     """Reference of :func:`pagedrt.attention.paged_decode` (no checks): gather through the table, softmax,
     weighted sum; with ``num_splits`` > 1 cut and merged as the split kernel does (see :func:`split`).
     With ``k_scale`` and ``v_scale`` the planes hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`)."""
     block_size = k_cache.shape[2]
     values = (lambda blocks, s: blocks) if k_scale is None else fp8.dequantise
 
-    def keys(i):
+    def keys(i: int) -> Tuple[np.ndarray, np.ndarray]:
         n = int(seq_lens[i])
         blocks = block_tables[i, :-(-n // block_size)]
         return _tokens(values(k_cache[blocks], k_scale), n), _tokens(values(v_cache[blocks], v_scale), n)
@@ -103,20 +109,22 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, num
     return _decode(q, keys, scale, num_splits, max_seq_len or block_tables.shape[1] * block_size, block_size)
 
 
-def contiguous_decode(q, k, v, seq_lens, scale=None, *, num_splits=1, max_seq_len=None):
+def contiguous_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray, scale: Optional[float] = None,
+                      *, num_splits: int = 1, max_seq_len: Optional[int] = None) -> np.ndarray:
     """Reference of :func:`pagedrt.attention.contiguous_decode` (no checks); k, v [batch, width, kv_heads,
     block_size, head_dim]."""
     width, block_size = k.shape[1], k.shape[3]
 
-    def keys(i):
+    def keys(i: int) -> Tuple[np.ndarray, np.ndarray]:
         n = int(seq_lens[i])
         return _tokens(k[i], n), _tokens(v[i], n)
 
     return _decode(q, keys, scale, num_splits, max_seq_len or width * block_size, block_size)
 
 
-def prefill(q, k_cache, v_cache, block_tables, kv_lens, qo_indptr, scale=None, causal=True, k_scale=None,
-            v_scale=None):
+def prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray, kv_lens: np.ndarray,
+            qo_indptr: np.ndarray, scale: Optional[float] = None, causal: bool = True,
+            k_scale: Optional[np.ndarray] = None, v_scale: Optional[np.ndarray] = None) -> np.ndarray:
     """Reference of :func:`pagedrt.attention.paged_prefill` (no checks), in q's dtype.
 
     Sequence b's query rows are q[qo_indptr[b]:qo_indptr[b + 1]] (n of them) over its

@@ -17,7 +17,7 @@ __all__ = ["BlockTransfer", "WritePlan", "copy_blocks", "copy_blocks_reference",
            "write_kv_reference"]
 
 
-def instances():
+def instances() -> dict:
     """{cuda_src file: name expressions} of this package's launchers, over the representative configurations."""
     from . import copy, validate, write
     out = {}

@@ -7,17 +7,18 @@ device import cupy lazily, so the NumPy path works without it.
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..errors import LaunchArgumentError
+from ..spec import Array
 
-Array = Any  # a numpy.ndarray (the host backend: the NumPy reference runs) or a cupy.ndarray (cupy imported lazily)
 
 
-def array_module(**arrays):
-    """numpy if every given array is a NumPy array, cupy if every one is a CuPy array (one device)."""
+def array_module(**arrays: Optional[Array]) -> Any:
+    """numpy if every given array is a NumPy array, cupy if every one is a CuPy array on the current device;
+    LaunchArgumentError otherwise (None entries are skipped)."""
     xp = array_kind(**arrays)
     if xp is np:
         return np
@@ -30,9 +31,9 @@ def array_module(**arrays):
     return xp
 
 
-def array_kind(**arrays):
+def array_kind(**arrays: Optional[Array]) -> Any:
     """numpy if every given array is a NumPy array, cupy if every one is a CuPy array (on any devices)."""
-    kinds = {}
+    kinds: Dict[str, List[str]] = {}
     for name, a in arrays.items():
         if a is None:
             continue
@@ -50,7 +51,7 @@ def array_kind(**arrays):
     return cupy
 
 
-def check(condition, message):
+def check(condition: Any, message: Union[str, Callable[[], str]]) -> None:
     """Raise LaunchArgumentError unless ``condition``. ``message`` is a string, or a callable that
     builds one: launchers run these checks on every call, and formatting a message (dtype names
     above all) cost more host time than the launch itself (``python3 -m pagedrt.bench.launch``)."""
@@ -58,19 +59,23 @@ def check(condition, message):
         raise LaunchArgumentError(message() if callable(message) else message)
 
 
-def c_contiguous(name, a, ndim):
+def c_contiguous(name: str, a: Array, ndim: int) -> None:
+    """LaunchArgumentError unless ``a`` (called ``name`` in the message) is C-contiguous with ``ndim`` dimensions."""
     check(a.ndim == ndim, lambda: f"{name} must be {ndim}-D, got shape {a.shape}")
     check(a.flags.c_contiguous, lambda: f"{name} (shape {a.shape}, strides {a.strides}) must be C-contiguous: "
                                         f"pass {name}.copy() or an array made contiguous")
 
 
-def int_array(name, a, dtype, ndim):
+def int_array(name: str, a: Array, dtype: Any, ndim: int) -> None:
+    """LaunchArgumentError unless ``a`` has ``dtype`` (int32 or int64) and ``ndim`` dimensions."""
     check(a.dtype == dtype, lambda: f"{name} must be {np.dtype(dtype).name}, got {a.dtype}: convert with "
                                     f"{name}.astype({np.dtype(dtype).name})")
     check(a.ndim == ndim, lambda: f"{name} must be {ndim}-D, got shape {a.shape}")
 
 
-def positive_int(name, value, upper=None):
+def positive_int(name: str, value: Any, upper: Optional[int] = None) -> Optional[int]:
+    """``value`` as an int: None stays None, else LaunchArgumentError unless a positive int (not a bool) of at
+    most ``upper``."""
     if value is None:
         return None
     check(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1,
@@ -90,12 +95,15 @@ class Plane:
     block_stride: int  # elements
 
     @property
-    def block_elems(self):
+    def block_elems(self) -> int:
+        """Elements of one block: ``num_kv_heads * block_size * head_dim``."""
         return self.num_kv_heads * self.block_size * self.head_dim
 
 
-def plane(name, a):
-    """Check a plane's layout (HND blocks, any block stride >= a block, 16-byte multiple) and describe it."""
+def plane(name: str, a: Array) -> Plane:
+    """Check a plane's layout and describe it: 4-D ``[num_blocks, num_kv_heads, block_size, head_dim]``,
+    C-contiguous inside a block, any block stride of at least a block and a multiple of 16 bytes;
+    LaunchArgumentError otherwise."""
     check(a.ndim == 4,
           lambda: f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_dim], got shape {a.shape}")
     n, h, b, d = (int(x) for x in a.shape)
@@ -113,13 +121,13 @@ def plane(name, a):
     return Plane(n, h, b, d, stride // size)
 
 
-def aligned(name, a):
-    """Device pointers are read in 16-byte vectors."""
+def aligned(name: str, a: Array) -> None:
+    """LaunchArgumentError unless device array ``a`` starts on a 16-byte boundary (kernels read 16-byte vectors)."""
     check(a.data.ptr % 16 == 0, lambda: f"{name} starts at {a.data.ptr:#x}, not 16-byte aligned: pass an array "
                                         "whose data starts on a 16-byte boundary (e.g. a fresh copy)")
 
 
-def same_layout(name, a, layout, what):
+def same_layout(name: str, a: Array, layout: tuple, what: str) -> None:
     """Check that ``a`` has the (shape, strides, dtype) ``layout`` of the plan's ``what`` (a plan's run)."""
     check((a.shape, a.strides, a.dtype) == layout,
           lambda: f"{name} ({a.dtype}, shape {a.shape}, strides {a.strides}) must match the plan's {what} "
@@ -136,12 +144,12 @@ class RunArrays:
 
     array_type: type
     q_shape: tuple
-    q_dtype: object
+    q_dtype: Any
     layout: tuple  # the K plane's (shape, strides, dtype)
     what: str      # what the layout is called in messages: "K plane", or "k" for contiguous K/V
-    spans: object
+    spans: Any     # a validate.Spans
 
-    def check(self, q, k_cache, v_cache, out):
+    def check(self, q: Array, k_cache: Array, v_cache: Array, out: Optional[Array]) -> None:
         """Raise LaunchArgumentError (PoolClosedError for a closed pool) unless one run's arrays fit the plan."""
         array_type = self.array_type
         check(type(q) is array_type and type(k_cache) is array_type and type(v_cache) is array_type
@@ -160,14 +168,15 @@ class RunArrays:
                   lambda: f"out must be C-contiguous {dtype} of q's shape {shape}, got {out.dtype} {out.shape}")
 
 
-def check_scales(kv_heads, array_type, k_scale, v_scale):
+def check_scales(kv_heads: Optional[int], array_type: Any, k_scale: Optional[Array], v_scale: Optional[Array]) -> None:
     """Raise LaunchArgumentError unless the scales fit the planes: for FP8 planes (``kv_heads`` not None) two
     contiguous float32 arrays of ``kv_heads`` entries of ``array_type``; for other planes none."""
     if kv_heads is None:
         check(k_scale is None and v_scale is None,
               "k_scale and v_scale are for FP8 (float8_e4m3) planes only: these planes hold q's dtype")
         return
-    for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
+    scales: Tuple[Tuple[str, Any], ...] = (("k_scale", k_scale), ("v_scale", v_scale))
+    for name, a in scales:
         check(a is not None, lambda: f"FP8 (float8_e4m3) planes need {name}: float32 [{kv_heads}], one scale per "
                                      "KV head of this layer (cache.k_scale(layer), cache.v_scale(layer))")
         check(type(a) is array_type and a.dtype == np.float32 and a.shape == (kv_heads,) and a.flags.c_contiguous,
@@ -176,13 +185,14 @@ def check_scales(kv_heads, array_type, k_scale, v_scale):
                       f"{getattr(a, 'shape', '')}")
 
 
-def scale_keywords(kv_heads, k_scale, v_scale):
+def scale_keywords(kv_heads: Optional[int], k_scale: Optional[Array], v_scale: Optional[Array]) -> Dict[str, Array]:
     """The scales as a reference takes them: ``k_scale=``, ``v_scale=`` for FP8 planes (``kv_heads`` not None),
     none for other planes."""
     return {} if kv_heads is None else {"k_scale": k_scale, "v_scale": v_scale}
 
 
-def scale_pointers(device, kv_heads, k_scale, v_scale):
+def scale_pointers(device: Optional[int], kv_heads: Optional[int], k_scale: Optional[Array],
+                   v_scale: Optional[Array]) -> Tuple[np.uint64, ...]:
     """The scales as a kernel takes them, after its other arguments: their pointers for FP8 planes (``kv_heads``
     not None; on the plan's device, as :func:`device_pointers` checks; a kernel reads them one float at a time,
     so a view such as ``cache.v_scale(layer)``, 4 bytes past a 16-byte boundary with one KV head, will do),
@@ -193,7 +203,7 @@ def scale_pointers(device, kv_heads, k_scale, v_scale):
     return ptr(k_scale), ptr(v_scale)
 
 
-def store(result, out):
+def store(result: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
     """A plan's host result, written into ``out`` when the caller gave one."""
     if out is None:
         return result
@@ -201,7 +211,7 @@ def store(result, out):
     return out
 
 
-def device_pointers(device, names, arrays):
+def device_pointers(device: Optional[int], names: Sequence[str], arrays: Sequence[Array]) -> List[np.uint64]:
     """Kernel arguments for device arrays (a plan's run): on the plan's ``device``, which must be the
     current one, and 16-byte aligned."""
     on_device(device, arrays)
@@ -212,14 +222,14 @@ def device_pointers(device, names, arrays):
     return [np.uint64(p) for p in pointers]
 
 
-def on_device(device, arrays):
+def on_device(device: Optional[int], arrays: Sequence[Array]) -> None:
     """Check that the current device is the plan's ``device`` and that ``arrays`` are on it."""
     import cupy
     check(cupy.cuda.Device().id == device and all(a.device.id == device for a in arrays),
           lambda: f"the plan was made on device {device}: run it there, with arrays on that device")
 
 
-def ptr(a):
+def ptr(a: Array) -> np.uint64:
     """A device array's address as a kernel argument (independent of how CuPy treats its dtype)."""
     return np.uint64(a.data.ptr)
 
@@ -228,6 +238,7 @@ NULL = np.uint64(0)
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessors(device_id):
+def multiprocessors(device_id: int) -> int:
+    """The streaming multiprocessors of CUDA device ``device_id`` (cached)."""
     import cupy
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]

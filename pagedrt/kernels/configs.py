@@ -3,12 +3,13 @@
 Kernels are compiled per (dtype, head_dim, block_size, group). ``sweep()`` is the
 representative set: the base configuration and every value of each axis varied
 alone (the groups: SWEEP_GROUPS), plus the heaviest groups, 8 and 64, for every
-dtype x head_dim (registers and shared memory grow with the group). The CI compile check and the GPU tests both use it.
+dtype x head_dim (registers and shared memory grow with the group). The CI compile check and the GPU tests
+both use it.
 """
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from ..spec import DTypeLike, dtype_name, kv_dtype_of
 from ..supported import BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, GROUPS, HEAD_DIMS, check
@@ -18,26 +19,31 @@ CUDA_TYPES = dict(zip(DTYPES, ("__half", "__nv_bfloat16", "float")))
 
 @dataclass(frozen=True)
 class Config:
+    """One compiled configuration of the kernels (made checked by :func:`config`)."""
+
     dtype: str       # a key of CUDA_TYPES
     head_dim: int
     block_size: int
     group: int       # query heads per KV head
-    kv_dtype: str = None  # what the K/V planes hold when not ``dtype``: FP8 (float8 e4m3 bits)
+    kv_dtype: Optional[str] = None  # what the K/V planes hold when not ``dtype``: FP8 (float8 e4m3 bits)
 
     @property
-    def cuda_type(self):
+    def cuda_type(self) -> str:
+        """The C++ type of ``dtype`` in ``cuda_src/``."""
         return CUDA_TYPES[self.dtype]
 
     @property
-    def itemsize(self):
+    def itemsize(self) -> int:
+        """Bytes of one q (or output) element."""
         return 2 if self.dtype != "float32" else 4
 
     @property
-    def fp8(self):
+    def fp8(self) -> bool:
+        """Whether the planes hold float8 e4m3 bits."""
         return self.kv_dtype == FP8
 
     @property
-    def kv_itemsize(self):
+    def kv_itemsize(self) -> int:
         """Bytes of one stored K or V element."""
         return 1 if self.fp8 else self.itemsize
 
@@ -71,7 +77,7 @@ def config(dtype: DTypeLike, head_dim: int, block_size: int, group: int, kv_dtyp
     return Config(name, head_dim, block_size, group, None if kv == name else kv)
 
 
-def sweep():
+def sweep() -> List[Config]:
     """The representative configurations, base first, without repeats."""
     out = [BASE]
     out += [Config(d, h, BASE.block_size, BASE.group) for d in CUDA_TYPES for h in HEAD_DIMS]
@@ -82,7 +88,7 @@ def sweep():
     return list(dict.fromkeys(out))
 
 
-def fp8_sweep():
+def fp8_sweep() -> List[Config]:
     """The representative FP8 configurations (q of float16 or bfloat16 over float8 e4m3 K/V): every q dtype
     x head_dim at the base block size and group, every block size at the base, and every group of SWEEP_GROUPS at
     each head_dim."""

@@ -15,6 +15,7 @@ Each has a NumPy reference, which the host backend runs.
 
 import contextlib
 import functools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from .args import aligned, array_kind, array_module, check, multiprocessors, pla
 from .validate import Spans, address
 from ..errors import BlockTableError, PeerAccessError
 from ..memory import find_pool
+from ..spec import Array
 from ..staging import PinnedStaging
 
 FILE = "copy.cu"
@@ -31,20 +33,32 @@ NAME = "pagedrt::copy_blocks"
 THREADS = 256
 
 
-def instances():
+def instances() -> Dict[str, Tuple[str, ...]]:
+    """{file: name expressions} of the copy kernel."""
     return {FILE: (NAME,)}
 
 
-def copy_blocks(planes, pairs):
-    """Copy block src to block dst in every plane, for every (src, dst) row of ``pairs``.
+def copy_blocks(planes: Sequence[Array], pairs: Any) -> None:
+    """Copy block src to block dst in every plane, for every (src, dst) row of ``pairs``, in one launch on the
+    current stream (the NumPy reference for NumPy planes).
 
-    planes: plane arrays [num_blocks, kv_heads, block_size, head_dim] that share the
-    block stride and block byte size (e.g. every layer's K and V); pairs: ints
-    [n, 2] (a list, NumPy or CuPy). No block may be both a source and a
-    destination, and destinations must be distinct, so the copies are order-free.
-    Every pair is checked on the host first (``BlockTableError``): ids inside the
-    planes and, for planes that lie in a pool, blocks whose memory is mapped now in
-    every plane; planes in a closed pool raise ``PoolClosedError``.
+    Parameters
+    ----------
+    planes : sequence of array [num_blocks, kv_heads, block_size, head_dim]
+        Sharing the block stride and block byte size (e.g. a cache's ``planes``: every layer's K and V).
+    pairs : ints [n, 2]
+        (src, dst) block ids: a list, NumPy or CuPy. Destinations distinct and no block both a source and a
+        destination, so the copies are order-free.
+
+    Raises
+    ------
+    BlockTableError
+        An id outside the planes, or a block whose memory is not mapped now in some plane (planes in a pool);
+        checked on the host before anything is copied.
+    LaunchArgumentError
+        Planes that do not share their layout, malformed pairs, or pairs that are not order-free.
+    PoolClosedError
+        Planes in a closed pool.
     """
     planes = list(planes)
     xp, pairs, block_bytes = _checked(planes, pairs, order_free=True)
@@ -56,13 +70,13 @@ def copy_blocks(planes, pairs):
     _launch(_device_bases(planes), pairs, planes[0].strides[0], block_bytes)
 
 
-def _device_bases(planes):
+def _device_bases(planes: Sequence[Array]) -> Array:
     """The planes' first bytes as a uint64 array on the current device: the copy kernel's bases."""
     import cupy
     return cupy.asarray(np.array([p.data.ptr for p in planes], dtype=np.uint64))
 
 
-def _launch(device_bases, pairs, stride, block_bytes):
+def _launch(device_bases: Array, pairs: Array, stride: int, block_bytes: int) -> None:
     """One launch of the copy kernel on the current device and stream: for every pair (int64 [n, 2], NumPy or on the
     device) and plane base (a device array, :func:`_device_bases`), the block at ``base + src * stride`` to
     ``base + dst * stride``."""
@@ -77,17 +91,25 @@ def _launch(device_bases, pairs, stride, block_bytes):
          np.int32(block_vecs)))
 
 
-def swap_blocks(planes, pairs, stream=None):
+def swap_blocks(planes: Sequence[Array], pairs: Any, stream: Optional[Any] = None) -> None:
     """Copy block src to block dst in every plane, pair after pair in the order given, with the copy engines.
 
-    For moves between the tiers (``cache.swap_out``, ``swap_in`` and ``step.swaps``): a
-    later pair may write a block an earlier one read, and each copy is made before the
-    next. Consecutive pairs (src and dst both one block on) become one ``cuMemcpyAsync``
-    per plane, or one for all planes where they tile the block stride (block-major),
-    queued on ``stream`` (a CuPy stream; the current one if None): the SMs stay free, and
-    work on another stream overlaps the copies; record an event after this call and make
-    whatever reads or writes the blocks wait on it. planes and pairs are checked as for
-    :func:`copy_blocks`, but for the order rule.
+    For moves between the tiers (``cache.swap_out``, ``swap_in`` and ``step.swaps``): a later pair may write a
+    block an earlier one read. Consecutive pairs (src and dst both one block on) become one ``cuMemcpyAsync``
+    per plane, or one for all planes where they tile the block stride (block-major). The SMs stay free: record
+    an event after this call and make whatever reads or writes the blocks wait on it.
+
+    Parameters
+    ----------
+    planes, pairs
+        As :func:`copy_blocks`, but pairs may repeat blocks: they run in order.
+    stream : cupy.cuda.Stream, optional
+        Where the copies are queued; the current stream when None.
+
+    Raises
+    ------
+    BlockTableError, LaunchArgumentError, PoolClosedError
+        As :func:`copy_blocks` (but for the order rule).
     """
     planes = list(planes)
     xp, pairs, block_bytes = _checked(planes, pairs, order_free=False)
@@ -109,7 +131,7 @@ def swap_blocks(planes, pairs, stream=None):
                 drv.call(d, "cuMemcpyAsync", base + (dst + k) * stride, base + (src + k) * stride, width, handle)
 
 
-def swap_blocks_reference(planes, pairs):
+def swap_blocks_reference(planes: Sequence[np.ndarray], pairs: Any) -> None:
     """NumPy reference of :func:`swap_blocks` (no checks): run after run, in order."""
     for src, dst, count in _runs(np.asarray(pairs, np.int64).reshape(-1, 2)).tolist():
         for p in planes:
@@ -118,30 +140,35 @@ def swap_blocks_reference(planes, pairs):
 
 class BlockTransfer:
     """Block src of every source plane copied to block dst of the matching destination plane, for every (src, dst)
-    row of the pairs of each :meth:`run`: K/V moved from one cache to another, on the same GPU or another (prefill
-    on one GPU, decode on the next). The planes are checked when it is made, the pairs on every run: an engine that
-    moves blocks between the same two caches again and again (each prefilled sequence to the decode GPU) makes one
-    and runs it per batch of blocks, where :func:`transfer_blocks` checks every plane again on every call.
+    row of the pairs of each :meth:`run`: K/V moved from one cache to another, on the same GPU or another. The
+    planes are checked once, here; the pairs on every run (:func:`transfer_blocks` checks both on every call).
 
-    src_planes and dst_planes: as many planes each (e.g. two caches' ``planes``, plane i to plane i), all of one
-    block byte size; the planes of one side share their block stride and lie on one device, and the two sides share
-    no memory (``LaunchArgumentError``; ``PoolClosedError`` for planes in a closed pool).
+    By default the copy engines make it: one ``cuMemcpyPeerAsync`` per plane and run of consecutive pairs, or per
+    block where a side's blocks do not lie side by side (block-major planes); no peer mapping is needed. With
+    ``mapped=True``, one launch of the copy kernel on the destination's device, reading the source over the peer
+    mapping. NumPy planes (the host backend) run :func:`transfer_blocks_reference` either way.
 
-    By default the copy engines make it: one ``cuMemcpyPeerAsync`` per plane and run of consecutive pairs (src and
-    dst both one block on), or per block where a side's blocks do not lie side by side (block-major planes). It
-    needs no peer mapping: the driver reaches each side through its own device's primary context.
+    Parameters
+    ----------
+    src_planes, dst_planes : sequence of array [num_blocks, kv_heads, block_size, head_dim]
+        As many planes each (e.g. two caches' ``planes``; plane i to plane i), all of one block byte size; the
+        planes of one side share their block stride and lie on one device; the two sides share no memory.
+    mapped : bool
+        Copy with the kernel over the peer mapping: every source plane must lie in a pool that granted the
+        destination device access (``Pool.grant_access``), and the destination planes at one distance from the
+        source planes, a multiple of a block stride both share (two caches of one layout).
 
-    With ``mapped=True``, one launch of the copy kernel (``cuda_src/copy.cu``, as :func:`copy_blocks`) on the
-    destination's device, reading the source over the peer mapping: every source plane must lie in a pool that
-    granted the destination device access (``Pool.grant_access``), else ``PeerAccessError``. The kernel reaches
-    both sides through the source planes' bases, so the destination planes must lie at one distance from the source
-    planes, a multiple of a block stride that both sides share: two caches of one layout (``LaunchArgumentError``
-    otherwise).
-
-    Given NumPy planes (the host backend) it runs :func:`transfer_blocks_reference`, either way.
+    Raises
+    ------
+    LaunchArgumentError
+        Planes that do not match as above (with ``mapped``, planes not at one distance).
+    PeerAccessError
+        ``mapped`` over a source pool the destination device may not access.
+    PoolClosedError
+        Planes in a closed pool.
     """
 
-    def __init__(self, src_planes, dst_planes, *, mapped=False):
+    def __init__(self, src_planes: Sequence[Array], dst_planes: Sequence[Array], *, mapped: bool = False):
         self.src_planes, self.dst_planes, self.mapped = tuple(src_planes), tuple(dst_planes), bool(mapped)
         xp, self.block_bytes, self._limits, (self.src_device, self.dst_device) = _transfer_planes(
             list(self.src_planes), list(self.dst_planes))
@@ -161,12 +188,26 @@ class BlockTransfer:
         self._contexts = drv.primary_context(self.src_device), drv.primary_context(self.dst_device)
         self._pointers = [(s.data.ptr, t.data.ptr) for s, t in zip(self.src_planes, self.dst_planes)]
 
-    def run(self, pairs, stream=None):
-        """Copy the blocks of ``pairs`` (ints [n, 2], a list, NumPy or CuPy; each destination once), queued on
-        ``stream`` (a CuPy stream; the current one if None; with ``mapped``, a stream of the destination's device).
-        Checked on the host first, nothing copied on refusal: ``BlockTableError`` for an id outside its side's
-        planes or a block whose memory is not mapped now, ``LaunchArgumentError`` for malformed pairs or a
-        destination named twice, ``PoolClosedError`` for planes in a pool closed since."""
+    def run(self, pairs: Any, stream: Optional[Any] = None) -> None:
+        """Copy the blocks of ``pairs``; checked on the host first, nothing copied on refusal.
+
+        Parameters
+        ----------
+        pairs : ints [n, 2]
+            (src, dst) block ids, a list, NumPy or CuPy; each destination once.
+        stream : cupy.cuda.Stream, optional
+            Where the copies are queued (with ``mapped``, a stream of the destination's device); the current
+            stream when None.
+
+        Raises
+        ------
+        BlockTableError
+            An id outside its side's planes, or a block whose memory is not mapped now.
+        LaunchArgumentError
+            Malformed pairs, or a destination named twice.
+        PoolClosedError
+            Planes in a pool closed since.
+        """
         for spans in self._spans:
             spans.check_open()
         pairs = _host_pairs(pairs, *self._limits, "the source planes'", "the destination planes'")
@@ -202,14 +243,15 @@ class BlockTransfer:
                              src_ctx, size, handle)
 
 
-def transfer_blocks(src_planes, dst_planes, pairs, stream=None, *, mapped=False):
+def transfer_blocks(src_planes: Sequence[Array], dst_planes: Sequence[Array], pairs: Any, stream: Optional[Any] = None,
+                    *, mapped: bool = False) -> None:
     """One block transfer between two caches' planes: ``BlockTransfer(src_planes, dst_planes,
     mapped=mapped).run(pairs, stream)``, every check made first (see :class:`BlockTransfer`). To move blocks between
     the same planes again and again, make the :class:`BlockTransfer` once."""
     BlockTransfer(src_planes, dst_planes, mapped=mapped).run(pairs, stream)
 
 
-def transfer_blocks_reference(src_planes, dst_planes, pairs):
+def transfer_blocks_reference(src_planes: Sequence[np.ndarray], dst_planes: Sequence[np.ndarray], pairs: Any) -> None:
     """NumPy reference of :func:`transfer_blocks` (no checks)."""
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     for s, t in zip(src_planes, dst_planes):
@@ -219,7 +261,7 @@ def transfer_blocks_reference(src_planes, dst_planes, pairs):
 _driver = functools.cache(drv.load)
 
 
-def _runs(pairs, same_planes=True):
+def _runs(pairs: np.ndarray, same_planes: bool = True) -> np.ndarray:
     """(src, dst, count) int64 rows: the runs of consecutive pairs whose src and dst both step by one block, in
     order. Where source and destination are the same planes, a run whose source and destination ranges would
     overlap is split into single pairs."""
@@ -239,9 +281,9 @@ def _runs(pairs, same_planes=True):
     return np.stack([src[first], dst[first], counts], axis=1)
 
 
-def _spans(bases, stride, block_bytes):
+def _spans(bases: Sequence[int], stride: int, block_bytes: int) -> List[List[int]]:
     """(first byte, width) of each stretch of planes whose blocks lie side by side inside one block stride."""
-    spans = []
+    spans: List[List[int]] = []
     for base in sorted(set(bases)):
         if spans and spans[-1][0] + spans[-1][1] == base and spans[-1][1] + block_bytes <= stride:
             spans[-1][1] += block_bytes
@@ -250,7 +292,7 @@ def _spans(bases, stride, block_bytes):
     return spans
 
 
-def _checked(planes, pairs, order_free):
+def _checked(planes: List[Array], pairs: Any, order_free: bool) -> Tuple[Any, np.ndarray, int]:
     """(array module, pairs as checked int64 [n, 2], block bytes) of a block copy's arguments: planes sharing the
     block stride and size, pairs inside every plane and mapped; with ``order_free``, distinct destinations and no
     block both a source and a destination."""
@@ -271,7 +313,7 @@ def _checked(planes, pairs, order_free):
     return xp, pairs, block_bytes
 
 
-def _transfer_planes(src_planes, dst_planes):
+def _transfer_planes(src_planes: List[Array], dst_planes: List[Array]) -> Tuple[Any, int, Tuple[int, int], tuple]:
     """(array module, block bytes, (blocks of the source planes, of the destination planes), (source device,
     destination device)) of a transfer's planes, checked; the devices are None for NumPy planes."""
     check(len(src_planes) > 0, "src_planes is empty: pass at least one plane")
@@ -285,7 +327,7 @@ def _transfer_planes(src_planes, dst_planes):
     dst_bytes, dst_blocks = _side(dst_names, dst_planes)
     check(src_bytes == dst_bytes, lambda: f"source blocks are {src_bytes} bytes but destination blocks {dst_bytes}: "
                                           "copy between planes of one block shape and dtype")
-    devices = (None, None)
+    devices: tuple = (None, None)
     if xp is not np:
         devices = tuple(_one_device(names, planes) for names, planes in ((src_names, src_planes),
                                                                          (dst_names, dst_planes)))
@@ -295,7 +337,7 @@ def _transfer_planes(src_planes, dst_planes):
     return xp, src_bytes, (src_blocks, dst_blocks), devices
 
 
-def _side(names, planes):
+def _side(names: List[str], planes: Sequence[Array]) -> Tuple[int, int]:
     """(block bytes, blocks in the smallest plane) of planes that share their block stride and block size."""
     layouts = [plane(n, p) for n, p in zip(names, planes)]
     block_bytes = layouts[0].block_elems * planes[0].itemsize
@@ -306,7 +348,7 @@ def _side(names, planes):
     return block_bytes, min(lay.num_blocks for lay in layouts)
 
 
-def _one_device(names, planes):
+def _one_device(names: List[str], planes: Sequence[Array]) -> int:
     """The device every one of ``planes`` (CuPy arrays) lies on."""
     device = planes[0].device.id
     for n, p in zip(names, planes):
@@ -315,7 +357,7 @@ def _one_device(names, planes):
     return device
 
 
-def _apart(src_planes, dst_planes, block_bytes):
+def _apart(src_planes: Sequence[Array], dst_planes: Sequence[Array], block_bytes: int) -> None:
     """Check that no source plane's bytes overlap a destination plane's."""
     def extents(planes):
         lo = np.array([address(p) for p in planes], np.int64)
@@ -327,7 +369,7 @@ def _apart(src_planes, dst_planes, block_bytes):
                                      .format(*np.argwhere(overlap)[0]))
 
 
-def _mapped_shift(src_planes, dst_planes, src_device, dst_device):
+def _mapped_shift(src_planes: Sequence[Array], dst_planes: Sequence[Array], src_device: int, dst_device: int) -> int:
     """How many source block strides lie between every source plane and its destination plane, for the copy kernel
     on the destination device to reach both through the source bases; checks the peer mapping it reads over."""
     stride = src_planes[0].strides[0]
@@ -348,7 +390,7 @@ def _mapped_shift(src_planes, dst_planes, src_device, dst_device):
     return offset // stride
 
 
-def _host_pairs(pairs, src_blocks, dst_blocks, src_what, dst_what):
+def _host_pairs(pairs: Any, src_blocks: int, dst_blocks: int, src_what: str, dst_what: str) -> np.ndarray:
     """``pairs`` as a checked int64 [n, 2] NumPy array: sources in ``[0, src_blocks)``, destinations in
     ``[0, dst_blocks)``."""
     host = pairs.get() if type(pairs).__module__.split(".")[0] == "cupy" else np.asarray(pairs)
@@ -366,14 +408,15 @@ def _host_pairs(pairs, src_blocks, dst_blocks, src_what, dst_what):
     return host
 
 
-def _distinct_destinations(pairs):
+def _distinct_destinations(pairs: np.ndarray) -> None:
+    """LaunchArgumentError unless every destination of ``pairs`` is named once."""
     if len(pairs) < 2:
         return
     _, counts = np.unique(pairs[:, 1], return_counts=True)
     check(counts.max() == 1, "pairs copy into the same destination twice: each destination once")
 
 
-def _refuse_unmapped(spans, pairs, ids, what):
+def _refuse_unmapped(spans: Spans, pairs: np.ndarray, ids: np.ndarray, what: str) -> None:
     """Raise BlockTableError for the first pair whose ``ids`` (its columns of ``pairs`` to check) name a block whose
     memory is not mapped now in some plane of ``spans`` (a :class:`~pagedrt.kernels.validate.Spans`)."""
     if not spans.spans or not len(pairs):
@@ -386,7 +429,7 @@ def _refuse_unmapped(spans, pairs, ids, what):
                               f"{spans.why(block)}; fix the pair")
 
 
-def copy_blocks_reference(planes, pairs):
+def copy_blocks_reference(planes: Sequence[np.ndarray], pairs: Any) -> None:
     """NumPy reference of :func:`copy_blocks` (no checks)."""
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     for p in planes:

@@ -1,53 +1,39 @@
 """Kernel launches through the driver's ``cuLaunchKernelEx``: programmatic dependent launch (PDL).
 
-CuPy launches a ``RawKernel`` with ``cuLaunchKernel``, which takes no launch attributes. Inside
-:func:`dependent_launches` the plans' launches (``DecodePlan.run``, ``WritePlan.run``, and the decode rows of
-a mixed step) go through :func:`launch_ex` instead, with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
-set: each such kernel may start its thread blocks while the kernel before it on the stream finishes, so its
-launch and start overlap that kernel's tail. The kernels wait (``griddepcontrol.wait``,
-``grid_dependency_wait`` in ``cuda_src/common.cuh``) for the kernel before them to complete, a no-op when they
-were launched normally: the write before it touches memory; the decode before it reads each sequence's newest
-token and before it writes anything, so it streams the rest of its K/V during the previous kernels' tails.
-Hence the contract inside :func:`dependent_launches`: what a decode reads but the newest token of each
-sequence (its K/V, the tables, the lengths, q) is complete when the kernel two launches before it is (the
-step's upload and the model's kernels are, being launched normally; a write of one token per sequence is
-what a decode step makes). Only kernels that wait may be launched so; every other launch in pagedrt stays
-CuPy's.
-
-The kernel's handle is the ``CUfunction`` CuPy loaded: ``RawKernel.kernel`` is a ``cupy.cuda.function.Function``
-whose ``ptr`` is what ``cuModuleGetFunction`` returned (the handle ``attention.decode`` already hands to the
-occupancy API). Arguments are NumPy scalars, as CuPy takes them; each is copied into a ctypes value of its
-dtype and the kernel gets an array of their addresses. Graph capture records these launches with their
-programmatic edges (CUDA 12.3 and later).
-
-Whether PDL pays is for the GPU to say (``python3 -m pagedrt.bench.step_layers``); until then it is off by
-default and only this context manager turns it on.
+Inside :func:`dependent_launches` the plans' launches (``DecodePlan.run``, ``WritePlan.run``, and the decode
+rows of a mixed step) go through :func:`launch_ex` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+set; every other launch stays CuPy's. The kernels wait (``grid_dependency_wait`` in ``cuda_src/common.cuh``)
+for the kernel before them: the write before it touches memory, the decode before it reads each sequence's
+newest token and before it writes. Hence the contract inside :func:`dependent_launches`: what a decode reads
+but the newest token of each sequence (its K/V, the tables, the lengths, q) is complete when the kernel two
+launches before it is. docs/KERNELS.md ("Programmatic dependent launch") has the rest and the figures.
 """
 
 import contextlib
 import contextvars
 import ctypes
 import functools
+from typing import Any, Dict, Iterator, List, Sequence, Tuple, cast
 
 import numpy as np
 
 from ..errors import LaunchArgumentError, UnsupportedConfigError
 
 _programmatic = contextvars.ContextVar("pagedrt_programmatic_launch", default=False)
-_CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+_CTYPES: Dict[np.dtype, Any] = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
            np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int32): ctypes.c_int32,
            np.dtype(np.float32): ctypes.c_float}
-_configs = {}  # (grid, block, shared_mem, stream, programmatic) -> CUlaunchConfig
+_configs: Dict[tuple, Any] = {}  # (grid, block, shared_mem, stream, programmatic) -> CUlaunchConfig
 MIN_CAPABILITY = 90  # griddepcontrol and the launch attribute: compute capability 9.0 and later
 
 
-def programmatic():
+def programmatic() -> bool:
     """Whether launches made now go through :func:`launch_ex` with programmatic stream serialization."""
     return _programmatic.get()
 
 
 @contextlib.contextmanager
-def dependent_launches():
+def dependent_launches() -> Iterator[None]:
     """Launch pagedrt's plans' kernels with programmatic dependent launch inside this block (this thread or task).
 
     Raises UnsupportedConfigError on a device below compute capability 9.0, and BackendUnavailableError
@@ -65,10 +51,26 @@ def dependent_launches():
         _programmatic.reset(token)
 
 
-def kernel_params(args):
-    """(an int address of a ``void*`` array pointing at each argument's value, the ctypes objects that hold
-    them, to keep alive until the launch returns). ``args``: NumPy scalars of the kernel's parameter types."""
-    values = []
+def kernel_params(args: Sequence[np.generic]) -> Tuple[int, Any]:
+    """Kernel parameters as ``cuLaunchKernelEx`` takes them.
+
+    Parameters
+    ----------
+    args : sequence of NumPy scalars
+        uint64, int64, uint32, int32 or float32: the kernel's parameter types.
+
+    Returns
+    -------
+    (int, object)
+        The address of a ``void*`` array pointing at each argument's value, and the ctypes objects that hold
+        them, to keep alive until the launch returns.
+
+    Raises
+    ------
+    LaunchArgumentError
+        An argument that is not one of those scalars.
+    """
+    values: List[Any] = []
     for i, a in enumerate(args):
         kind = _CTYPES.get(a.dtype) if isinstance(a, np.generic) else None
         if kind is None:
@@ -80,16 +82,16 @@ def kernel_params(args):
 
 
 @functools.lru_cache(maxsize=1)
-def _driver():
+def _driver() -> Any:
     from .. import driver
     return driver.load()
 
 
-def _dims(dims):
-    return tuple(max(1, int(x)) for x in (tuple(dims) + (1, 1))[:3])
+def _dims(dims: Sequence[int]) -> Tuple[int, int, int]:
+    return cast(Tuple[int, int, int], tuple(max(1, int(x)) for x in (tuple(dims) + (1, 1))[:3]))
 
 
-def _config(drv, grid, block, shared_mem, stream, programmatic_serialization):
+def _config(drv: Any, grid: tuple, block: tuple, shared_mem: int, stream: int, programmatic_serialization: bool) -> Any:
     key = (grid, block, shared_mem, stream, programmatic_serialization)
     config = _configs.get(key)
     if config is None:
@@ -109,9 +111,28 @@ def _config(drv, grid, block, shared_mem, stream, programmatic_serialization):
     return config
 
 
-def launch_ex(kernel, grid, block, args, shared_mem=0, *, programmatic_serialization=True):
-    """Launch ``kernel`` (a ``cupy.RawKernel``) on the current stream with ``cuLaunchKernelEx``; raises
-    CudaError naming the driver's error."""
+def launch_ex(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[np.generic],
+              shared_mem: int = 0, *, programmatic_serialization: bool = True) -> None:
+    """Launch ``kernel`` on the current stream with ``cuLaunchKernelEx``.
+
+    Parameters
+    ----------
+    kernel : cupy.RawKernel
+        Its handle is the ``CUfunction`` CuPy loaded (``kernel.kernel.ptr``).
+    grid, block : int sequence
+        Up to three dimensions each (missing ones are 1).
+    args : sequence of NumPy scalars
+        As :func:`kernel_params` takes them.
+    shared_mem : int
+        Dynamic shared memory in bytes.
+    programmatic_serialization : bool
+        Set ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``.
+
+    Raises
+    ------
+    CudaError
+        Naming the driver's error.
+    """
     import cupy
     from ..driver import call
     drv = _driver()
@@ -121,7 +142,7 @@ def launch_ex(kernel, grid, block, args, shared_mem=0, *, programmatic_serializa
     call(drv, "cuLaunchKernelEx", config, drv.CUfunction(kernel.kernel.ptr), params, 0)
 
 
-def launch(kernel, grid, block, args, shared_mem=0):
+def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0) -> None:
     """Launch as CuPy does, or through :func:`launch_ex` inside :func:`dependent_launches`."""
     if _programmatic.get():
         launch_ex(kernel, grid, block, args, shared_mem)

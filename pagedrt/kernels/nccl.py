@@ -8,7 +8,7 @@ receive, of the same size; so both ranks pass the same pairs, and the messages a
 them alike: one per plane and run of consecutive pairs, in order.
 """
 
-from typing import NamedTuple
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from .args import array_kind, check
 from .copy import _distinct_destinations, _host_pairs, _one_device, _refuse_unmapped, _runs, _side
 from .validate import Spans
 from ..errors import BackendUnavailableError, CommunicatorError
+from ..spec import Array
 
 ANY = np.iinfo(np.int64).max  # the id limit of a side this rank does not touch: the other rank checks it
 
@@ -26,22 +27,38 @@ class BlockExchange:
     when it is made, the pairs on every run: an engine that moves blocks between the same two caches again and again
     makes one and runs it per batch of blocks, where :func:`exchange_blocks` checks every plane on every call.
 
-    comm: a ``cupy.cuda.nccl.NcclCommunicator`` of this rank; ``ranks``, if given, the number of ranks the caller
-    means it to have. peer: a rank of ``comm``; this rank itself with a one-rank communicator (both planes given:
-    the sends and receives meet in the one group). Both ranks pass the same pairs (ints [n, 2], each destination
-    once), and the receiver as many planes of the same block size as the sender: the messages, one per plane and
-    run of consecutive pairs, must match. Planes are CuPy arrays on the communicator's device whose blocks lie side
-    by side (plane-major caches), so that a run is one message on either side. A run nests inside the caller's own
+    Both ranks pass the same pairs, and the receiver as many planes of the same block size as the sender: the
+    messages, one per plane and run of consecutive pairs, must match. A run nests inside the caller's own
     ``groupStart``/``groupEnd``: one thread driving several communicators (``NcclCommunicator.initAll``) groups
     all their calls so.
 
-    Checked when made: ``CommunicatorError`` for a communicator of another size than ``ranks``, a peer it has no
-    rank for, or planes on another device than its own; ``BackendUnavailableError`` when ``cupy.cuda.nccl`` cannot
-    be loaded; ``LaunchArgumentError`` for planes that are not CuPy arrays, are not side by side or do not match,
-    or for no planes at all; ``PoolClosedError`` for planes in a closed pool.
+    Parameters
+    ----------
+    comm : cupy.cuda.nccl.NcclCommunicator
+        This rank's.
+    peer : int
+        A rank of ``comm``; this rank itself with a one-rank communicator (both planes given: the sends and
+        receives meet in the one group).
+    send_planes, recv_planes : sequence of cupy.ndarray [num_blocks, kv_heads, block_size, head_dim], optional
+        On the communicator's device, blocks side by side (plane-major caches), so that a run is one message on
+        either side; at least one side given.
+    ranks : int, optional
+        The number of ranks the caller means ``comm`` to have.
+
+    Raises
+    ------
+    CommunicatorError
+        A communicator of another size than ``ranks``, a peer it has no rank for, or planes on another device.
+    BackendUnavailableError
+        ``cupy.cuda.nccl`` cannot be loaded.
+    LaunchArgumentError
+        Planes that are not CuPy arrays, are not side by side or do not match, or no planes at all.
+    PoolClosedError
+        Planes in a closed pool.
     """
 
-    def __init__(self, comm, peer, *, send_planes=None, recv_planes=None, ranks=None):
+    def __init__(self, comm: Any, peer: int, *, send_planes: Optional[Sequence[Array]] = None,
+                 recv_planes: Optional[Sequence[Array]] = None, ranks: Optional[int] = None):
         size = int(comm.size())
         if ranks is not None and size != ranks:
             raise CommunicatorError(f"the communicator has {size} ranks but {ranks} were expected: make it with "
@@ -79,16 +96,30 @@ class BlockExchange:
         self.comm, self.peer = comm, int(peer)
         self._send, self._recv = found.get("send_planes"), found.get("recv_planes")
 
-    def run(self, pairs, stream=None):
-        """Send and receive the blocks of ``pairs``, queued on ``stream`` (a CuPy stream of the communicator's
-        device; its current one if None). Checked first, nothing sent on refusal: ``BlockTableError`` for ids
-        outside the planes or blocks not mapped now, ``LaunchArgumentError`` for malformed pairs or a destination
-        named twice, ``PoolClosedError`` for planes in a pool closed since."""
+    def run(self, pairs: Any, stream: Optional[Any] = None) -> None:
+        """Send and receive the blocks of ``pairs``; checked first, nothing sent on refusal.
+
+        Parameters
+        ----------
+        pairs : ints [n, 2]
+            (src, dst) block ids, the same on both ranks, each destination once.
+        stream : cupy.cuda.Stream, optional
+            Of the communicator's device; its current stream when None.
+
+        Raises
+        ------
+        BlockTableError
+            Ids outside the planes, or blocks not mapped now.
+        LaunchArgumentError
+            Malformed pairs, or a destination named twice.
+        PoolClosedError
+            Planes in a pool closed since.
+        """
         for side in (self._send, self._recv):
             if side is not None:
                 side.spans.check_open()
-        limits = [side.num_blocks if side is not None else ANY for side in (self._send, self._recv)]
-        pairs = _host_pairs(pairs, *limits, "the send planes'", "the receive planes'")
+        send_limit, recv_limit = (side.num_blocks if side is not None else ANY for side in (self._send, self._recv))
+        pairs = _host_pairs(pairs, send_limit, recv_limit, "the send planes'", "the receive planes'")
         if self._recv is not None:
             _distinct_destinations(pairs)
         for side, column, what in ((self._send, 0, "source block"), (self._recv, 1, "destination block")):
@@ -117,13 +148,15 @@ class BlockExchange:
 
 class _Side(NamedTuple):
     """One side of an exchange, checked: its planes' first bytes, block bytes, blocks, and where they lie."""
-    pointers: list
+    pointers: List[int]
     block_bytes: int
     num_blocks: int
     spans: Spans
 
 
-def exchange_blocks(comm, pairs, peer, *, send_planes=None, recv_planes=None, ranks=None, stream=None):
+def exchange_blocks(comm: Any, pairs: Any, peer: int, *, send_planes: Optional[Sequence[Array]] = None,
+                    recv_planes: Optional[Sequence[Array]] = None, ranks: Optional[int] = None,
+                    stream: Optional[Any] = None) -> None:
     """One exchange of blocks with rank ``peer``: ``BlockExchange(comm, peer, send_planes=send_planes,
     recv_planes=recv_planes, ranks=ranks).run(pairs, stream)``, every check made first (see
     :class:`BlockExchange`). To move blocks between the same planes again and again, make the
@@ -131,7 +164,7 @@ def exchange_blocks(comm, pairs, peer, *, send_planes=None, recv_planes=None, ra
     BlockExchange(comm, peer, send_planes=send_planes, recv_planes=recv_planes, ranks=ranks).run(pairs, stream)
 
 
-def _nccl():
+def _nccl() -> Any:
     """``cupy.cuda.nccl``, or BackendUnavailableError saying why it cannot be loaded."""
     try:
         from cupy.cuda import nccl

@@ -14,14 +14,15 @@ plane in a closed pool raises ``PoolClosedError`` before anything runs.
 """
 
 import weakref
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
 from .. import source
 from .args import NULL, ptr
 from ..errors import BlockTableError, PoolClosedError
-
-from ..memory import find_pool
+from ..memory import Pool, find_pool
+from ..spec import Array
 
 FILE = "validate.cu"
 NAMES = ("pagedrt::find_bad_entries", "pagedrt::find_bad_slots")
@@ -32,12 +33,13 @@ _RESULTS = 2  # result words at the front of the scratch buffer
 # Device buffers this module holds, released by release_buffers(): a scratch buffer per (device, stream)
 # (the results, then the duplicate-slot hash set), and each pool's chunk mask on the device, with the
 # pool version it was copied at. On the host, each pool's counts of unmapped chunks, by version.
-_scratch = {}
-_masks = weakref.WeakKeyDictionary()
-_hole_counts = weakref.WeakKeyDictionary()  # host side: each pool's unmapped chunks before each chunk
+_scratch: Dict[Tuple[int, int], Any] = {}
+_masks: "weakref.WeakKeyDictionary[Pool, tuple]" = weakref.WeakKeyDictionary()
+# host side: each pool's unmapped chunks before each chunk
+_hole_counts: "weakref.WeakKeyDictionary[Pool, tuple]" = weakref.WeakKeyDictionary()
 
 
-def release_buffers():
+def release_buffers() -> None:
     """Drop every device buffer the launchers cache (the checks' scratch and chunk masks); the next check
     makes new ones. Plans hold their own workspaces; CuPy's memory pools keep what is dropped until
     ``free_all_blocks()``."""
@@ -45,19 +47,19 @@ def release_buffers():
     _masks.clear()
 
 
-def _fail(message, **fields):
+def _fail(message: str, **fields: int) -> NoReturn:
     err = BlockTableError(message)
     for key, value in fields.items():
         setattr(err, key, value)
     raise err
 
 
-def _closed_error(pool):
+def _closed_error(pool: Pool) -> PoolClosedError:
     return PoolClosedError(f"the planes lie in a pool that was closed ({pool!r}): its memory is gone; make a new "
                            "cache (or pool) and take its planes again")
 
 
-def address(a):
+def address(a: Array) -> int:
     """The first byte of a NumPy or CuPy array."""
     return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 
@@ -65,13 +67,23 @@ def address(a):
 class Spans:
     """Where planes' blocks lie in pools: per plane in a pool, ``(pool, offset of its first byte)``.
 
-    ``block_stride`` and ``block_bytes`` (bytes) are the planes' shared block stride and
-    block size. Raises PoolClosedError for a plane in a closed pool. Planes in no pool
-    are left out (nothing to check beyond the id range).
+    Planes in no pool are left out (nothing to check beyond the id range).
+
+    Parameters
+    ----------
+    planes : sequence of array
+        NumPy or CuPy planes.
+    block_stride, block_bytes : int
+        The planes' shared block stride and block size, in bytes.
+
+    Raises
+    ------
+    PoolClosedError
+        A plane in a closed pool.
     """
 
-    def __init__(self, planes, block_stride, block_bytes):
-        self.spans = []
+    def __init__(self, planes: Sequence[Array], block_stride: int, block_bytes: int):
+        self.spans: List[Tuple[Pool, int]] = []
         for a in planes:
             pool = find_pool(address(a))
             if pool is not None:
@@ -82,13 +94,13 @@ class Spans:
         self._offsets = [np.array([offset for p, offset in self.spans if p is pool], np.int64) for pool in self.pools]
         self.block_stride, self.block_bytes = int(block_stride), int(block_bytes)
 
-    def check_open(self):
+    def check_open(self) -> None:
         """Raise PoolClosedError if a pool of these planes was closed since (a plan's run)."""
         for pool in self.pools:
             if pool.closed:
                 raise _closed_error(pool)
 
-    def unusable(self, ids):
+    def unusable(self, ids: np.ndarray) -> np.ndarray:
         """Per block id (an int64 NumPy array of ids inside the planes): True where some chunk under it, in
         some plane, is not mapped now. Vectorised over the planes of each pool; where every chunk from the
         lowest id's to the highest id's is mapped in every plane (a whole sequence, a pool without holes), that
@@ -106,7 +118,7 @@ class Spans:
             bad |= _unmapped(pool, holes, lo, lo + self.block_bytes).any(axis=0)
         return bad
 
-    def why(self, block_id):
+    def why(self, block_id: int) -> Optional[str]:
         """Which chunk makes ``block_id`` unusable, as words for an error message."""
         for pool, offset in self.spans:
             lo = offset + block_id * self.block_stride
@@ -118,7 +130,7 @@ class Spans:
                         "stale table or slot, e.g. one taken before free() and trim())")
         return None
 
-    def device_args(self):
+    def device_args(self) -> tuple:
         """The kernel arguments of two spans (K, V): mask pointer, chunks, chunk bytes, offset each."""
         out = []
         for pool, offset in (self.spans * 2)[:2]:
@@ -131,7 +143,7 @@ class Spans:
 NO_SPANS = Spans((), 0, 0)
 
 
-def _holes(pool):
+def _holes(pool: Pool) -> np.ndarray:
     """Unmapped chunks before each chunk of the pool (``[num_chunks + 1]``), computed again only when the pool's
     version changes."""
     version = pool.version
@@ -142,14 +154,14 @@ def _holes(pool):
     return held[1]
 
 
-def _unmapped(pool, holes, lo, hi):
+def _unmapped(pool: Pool, holes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """True where some chunk under the bytes ``[lo, hi)`` (int64 arrays) lies outside the pool or is not mapped."""
     n = pool.num_chunks
     first, last = lo // pool.chunk_bytes, (hi - 1) // pool.chunk_bytes
     return (lo < 0) | (last >= n) | (holes[np.minimum(last + 1, n)] > holes[np.maximum(first, 0)])
 
 
-def _device_mask(pool):
+def _device_mask(pool: Pool) -> Array:
     """The pool's chunk mask as a device uint8 array, copied again only when the pool's version changes."""
     version = pool.version
     held = _masks.get(pool)
@@ -160,13 +172,15 @@ def _device_mask(pool):
     return held[1]
 
 
-def _length_error(row, length, width, block_size):
+def _length_error(row: int, length: int, width: int, block_size: int) -> NoReturn:
     _fail(f"seq_lens[{row}] = {length} is outside [1, {width * block_size}]: a block-table row holds "
           f"{width} blocks of {block_size} tokens; fix the length or widen the table",
           row=row, length=length)
 
 
-def _entry_error(row, column, block_id, num_blocks, block_mask, spans):
+def _entry_error(row: int, column: int, block_id: int, num_blocks: int, block_mask: Optional[Array],
+                 spans: Spans) -> NoReturn:
+    why: Optional[str]
     if not 0 <= block_id < num_blocks:
         why = f"not a block of the pool: ids run 0..{num_blocks - 1}"
     elif block_mask is not None and not int(block_mask[block_id]):
@@ -179,25 +193,45 @@ def _entry_error(row, column, block_id, num_blocks, block_mask, spans):
           row=row, column=column, block_id=block_id)
 
 
-def check_block_tables(block_tables, seq_lens, block_size, num_blocks, block_mask=None, width=None,
-                       spans=NO_SPANS):
+def check_block_tables(block_tables: Optional[Array], seq_lens: Array, block_size: int, num_blocks: int,
+                       block_mask: Optional[Array] = None, width: Optional[int] = None,
+                       spans: Spans = NO_SPANS) -> None:
     """Raise BlockTableError for the first bad length, then the first bad used entry (row-major).
 
-    ``block_tables`` None checks only the lengths against ``width`` blocks per row
-    (the contiguous baseline). ``spans``: the planes' :class:`Spans`, whose unmapped
-    blocks are bad too. Host arrays are checked with NumPy, device arrays on the device.
+    Host arrays are checked with NumPy, device arrays on the device (one launch, one 16-byte read).
+
+    Parameters
+    ----------
+    block_tables : array, int32 [batch, width], optional
+        None checks only the lengths against ``width`` blocks per row (the contiguous baseline).
+    seq_lens : array, int32 [batch]
+        Each row's length: in ``[1, width * block_size]``.
+    block_size, num_blocks : int
+        The planes' block size and blocks: used entries must be ids in ``[0, num_blocks)``.
+    block_mask : array, bool/uint8 [num_blocks], optional
+        0 marks a block unusable.
+    width : int, optional
+        Blocks per row when ``block_tables`` is None.
+    spans : Spans
+        The planes' spans, whose unmapped blocks are bad too.
+
+    Raises
+    ------
+    BlockTableError
+        With ``row`` and ``length``, or ``row``, ``column`` and ``block_id``, as attributes.
     """
-    width = block_tables.shape[1] if block_tables is not None else width
+    width = cast(int, block_tables.shape[1] if block_tables is not None else width)
     first_bad = _host_first_bad if isinstance(seq_lens, np.ndarray) else _device_first_bad
     bad_row, bad_entry = first_bad(block_tables, seq_lens, block_size, num_blocks, block_mask, width, spans)
     if bad_row is not None:
         _length_error(bad_row, int(seq_lens[bad_row]), width, block_size)
     if bad_entry is not None:
         row, column = divmod(bad_entry, width)
-        _entry_error(row, column, int(block_tables[row, column]), num_blocks, block_mask, spans)
+        _entry_error(row, column, int(cast(Array, block_tables)[row, column]), num_blocks, block_mask, spans)
 
 
-def _host_first_bad(block_tables, seq_lens, block_size, num_blocks, block_mask, width, spans):
+def _host_first_bad(block_tables: Optional[np.ndarray], seq_lens: np.ndarray, block_size: int, num_blocks: int,
+                    block_mask: Optional[np.ndarray], width: int, spans: Spans) -> Tuple[Optional[int], Optional[int]]:
     lens = seq_lens.astype(np.int64)
     bad_len = (lens < 1) | (lens > width * block_size)
     if bad_len.any():
@@ -217,7 +251,7 @@ def _host_first_bad(block_tables, seq_lens, block_size, num_blocks, block_mask, 
     return None, (int(hits[0]) if hits.size else None)
 
 
-def _scratch_buffer(words):
+def _scratch_buffer(words: int) -> Array:
     """A uint64 device buffer of at least ``words`` words for the current device and stream, reused."""
     import cupy
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
@@ -227,7 +261,7 @@ def _scratch_buffer(words):
     return buf
 
 
-def _device_results(launch, extra_words=0):
+def _device_results(launch: Callable[[np.uint64, np.uint64], None], extra_words: int = 0) -> List[Optional[int]]:
     """Preset the scratch (results, then ``extra_words``) to all ones, run ``launch(results, extra)``, read the
     two results."""
     import cupy
@@ -238,11 +272,12 @@ def _device_results(launch, extra_words=0):
     return [None if x == _NONE else int(x) for x in buf[:_RESULTS].get()]
 
 
-def _grid(total):
+def _grid(total: int) -> Tuple[int]:
     return (max(1, min(-(-total // _THREADS), 4096)),)
 
 
-def _device_first_bad(block_tables, seq_lens, block_size, num_blocks, block_mask, width, spans):
+def _device_first_bad(block_tables: Optional[Array], seq_lens: Array, block_size: int, num_blocks: int,
+                      block_mask: Optional[Array], width: int, spans: Spans) -> List[Optional[int]]:
     batch = seq_lens.shape[0]
     kernel = source.function(FILE, NAMES[0])
     table_args = (ptr(block_tables), np.int64(block_tables.strides[0] // 4)) if block_tables is not None \
@@ -257,14 +292,29 @@ def _device_first_bad(block_tables, seq_lens, block_size, num_blocks, block_mask
     return _device_results(launch)
 
 
-def _table_bits(num_tokens):
+def _table_bits(num_tokens: int) -> int:
     """log2 of the duplicate-slot hash set's size: a power of two at least twice the tokens (64 or more)."""
     return max(6, (2 * max(num_tokens, 1) - 1).bit_length())
 
 
-def check_slots(slot_mapping, block_size, num_blocks, spans=NO_SPANS):
-    """Raise BlockTableError for the first slot past the cache (num_blocks * block_size slots) or in a block
-    whose memory is not mapped, then for a slot given to two tokens. Negative = padding."""
+def check_slots(slot_mapping: Array, block_size: int, num_blocks: int, spans: Spans = NO_SPANS) -> None:
+    """Raise BlockTableError for the first slot past the cache or in a block whose memory is not mapped, then
+    for a slot given to two tokens.
+
+    Parameters
+    ----------
+    slot_mapping : array, int64 [num_tokens]
+        ``block_id * block_size + slot_in_block``; negative is padding.
+    block_size, num_blocks : int
+        The planes' (``num_blocks * block_size`` slots).
+    spans : Spans
+        The planes' spans, whose unmapped blocks are bad too.
+
+    Raises
+    ------
+    BlockTableError
+        With ``token`` and ``slot`` (and ``first_token`` for a repeat) as attributes.
+    """
     capacity = num_blocks * block_size
     if isinstance(slot_mapping, np.ndarray):
         live = np.flatnonzero(slot_mapping >= 0)
@@ -291,7 +341,7 @@ def check_slots(slot_mapping, block_size, num_blocks, spans=NO_SPANS):
         _duplicate_error(slot_mapping if isinstance(slot_mapping, np.ndarray) else slot_mapping.get())
 
 
-def _duplicate_error(slots):
+def _duplicate_error(slots: np.ndarray) -> NoReturn:
     """Name the first token whose slot an earlier token already has."""
     live = np.flatnonzero(slots >= 0)
     order = live[np.argsort(slots[live], kind="stable")]
@@ -304,5 +354,6 @@ def _duplicate_error(slots):
           token=later, slot=slot, first_token=earlier)
 
 
-def instances():
+def instances() -> Dict[str, Tuple[str, ...]]:
+    """{file: name expressions} of the validation kernels."""
     return {FILE: NAMES}

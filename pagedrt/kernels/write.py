@@ -4,16 +4,16 @@ Into FP8 planes (uint8, float8 e4m3 bits) the values are quantised on the way, e
 head's scale (:mod:`pagedrt.fp8` defines the rounding, the saturation and what a NaN becomes).
 """
 
-from typing import Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import fp8, source
-from ..spec import plane_kv_dtype
+from ..spec import Array, plane_kv_dtype
 from ..supported import FP8_DTYPES
-from .args import (Array, array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
+from .args import (array_module, c_contiguous, check, check_scales, device_pointers, int_array, multiprocessors,
                    plane, ptr, same_layout, scale_pointers)
-from .configs import config, fp8_sweep, sweep
+from .configs import Config, config, fp8_sweep, sweep
 from .launch import launch
 from .validate import Spans, check_slots
 
@@ -21,12 +21,13 @@ FILE = "write.cu"
 THREADS = 256
 
 
-def kernel_name(cfg):
+def kernel_name(cfg: Config) -> str:
+    """The name expression of ``cfg``'s write kernel."""
     kernel = "write_kv_fp8" if cfg.fp8 else "write_kv"
     return f"pagedrt::{kernel}<{cfg.cuda_type}, {cfg.head_dim}, {cfg.block_size}>"
 
 
-def instances(configs=None):
+def instances(configs: Optional[Sequence[Config]] = None) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} for ``configs`` (default: the representative sweeps, FP8's too)."""
     return {FILE: tuple(dict.fromkeys(kernel_name(c) for c in (configs or sweep() + fp8_sweep())))}
 
@@ -47,7 +48,8 @@ class WritePlan:
     (``PoolClosedError``).
     """
 
-    def __init__(self, k: Array, k_cache: Array, slot_mapping: Array, *, validate: bool = True, _v_cache=None):
+    def __init__(self, k: Array, k_cache: Array, slot_mapping: Array, *, validate: bool = True,
+                 _v_cache: Optional[Array] = None):
         # _v_cache: write_kv's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
         pk = plane("k_cache", k_cache)
@@ -138,7 +140,8 @@ def write_kv(k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: A
                                                                                   k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv_reference(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+def write_kv_reference(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray,
+                       *, k_scale: Optional[np.ndarray] = None, v_scale: Optional[np.ndarray] = None) -> None:
     """NumPy reference of :func:`write_kv` (no checks): scatter the non-padding tokens into their slots,
     quantised (:func:`pagedrt.fp8.quantise`) when the scales are given."""
     keep = slot_mapping >= 0

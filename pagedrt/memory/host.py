@@ -1,35 +1,17 @@
 """Host backend: the operating system's virtual memory stands in for the GPU MMU.
 
-The reservation is a private anonymous ``mmap(PROT_READ, MAP_NORESERVE)`` range:
-read-only zero pages, which cost nothing and read as zeros. A chunk is a memfd
-(anonymous shared memory) mapped into it with ``MAP_FIXED``; access is granted
-with ``mprotect``; releasing a chunk maps the reservation's zero pages back over
-it. The same two layers, with Linux page tables in place of the GPU's.
-
-A host-tier chunk (location "host") is one more memfd, named ``pagedrt-chunk-host`` so
-that ``/proc/self/maps`` tells the tiers apart: this backend has no device memory to
-tell it from, so the tier is a label here, the same bookkeeping as on CUDA.
-
-What a view over the range sees: a hole (a released chunk, or the part of the
-range never mapped) reads as zeros, and writing into one faults, so pagedrt's
-own writes are refused before they reach a hole. At close the whole range
-becomes private scratch memory (read-write, ``MAP_NORESERVE``: nothing is
-allocated until written), so a view taken before close reads zeros and its
-writes go nowhere; the range is unmapped when the pool and its last view are gone.
-
-Each mapped chunk is one kernel mapping (VMA), and Linux allows about 65,000 per
-process (``vm.max_map_count``): use chunks of megabytes, not pages, for large
-pools. Past that limit Linux refuses every ``mmap`` and splitting ``mprotect``
-(ENOMEM, raised as :class:`MappingLimitError`), so undoing a chunk never needs a
-new mapping: putting the zero pages back merges with the neighbouring
-reservation, and if even that is refused the chunk is unmapped (removing a whole
-mapping always succeeds and lowers the count) before the zero pages go back.
+The reservation is a private anonymous ``mmap(PROT_READ, MAP_NORESERVE)`` range (read-only zero pages); a
+chunk is a memfd mapped into it with ``MAP_FIXED`` (a host-tier chunk one named ``pagedrt-chunk-host``),
+enabled with ``mprotect``; a released chunk gets the zero pages back, and a closed pool's range becomes
+scratch memory. docs/ARCHITECTURE.md ("The pool": "Failures" and "What views see") says why, and how
+``vm.max_map_count`` is kept from leaving a hole unprotected.
 """
 
 import ctypes
 import errno
 import mmap
 import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,7 +32,7 @@ _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def max_map_count():
+def max_map_count() -> Optional[int]:
     """Linux's limit on mappings per process, or None where it cannot be read."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -59,7 +41,7 @@ def max_map_count():
         return None
 
 
-def _os_error(call):
+def _os_error(call: str) -> Exception:
     err = ctypes.get_errno()
     if err == errno.ENOMEM and call in ("mmap", "mprotect"):
         exc = MappingLimitError(
@@ -67,12 +49,12 @@ def _os_error(call):
             f"memory mappings (vm.max_map_count = {max_map_count()}; each mapped chunk is one "
             f"mapping, so fewer, larger chunks need fewer) or on its address space: use larger chunks, "
             f"or raise the limit (sysctl vm.max_map_count)")
-        exc.errno = err
+        exc.errno = err  # type: ignore[attr-defined]  # read as an OSError's
         return exc
     return OSError(err, f"{call}: {os.strerror(err)}")
 
 
-def _mmap(addr, size, prot, flags, fd=-1):
+def _mmap(addr: Optional[int], size: int, prot: int, flags: int, fd: int = -1) -> int:
     out = _libc.mmap(addr, size, prot, flags, fd, 0)
     if out in (None, MAP_FAILED):
         raise _os_error("mmap")
@@ -82,12 +64,12 @@ def _mmap(addr, size, prot, flags, fd=-1):
     return out
 
 
-def _munmap(addr, size):
+def _munmap(addr: int, size: int) -> None:
     if _libc.munmap(addr, size):
         raise _os_error("munmap")
 
 
-def _fully_mapped(addr, size):
+def _fully_mapped(addr: int, size: int) -> bool:
     """Whether every page of ``[addr, addr + size)`` is mapped (msync fails ENOMEM where not)."""
     return _libc.msync(addr, size, 0) == 0
 
@@ -96,11 +78,12 @@ class Memfd:
     """A chunk's physical memory: a memfd, opened when mapped and closed at once after
     (the mapping keeps the memory alive, so a pool holds no file descriptors)."""
 
-    def __init__(self, size, name="pagedrt-chunk"):
+    def __init__(self, size: int, name: str = "pagedrt-chunk"):
         self.size, self.name = size, name
-        self.inode = None
+        self.inode: Optional[int] = None  # once mapped
 
-    def map_at(self, va, fixed=MAP_FIXED):
+    def map_at(self, va: int, fixed: int = MAP_FIXED) -> None:
+        """Open the memfd, map it at ``va`` (no access: ``set_access`` grants it) and close it again."""
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, self.size)
@@ -111,15 +94,18 @@ class Memfd:
 
 
 class HostBackend:
+    """A :class:`~pagedrt.memory.backends.Backend` over the operating system's virtual memory (module docstring);
+    its methods are the protocol's. ``reason`` says why it was chosen."""
+
     name = "host"
     xp = np
 
-    def __init__(self, reason):
+    def __init__(self, reason: str):
         self.reason = reason
         self.page_bytes = self.host_page_bytes = mmap.PAGESIZE
-        self.gaps = {}  # va -> size: released places the reservation could not be put back over
+        self.gaps: Dict[int, int] = {}  # va -> size: released places the reservation could not be put back over
 
-    def reserve(self, size):
+    def reserve(self, size: int) -> int:
         try:
             return _mmap(None, size, PROT_READ, ANON)
         except MappingLimitError:
@@ -129,16 +115,16 @@ class HostBackend:
                 f"on x86-64 Linux, less under `ulimit -v`) or its count of mappings (vm.max_map_count = "
                 f"{max_map_count()}): reserve a smaller pool") from None
 
-    def free(self, base, size):
+    def free(self, base: int, size: int) -> None:
         for start, n in self._segments(base, size):
             _munmap(start, n)
         for va in [va for va in self.gaps if base <= va < base + size]:
             del self.gaps[va]
 
-    def create(self, size, location="device"):
+    def create(self, size: int, location: str = "device") -> Memfd:
         return Memfd(size, "pagedrt-chunk" if location == "device" else "pagedrt-chunk-host")
 
-    def map(self, va, size, handle):
+    def map(self, va: int, size: int, handle: Memfd) -> None:
         if va in self.gaps:  # never replace what may have landed in a gap
             try:
                 handle.map_at(va, MAP_FIXED_NOREPLACE)
@@ -158,11 +144,11 @@ class HostBackend:
                 self._reserve_hole(va, size)
             raise
 
-    def set_access(self, va, size):
+    def set_access(self, va: int, size: int) -> None:
         if _libc.mprotect(va, size, PROT_RW):
             raise _os_error("mprotect")
 
-    def unmap(self, va, size):
+    def unmap(self, va: int, size: int) -> None:
         """Put the reservation's zero pages back over a chunk (never a bare munmap, so that no
         other mapping of this process can land inside the pool's range). With the reservation's
         protection and flags the kernel merges it with its neighbours: no mapping is added."""
@@ -176,7 +162,7 @@ class HostBackend:
         _munmap(va, size)
         self._reserve_hole(va, size)
 
-    def _reserve_hole(self, va, size):
+    def _reserve_hole(self, va: int, size: int) -> None:
         """Map the zero pages into the empty ``[va, va + size)``, replacing nothing. If that
         fails (another thread's mapping took the place), it is remembered as a gap: never
         mapped over, never unmapped by the pool."""
@@ -185,10 +171,10 @@ class HostBackend:
         except (MappingLimitError, OSError):
             self.gaps[va] = size
 
-    def release(self, handle):
+    def release(self, handle: Memfd) -> None:
         pass  # unmapping freed the memory: nothing else holds it
 
-    def retire(self, base, size, chunks):
+    def retire(self, base: int, size: int, chunks: Iterable[Tuple[int, int, Memfd]]) -> None:
         """A closing pool: scratch memory over the whole range (see the module docstring);
         the chunks' memory goes with their last mapping. Falls back to unmapping the chunks
         first (past the mapping limit), then to read-only zero pages (no memory to commit)."""
@@ -204,11 +190,11 @@ class HostBackend:
         except (MappingLimitError, OSError):
             self._over_range(base, size, PROT_READ)
 
-    def _over_range(self, base, size, prot):
+    def _over_range(self, base: int, size: int, prot: int) -> None:
         for start, n in self._segments(base, size):
             _mmap(start, n, prot, ANON | MAP_FIXED)
 
-    def _segments(self, base, size):
+    def _segments(self, base: int, size: int) -> List[Tuple[int, int]]:
         """``[base, base + size)`` less the gaps, as (start, size) pieces."""
         pieces, start = [], base
         for va in sorted(va for va in self.gaps if base <= va < base + size):
@@ -220,33 +206,34 @@ class HostBackend:
         return pieces
 
     @staticmethod
-    def handle_id(handle):
+    def handle_id(handle: Memfd) -> Optional[int]:
         return handle.inode
 
     @staticmethod
-    def location_id(location):
+    def location_id(location: str) -> Optional[int]:
         return None  # memfds have no device, and no NUMA node is asked for
 
-    access_devices = ()  # no GPU reads this memory
+    access_devices: Tuple[int, ...] = ()  # no GPU reads this memory
 
     @staticmethod
-    def grant_access(ordinal, ranges):
+    def grant_access(ordinal: int, ranges: Sequence[Tuple[int, int]]) -> None:
         raise UnsupportedConfigError(f"cannot grant device {ordinal!r:.40} access to a pool on the host backend: "
                                      "it has no GPU memory and no GPU to grant; peer access needs the CUDA backend")
 
     @staticmethod
-    def check_exportable(location):
+    def check_exportable(location: str) -> None:
         raise UnsupportedConfigError("a pool on the host backend cannot export its chunks: its memfds are closed once "
                                      "mapped, and another process's GPU could not map them; export needs the CUDA "
                                      "backend")
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         pass
 
-    def close(self):
+    def close(self) -> None:
         pass
 
-    def array(self, base, total, offset, shape, dtype, strides, owner):
-        buf = (ctypes.c_char * total).from_address(base)
+    def array(self, base: int, total: int, offset: int, shape: Tuple[int, ...], dtype: np.dtype,
+              strides: Tuple[int, ...], owner: object) -> np.ndarray:
+        buf: Any = (ctypes.c_char * total).from_address(base)
         buf.owner = owner  # the array keeps the pool (and so the mapping) alive
         return np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=strides)

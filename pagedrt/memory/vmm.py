@@ -1,33 +1,15 @@
 """CUDA backend: the driver's virtual memory management calls, and nothing else.
 
-cuMemAddressReserve reserves the range; a chunk is a cuMemCreate allocation
-mapped with cuMemMap; cuMemSetAccess enables reads and writes (one call per
-contiguous run, since its cost is per call); release is cuMemUnmap + cuMemRelease;
-close unmaps and releases every chunk, and cuMemAddressFree frees the range once
-the pool and its views are gone (so no later allocation takes those addresses
-while a view may live). Arrays are CuPy arrays over ``cupy.cuda.UnownedMemory``,
-so no copy is ever made. Holes stay unmapped (unlike the host backend's read-only
-zero pages), and so does a closed pool's range: a kernel that reads either faults
-with an illegal address, so pagedrt's launches refuse both before they start.
-
-A host-tier chunk is a cuMemCreate allocation located on the host: pinned memory on
-the NUMA node nearest the device (``CU_MEM_LOCATION_TYPE_HOST_NUMA``; plain
-``CU_MEM_LOCATION_TYPE_HOST`` where the device names no node), mapped into the same
-range and enabled for the device, so kernels and copies reach it through the same
-pointers. Creating one pins its pages, which is slow: a cache creates its host tier
-ahead of need. A refusal (out of pinned memory) is :class:`HostOutOfMemoryError`.
-
-Peer access: every chunk is enabled for the backend's device, and for each device granted
-since (:meth:`CudaBackend.grant_access`: one more ``CUmemAccessDesc`` in the list every
-``cuMemSetAccess`` passes, and that call over the chunks mapped already). VMM memory
-needs no ``cuCtxEnablePeerAccess``: the access list is the whole of it.
-
-Another process: device chunks are created exportable where the device supports POSIX file
-descriptor handles (:func:`pagedrt.driver.allocation_prop`); :meth:`CudaBackend.export` makes
-one descriptor per chunk (``cuMemExportToShareableHandle``) and :meth:`CudaBackend.import_handle`
-turns a received one back into an allocation handle (``cuMemImportFromShareableHandle``),
-which ``map``, ``set_access`` and ``release`` then treat as any chunk's.
+``cuMemAddressReserve`` reserves the range; a chunk is a ``cuMemCreate`` allocation (a host-tier chunk one
+located on the host NUMA node nearest the device) mapped with ``cuMemMap`` and enabled with
+``cuMemSetAccess``, one call a contiguous run, for the backend's device and each device granted since
+(:meth:`CudaBackend.grant_access`: VMM memory needs no ``cuCtxEnablePeerAccess``, the access list is the
+whole of it). Views are CuPy arrays over ``cupy.cuda.UnownedMemory`` (no copy). Device chunks are exportable
+as POSIX file descriptors where the device supports them. docs/ARCHITECTURE.md ("The pool", "The host tier")
+and docs/MULTIGPU.md say why and what views of holes and closed pools see.
 """
+
+from typing import Any, Iterable, Optional, Sequence, Tuple
 
 from .. import driver as drv
 from ..errors import (BackendUnavailableError, CudaError, DeviceOutOfMemoryError, HostOutOfMemoryError,
@@ -35,9 +17,18 @@ from ..errors import (BackendUnavailableError, CudaError, DeviceOutOfMemoryError
 
 
 class CudaBackend:
+    """A :class:`~pagedrt.memory.backends.Backend` on CuPy's current device (module docstring); its methods
+    are the protocol's.
+
+    Raises
+    ------
+    BackendUnavailableError
+        The device does not support virtual memory management (or CUDA is not usable).
+    """
+
     name = "cuda"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.device = drv.current_device()
         if not self.device.attribute("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
             raise BackendUnavailableError(
@@ -51,13 +42,14 @@ class CudaBackend:
         self.page_bytes = drv.page_granularity(self.device)
         self._access = [self._access_desc(self.device.ordinal)]  # read-write for this device (and those granted),
         # whatever the chunk's location
-        self._host = None  # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
+        # (allocation prop, NUMA node or None, granularity) once a host chunk is asked for
+        self._host: Optional[Tuple[Any, Optional[int], int]] = None
 
-    def _call(self, fn, *args):
+    def _call(self, fn: str, *args: Any) -> Any:
         self.device.activate()
         return drv.call(self._d, fn, *args)
 
-    def reserve(self, size):
+    def reserve(self, size: int) -> int:
         try:
             return int(self._call("cuMemAddressReserve", size, self.page_bytes, 0, 0))
         except CudaError as exc:
@@ -67,10 +59,10 @@ class CudaBackend:
                 f"virtual address space less what this process has reserved already: reserve a "
                 f"smaller pool") from exc
 
-    def free(self, base, size):
+    def free(self, base: int, size: int) -> None:
         self._call("cuMemAddressFree", base, size)
 
-    def create(self, size, location="device"):
+    def create(self, size: int, location: str = "device") -> Any:
         if location == "device":
             return self._call("cuMemCreate", size, self._prop, 0)
         prop, node, _ = self._host_location()
@@ -83,20 +75,21 @@ class CudaBackend:
                 f"failed with {exc.name} ({exc.text}); make the host tier smaller, or free pinned memory") from exc
 
     @property
-    def host_page_bytes(self):
+    def host_page_bytes(self) -> int:
         """The mapping granularity of host-located chunks."""
         return self._host_location()[2]
 
-    def location_id(self, location):
+    def location_id(self, location: str) -> Optional[int]:
         """The device ordinal of device chunks, the NUMA node of host chunks (None without one)."""
         return self.device.ordinal if location == "device" else self._host_location()[1]
 
-    def _host_location(self):
+    def _host_location(self) -> Tuple[Any, Optional[int], int]:
         """(allocation prop, NUMA node or None, granularity) of host-located chunks for this device."""
         if self._host is None:
             d = self._d
-            node = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
-            if node >= 0 and self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
+            numa = self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID", -1)
+            node: Optional[int] = numa
+            if numa >= 0 and self._attribute("CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
                 kind = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
             elif self._attribute("CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 0):
                 kind, node = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST, None
@@ -112,20 +105,20 @@ class CudaBackend:
             self._host = (prop, node, int(self._call("cuMemGetAllocationGranularity", prop, flag)))
         return self._host
 
-    def _attribute(self, name, missing):
+    def _attribute(self, name: str, missing: int) -> int:
         """A device attribute, or ``missing`` where these bindings or this driver do not know it."""
         try:
             return int(self.device.attribute(name))
         except (AttributeError, CudaError):
             return missing
 
-    def map(self, va, size, handle):
+    def map(self, va: int, size: int, handle: Any) -> None:
         self._call("cuMemMap", va, size, 0, handle, 0)
 
-    def set_access(self, va, size):
+    def set_access(self, va: int, size: int) -> None:
         self._call("cuMemSetAccess", va, size, self._access, len(self._access))
 
-    def _access_desc(self, ordinal, flags="CU_MEM_ACCESS_FLAGS_PROT_READWRITE"):
+    def _access_desc(self, ordinal: int, flags: str = "CU_MEM_ACCESS_FLAGS_PROT_READWRITE") -> Any:
         d = self._d
         desc = d.CUmemAccessDesc()
         desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -134,11 +127,11 @@ class CudaBackend:
         return desc
 
     @property
-    def access_devices(self):
+    def access_devices(self) -> Tuple[int, ...]:
         """The device ordinals every chunk is enabled for: this backend's device, then those granted."""
         return tuple(int(desc.location.id) for desc in self._access)
 
-    def grant_access(self, ordinal, ranges):
+    def grant_access(self, ordinal: int, ranges: Sequence[Tuple[int, int]]) -> None:
         """Enable device ``ordinal`` to read and write every ``(va, size)`` of ``ranges`` (the mapped chunks' runs)
         and every chunk mapped from now on. A device already enabled is a no-op. Raises PeerAccessError, having
         changed nothing, for a device that does not exist or cannot access this backend's device's memory; if
@@ -170,19 +163,19 @@ class CudaBackend:
             raise
         self._access.append(desc)
 
-    def unmap(self, va, size):
+    def unmap(self, va: int, size: int) -> None:
         self._call("cuMemUnmap", va, size)
 
-    def release(self, handle):
+    def release(self, handle: Any) -> None:
         self._call("cuMemRelease", handle)
 
-    def retire(self, base, size, chunks):
+    def retire(self, base: int, size: int, chunks: Iterable[Tuple[int, int, Any]]) -> None:
         """Unmap and release every ``(va, size, handle)`` of a closing pool."""
         for va, chunk_size, handle in chunks:
             self.unmap(va, chunk_size)
             self.release(handle)
 
-    def check_exportable(self, location):
+    def check_exportable(self, location: str) -> None:
         """Raise UnsupportedConfigError unless chunks at ``location`` can be exported as POSIX file descriptors."""
         posix = self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         if location != "device":
@@ -193,28 +186,30 @@ class CudaBackend:
                                          "handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED), "
                                          "so its chunks cannot be exported to another process")
 
-    def export(self, handle):
-        """A new POSIX file descriptor for a chunk's allocation; the caller closes it."""
+    def export(self, handle: Any) -> int:
+        """A new POSIX file descriptor for a chunk's allocation; the caller closes it. Only this backend exports
+        (:meth:`check_exportable` first)."""
         posix = self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         return int(self._call("cuMemExportToShareableHandle", handle, posix, 0))
 
-    def import_handle(self, fd):
+    def import_handle(self, fd: int) -> Any:
         """The allocation handle of a chunk exported by another process, from its POSIX file descriptor ``fd`` (which
         stays the caller's to close); ``release`` it as any chunk's."""
         posix = self._d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         return self._call("cuMemImportFromShareableHandle", fd, posix)
 
     @staticmethod
-    def handle_id(handle):
+    def handle_id(handle: Any) -> int:
         return int(handle)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         self.device.synchronize()
 
-    def close(self):
+    def close(self) -> None:
         self._call("cuDevicePrimaryCtxRelease", self.device.handle)
 
-    def array(self, base, total, offset, shape, dtype, strides, owner):
+    def array(self, base: int, total: int, offset: int, shape: Tuple[int, ...], dtype: Any,
+              strides: Tuple[int, ...], owner: Any) -> Any:
         import cupy
         mem = cupy.cuda.UnownedMemory(base, total, owner, self.device.ordinal)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
