@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pagedrt.layout import Layout  # noqa: E402
+from pagedrt.spec import KVSpec  # noqa: E402
 from pagedrt.snapshot import SNAPSHOT_SCHEMA, SNAPSHOT_VERSION, validate_snapshot  # noqa: E402
 
 BLOCK_SIZE, BLOCKS_PER_CHUNK, PAGE = 16, 64, 4096
@@ -41,8 +42,8 @@ PLOTS = {  # picture -> the canonical record it draws (benchmarks/results/README
 
 def _layout(num_blocks, host_blocks):
     """One layer, one KV head of 64, block-major: 4 KiB a block, 64 blocks a chunk."""
-    return Layout.plan(1, 1, 64, BLOCK_SIZE, "float16", "block", PAGE, num_blocks, BLOCKS_PER_CHUNK * PAGE,
-                       host_blocks)
+    spec = KVSpec.build(1, 1, 64, BLOCK_SIZE, "float16", placement="block")
+    return Layout.plan(spec, PAGE, num_blocks, BLOCKS_PER_CHUNK * PAGE, host_blocks)
 
 
 def _records(lay, base, state):
