@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from .blocks import ceil_div
+from .blocks.util import ceil_div
 from .errors import InvalidPositionError, UnsupportedConfigError
 from .supported import kv_dtype_name, kv_numpy_dtype
 
