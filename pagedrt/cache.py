@@ -79,8 +79,10 @@ def _exclusive(method):
 
     A second thread that calls in meanwhile gets ConcurrentUseError at once, before it
     reads or changes anything: misuse is a named error, never two tables sharing a block.
-    The lock is taken as the first statement inside ``try`` and released only if taken, so
-    no interrupt can leave it taken.
+    The lock is taken as the first statement inside ``try`` and released only if taken.
+    It is reentrant (an ``RLock``), so an interrupt that still lands between taking and
+    releasing it (at the ``finally`` line) cannot lock out the thread that was using the
+    cache; other threads are refused, as while a call runs.
     """
     name = method.__name__
 
@@ -256,7 +258,7 @@ class PagedKVCache(PlaneViews):
         if max_step_tokens is None:
             max_step_tokens = max_seq_len + max_seqs
         max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, block_size))
         growth = _growth_keywords(growth, self.layout.blocks_per_chunk)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)

@@ -72,36 +72,39 @@ class PrefixIndex:
         """Name a full ``block``; a name already taken keeps its first block (that block stays unnamed)."""
         if name in self.block_of or self.cached[block]:
             return
-        self.tx.undo(partial(self._unname, block))
+        self.tx.undo(partial(self._unname, block, name))
         self._name(block, name, tokens.copy())
 
     def forget(self, block):
         """Drop ``block``'s name (it is being evicted)."""
-        self.tx.undo(partial(self._name, block, int(self.name[block]), self.tokens[block]))
-        self._unname(block)
+        name = int(self.name[block])
+        self.tx.undo(partial(self._name, block, name, self.tokens[block]))
+        self._unname(block, name)
 
     def move(self, src, dst):
         """Give ``src``'s name and token ids to ``dst`` (its copy in the other tier); ``src`` is unnamed after."""
-        self.tx.undo(partial(self._moved_back, src, dst, int(self.name[src]), self.tokens[src]))
-        self._moved_back(dst, src, int(self.name[src]), self.tokens[src])
+        name, tokens = int(self.name[src]), self.tokens[src]
+        self.tx.undo(partial(self._moved_back, src, dst, name, tokens))
+        self._moved_back(dst, src, name, tokens)
+
+    # Each of these leaves the index consistent from whatever point the one it undoes was cut short at.
 
     def _name(self, block, name, tokens):
         self.block_of[name] = block
-        self.name[block], self.cached[block] = name, True
         self.tokens[block] = tokens
+        self.name[block], self.cached[block] = name, True
 
-    def _unname(self, block):
-        """Drop ``block``'s name if it has one (an undo may find it never named)."""
-        if self.cached[block]:
-            del self.block_of[int(self.name[block])]
-            del self.tokens[block]
-            self.cached[block], self.name[block] = False, 0
+    def _unname(self, block, name):
+        if self.block_of.get(name) == block:
+            del self.block_of[name]
+        self.tokens.pop(block, None)
+        self.cached[block], self.name[block] = False, 0
 
     def _moved_back(self, src, dst, name, tokens):
-        """``name`` (with ``tokens``) on ``src`` again, ``dst`` unnamed: undoes a move from ``src`` to ``dst``."""
-        if self.cached[dst] and int(self.name[dst]) == name:
-            self.cached[dst], self.name[dst] = False, 0
-            self.tokens.pop(dst, None)
+        """``name`` (with ``tokens``) on ``src``, ``dst`` unnamed: undoes a move from ``src`` to ``dst`` (a copy
+        that had no name of its own)."""
+        self.tokens.pop(dst, None)
+        self.cached[dst], self.name[dst] = False, 0
         self._name(src, name, tokens)
 
     def match(self, prompt, block_size, most):

@@ -51,15 +51,16 @@ class Transaction:
         self._journal, self.moves = [], [] if moves else None
         try:
             result = operation()
+            self._journal = self.moves = None  # the commit: an interrupt before it still rolls back
         except BaseException:
-            self._rollback()
+            if self._journal is not None:
+                self._rollback()
             raise
-        self._journal = self.moves = None
         return result
 
     def _rollback(self):
-        journal, self._journal, self.moves = self._journal, None, None
         with deferred_sigint():
+            journal, self._journal, self.moves = self._journal, None, None
             for entry in reversed(journal):
                 if type(entry) is tuple:
                     array, index, old = entry
