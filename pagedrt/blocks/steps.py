@@ -49,7 +49,7 @@ class _Checked(NamedTuple):
 def run(tables, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens, swap_out, swap_in):
     """:meth:`BlockTables.step <pagedrt.blocks.tables.BlockTables.step>` (its docstring says what each argument
     is): the arguments checked, then the operations as one transaction; a :class:`StepResult`."""
-    if all(_empty(x) for x in (arrivals, forks, frees, swap_out, swap_in)):
+    if _empty(arrivals, forks, frees, swap_out, swap_in):
         if arrival_tokens is not None:
             _no_arrivals(arrival_tokens)
         rows, step = tables._request(seqs, counts)  # the decode step: appends alone
@@ -64,8 +64,12 @@ def run(tables, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees,
     return tables.tx.run(lambda: _apply(tables, checked), moves=True)
 
 
-def _empty(value):
-    return value is None or (isinstance(value, (list, tuple)) and not value)
+def _empty(*values):
+    """Whether each of ``values`` is None or an empty list or tuple (the decode step's)."""
+    for value in values:
+        if value is not None and not (type(value) in (list, tuple) and not value):
+            return False
+    return True
 
 
 def _no_arrivals(arrival_tokens):

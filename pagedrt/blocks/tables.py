@@ -197,7 +197,7 @@ class BlockTables(SwapTables):
 
         ``token_ids``, if given, are the new tokens' ids (one flat array, sequence by
         sequence, ``sum(counts)`` long, each in [0, 2**31)); blocks they fill are named
-        and cached (:mod:`pagedrt.prefix`). A sequence that ever appended without ids
+        and cached (:mod:`pagedrt.blocks.prefix`). A sequence that ever appended without ids
         caches no block from then on.
         """
         rows, step = self._request(seqs, counts)
