@@ -465,13 +465,13 @@ class PagedKVCache(PlaneViews):
 
         Consecutive handles give a view of the table (no copy); others a gathered copy.
         """
-        self.metadata.upload()
+        self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
         return self._select(self.metadata.block_table, seqs)
 
     @_exclusive
     def seq_lens(self, seqs=None):
         """The device lengths (int32), all rows or those of ``seqs`` in order."""
-        self.metadata.upload()
+        self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
         return self._select(self.metadata.seq_lens, seqs)
 
     def _select(self, array, seqs):

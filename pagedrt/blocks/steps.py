@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidTokenCountError, InvalidTokenIdsError, SwapStateError, UnknownSequenceError
 from . import prefix
-from .util import NO_COPIES, NO_ROWS, pairs
+from .util import NO_ROWS, pairs
 
 
 class StepResult(NamedTuple):

@@ -252,7 +252,7 @@ class BlockTables(SwapTables):
         self._check_capacity(rows, old + step, new_nb)
         tail_rows, tail_cols, tail_src = self._shared_tails(rows, old, old_nb, step)
         need = new_nb - old_nb
-        ids = self.allocator.allocate(int(need.sum()) + tail_src.size)  # the last step that can fail
+        ids = self.allocator.allocate(int(need.sum()) + tail_src.size)
         copies = self._copy_on_write(tail_rows, tail_cols, tail_src, ids[:tail_src.size])
         self._place_new_blocks(rows, old_nb, need, ids[tail_src.size:], step)
         slots = self._slots(rows, old, step)
@@ -508,7 +508,8 @@ class BlockTables(SwapTables):
         """What changed since the last drain, and an empty log: a :class:`Changes`, or None if nothing did.
 
         The step module drains it to bring the device's copies of the table and the
-        lengths up to date; nothing else reads the log.
+        lengths up to date; nothing else reads the log. Inside a transaction that fails
+        the drained entries are logged again (the upload may not have happened).
         """
         if not (self._changed_entries or self._changed_lens):
             return None
@@ -518,10 +519,15 @@ class BlockTables(SwapTables):
         else:
             entries = np.concatenate([r * width + c for r, c in logged]) if logged else NO_ROWS
         rows = joined(self._changed_lens)
+        self.tx.undo(partial(self._relog, entries, rows))
         self._changed_entries.clear()
         self._changed_lens.clear()
         return Changes(entries, self.table.ravel()[entries], rows, self.lens[rows])
 
+    def _relog(self, entries, rows):
+        """Log flat table ``entries`` and length ``rows`` as changed again."""
+        self._changed_entries.append((entries // self.max_blocks_per_seq, entries % self.max_blocks_per_seq))
+        self._changed_lens.append(rows)
 
 
 class Changes(NamedTuple):
