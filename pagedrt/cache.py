@@ -79,21 +79,28 @@ def _exclusive(method):
 
     A second thread that calls in meanwhile gets ConcurrentUseError at once, before it
     reads or changes anything: misuse is a named error, never two tables sharing a block.
+    The lock is taken as the first statement inside ``try`` and released only if taken.
+    It is reentrant (an ``RLock``), so an interrupt that still lands between taking and
+    releasing it (at the ``finally`` line) cannot lock out the thread that was using the
+    cache; other threads are refused, as while a call runs.
     """
     name = method.__name__
 
     @functools.wraps(method)
     def exclusive(self, *args, **kwargs):
-        if not self._lock.acquire(False):
-            raise ConcurrentUseError(
-                f"cache.{name}() was called while another thread was inside this cache: a PagedKVCache is not "
-                f"thread-safe; call it from one thread, or hold a lock of your own around every call")
+        locked = False
         try:
+            locked = self._lock.acquire(False)
+            if not locked:
+                raise ConcurrentUseError(
+                    f"cache.{name}() was called while another thread was inside this cache: a PagedKVCache is not "
+                    f"thread-safe; call it from one thread, or hold a lock of your own around every call")
             if self.pool.closed:  # the cache's close() closes the pool
                 raise PoolClosedError(f"cache.{name}(): this cache was closed; make a new one")
             return method(self, *args, **kwargs)
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
     return exclusive
 
 
@@ -241,7 +248,7 @@ class PagedKVCache(PlaneViews):
         if max_step_tokens is None:
             max_step_tokens = max_seq_len + max_seqs
         max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, spec.block_size))
         growth = _growth_keywords(growth, self.layout.blocks_per_chunk)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
@@ -327,11 +334,14 @@ class PagedKVCache(PlaneViews):
         tokens and the children's handles. All or nothing: a step that cannot be satisfied
         (an unknown, finished or repeated sequence, ids of the wrong length, more tokens than
         ``max_step_tokens`` or than the cache holds, a swap-out the host tier cannot hold)
-        raises a named error and changes nothing.
+        raises a named error and changes nothing; so does any exception raised inside it,
+        ``KeyboardInterrupt`` included (docs/ARCHITECTURE.md, "All or nothing"). ``None``
+        for any list means none; ``frees`` may be one handle, as :meth:`free` takes.
         """
-        result = self.tables.step(seqs, counts, token_ids, list(arrivals), arrival_tokens, forks, frees,
-                                  self.metadata.max_step_tokens, swap_out, swap_in)
-        step = self.metadata.build(result)
+        t = self.tables
+        step = t.tx.run(lambda: self.metadata.build(t.step(seqs, counts, token_ids, arrivals, arrival_tokens, forks,
+                                                           frees, self.metadata.max_step_tokens, swap_out,
+                                                           swap_in)), moves=True)
         if self.growth is not None:  # for the next step: chunks mapped meanwhile adopted, more asked for
             self.growth.tick()
         return step
@@ -409,10 +419,11 @@ class PagedKVCache(PlaneViews):
         """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable,
         evictions; with a host tier, offloaded (cached blocks in it now), offloads, reloads and host_evictions
         (offloaded blocks dropped)."""
-        a = self.allocator
-        return {**a.index.stats(), "evictable": len(a.evictable), "evictions": a.evictions,
-                "offloaded": len(a.host_evictable), "offloads": a.offloads, "reloads": a.reloads,
-                "host_evictions": a.host_evictions}
+        a, st = self.allocator, self.allocator.stats
+        return {"lookups": st.lookups, "hit_blocks": st.hit_blocks, "hit_tokens": st.hit_tokens,
+                "queried_tokens": st.queried_tokens, "cached_blocks": len(a.index), "evictable": len(a.evictable),
+                "evictions": st.evictions, "offloaded": len(a.host_evictable), "offloads": st.offloads,
+                "reloads": st.reloads, "host_evictions": st.host_evictions}
 
     @_exclusive
     def trim(self):
@@ -446,13 +457,13 @@ class PagedKVCache(PlaneViews):
 
         Consecutive handles give a view of the table (no copy); others a gathered copy.
         """
-        self.metadata.upload()
+        self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
         return self._select(self.metadata.block_table, seqs)
 
     @_exclusive
     def seq_lens(self, seqs=None):
         """The device lengths (int32), all rows or those of ``seqs`` in order."""
-        self.metadata.upload()
+        self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
         return self._select(self.metadata.seq_lens, seqs)
 
     def _select(self, array, seqs):
@@ -533,16 +544,19 @@ class PagedKVCache(PlaneViews):
     def close(self):
         """Stop growth (its worker), then unmap and release the pool; idempotent. Every later call raises
         PoolClosedError."""
-        if not self._lock.acquire(False):
-            raise ConcurrentUseError("cache.close() was called while another thread was inside this cache")
+        locked = False
         try:
+            locked = self._lock.acquire(False)
+            if not locked:
+                raise ConcurrentUseError("cache.close() was called while another thread was inside this cache")
             if self.growth is not None:
                 self.growth.close()
             self._planes.clear()
             self._mask = None
             self.pool.close()
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def __enter__(self):
         return self

@@ -21,6 +21,12 @@ The policy, applied by :meth:`Growth.tick` once per step:
   stops at the high watermark and mapping starts under the low one, a chunk is
   never mapped and released in turn. A chunk holding a cached-free block is not
   all free, so it stays.
+- **Idle means untouched.** The allocator marks every chunk that allocate, free,
+  transfer or eviction touches (``allocator.touched``, the building-block calls
+  included); a tick counts a touched chunk's idle ticks from zero again and clears
+  the marks. So a chunk whose blocks this very step freed (its swap-out's or
+  offload's sources, which the caller still copies from) is never released in the
+  same tick, whatever ``release_after``.
 
 **The worker's contract.** The worker makes backend calls only
 (:meth:`Pool.prepare <pagedrt.memory.Pool.prepare>` on places the caller's thread
@@ -50,7 +56,7 @@ import weakref
 
 import numpy as np
 
-from .blocks import ceil_div
+from .blocks.util import ceil_div
 from .errors import PoolClosedError, UnsupportedConfigError
 
 
@@ -101,7 +107,7 @@ class Growth:
     def stats(self):
         """The counters (see the module docstring) as a dict."""
         return {"chunks_ahead": self.chunks_ahead, "chunks_released": self.chunks_released,
-                "sync_grows": self.allocator.sync_grows, "waits": self.waits, "failures": self.failures,
+                "sync_grows": self.allocator.stats.sync_grows, "waits": self.waits, "failures": self.failures,
                 "in_flight": self.in_flight}
 
     def tick(self):
@@ -116,7 +122,8 @@ class Growth:
             self._collect(block=False)
         a = self.allocator
         empty = a.free_in_chunk[:a.device_chunks] == a.blocks_per_chunk  # all free (only mapped chunks hold free ones)
-        np.multiply(self._idle + 1, empty, out=self._idle)
+        np.multiply(self._idle + 1, empty & ~a.touched[:a.device_chunks], out=self._idle)
+        a.touched[:] = False
         spare = self.spare_blocks
         if spare < self.low_blocks:
             if self._paused != a.version:
@@ -165,8 +172,9 @@ class Growth:
         """One request's outcome, on the caller's thread: its chunks become free blocks, or its places go back."""
         self.allocator.in_flight[chunks] = False
         if error is None:
+            fresh = self.pool.never_mapped(prepared.chunks)  # a step that fails after adopting them forgets them
             self.pool.commit(prepared)
-            self.allocator.adopt(chunks)
+            self.allocator.adopt(chunks, fresh)
             self.chunks_ahead += len(chunks)
         else:
             self.pool.discard(prepared)

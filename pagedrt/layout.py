@@ -26,7 +26,7 @@ from typing import Any, Collection, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .blocks import ceil_div
+from .blocks.util import ceil_div
 from .errors import InvalidPositionError, UnsupportedConfigError
 from .spec import KVSpec
 

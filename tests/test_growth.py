@@ -210,11 +210,11 @@ def test_release_after_idle_ticks_and_only_above_the_high_watermark(background):
         g.tick()
         settle(g)
         assert mapped(cache) == list(range(8))
-        cache.free(seq)  # 32 free blocks, 8 chunks all free
-        for _ in range(2):
+        cache.free(seq)  # 32 free blocks, 8 chunks all free; the free touched chunks 0-5 (6 and 7 are idle already)
+        for _ in range(3):
             g.tick()
-            assert mapped(cache) == list(range(8))  # not idle long enough
-        g.tick()  # the third idle tick: down to the high watermark, the highest chunks first
+            assert mapped(cache)[:6] == list(range(6))  # not idle long enough: touched at the first of these ticks
+        g.tick()  # the third idle tick after the free's: down to the high watermark, the highest chunks first
         assert mapped(cache) == [0, 1] and g.spare_blocks == g.high_blocks and g.chunks_released == 6
         for _ in range(5):
             g.tick()
@@ -228,15 +228,15 @@ def test_a_chunk_busy_at_a_tick_counts_its_idle_ticks_again():
         a, b, c = (cache.add_sequence() for _ in range(3))
         cache.append(a, 3 * BPC * BS)  # chunks 0..2
         cache.append(b, 1)  # chunk 3, which stays in use
-        cache.free(a)
-        g.tick(), g.tick()
+        cache.free(a)  # touches chunks 0..2: the tick after counts their idle ticks from zero
+        g.tick(), g.tick(), g.tick()
         cache.append(c, BPC * BS)  # the rest of chunk 3, and one block of chunk 0
         assert sorted(set(cache.tables.blocks(c) // BPC)) == [0, 3]
-        g.tick()  # chunks 1 and 2 have been all free for three ticks
+        g.tick()  # chunks 1 and 2 have been all free and untouched for three ticks
         assert mapped(cache) == [0, 3]
         cache.free(c)
-        g.tick(), g.tick()
-        assert mapped(cache) == [0, 3]  # chunk 0 has been all free for two ticks only
+        g.tick(), g.tick(), g.tick()
+        assert mapped(cache) == [0, 3]  # chunk 0 has been all free and untouched for two ticks only
         g.tick()
         assert mapped(cache) == [3]
 

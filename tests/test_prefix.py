@@ -4,7 +4,7 @@ bad token ids change nothing, and the views show cached blocks."""
 import numpy as np
 import pytest
 
-from pagedrt import prefix
+from pagedrt.blocks import prefix
 from pagedrt.errors import InvalidTokenIdsError, PoolExhaustedError
 from pagedrt.render import pool_map
 from test_cache import BS, check_allocator, frozen, small_cache

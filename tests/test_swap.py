@@ -286,7 +286,7 @@ def test_bad_swaps_are_named_errors_and_change_nothing():
         before = frozen(cache)
         cases = [
             (HostTierExhaustedError, "asked for 11 host-tier blocks", lambda: cache.swap_out([a, b])),
-            (HostTierExhaustedError, "the host tier would have 7", lambda: cache.step(swap_out=[a, b])),
+            (HostTierExhaustedError, "asked for 11 host-tier blocks", lambda: cache.step(swap_out=[a, b])),
             (SwapStateError, "already swapped out", lambda: cache.swap_out([c])),
             (SwapStateError, "not swapped out", lambda: cache.swap_in([a])),
             (SwapStateError, "not swapped out", lambda: cache.step(swap_in=[a])),

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedrt.blocks import ceil_div
+from pagedrt.blocks.util import ceil_div
 from pagedrt.cache import PagedKVCache
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from ..errors import UnsupportedConfigError
+from ..supported import FP8
 
 PEERS = Path(__file__).with_name("peers.json")
 OURS = "#1565c0"
@@ -59,7 +60,7 @@ def _bars(ax, cases, series, colours):
 def decode(rec, fig):
     """% of the run's streaming ceiling per case, beside the peers' % of theirs (4.53 TB/s)."""
     rows = rec["rows"]
-    fp8 = any(r.get("kv_dtype") == "float8_e4m3" for r in rows)
+    fp8 = any(r.get("kv_dtype") == FP8 for r in rows)
     cases = [r["case"] for r in rows]
     ours = {r["case"]: r["pct_stream"] for r in rows}
     p = peers()

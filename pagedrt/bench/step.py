@@ -88,7 +88,7 @@ def run(batch, steps, backend, placement, kind, mode, chunk=MAX_PROMPT, gap_us=0
 
 def _stalls(cache):
     """Times an allocation mapped chunks itself or waited for chunks in flight."""
-    return cache.allocator.sync_grows + (cache.growth.waits if cache.growth is not None else 0)
+    return cache.allocator.stats.sync_grows + (cache.growth.waits if cache.growth is not None else 0)
 
 
 def _forward(cache, us):

@@ -333,6 +333,21 @@ class Pool:
         finally:
             self._version += 1
 
+    def never_mapped(self, chunks):
+        """Those of ``chunks`` never mapped (nor released) so far."""
+        return [c for c in chunks if c not in self._location]
+
+    def unmap(self, chunks, forget):
+        """Undo a map of ``chunks`` (a failed step's): release those mapped now, and forget that ``forget`` (of
+        them, never mapped before it) ever were, so that :meth:`mappings` is as before the map."""
+        self._check_open()
+        mapped = [c for c in chunks if c in self._handles]
+        if mapped:
+            self.release(mapped)
+        self._released.difference_update(forget)
+        for c in forget:
+            self._location.pop(c, None)
+
     def _map(self, chunks, location=DEVICE):
         """Claim, prepare and commit ``chunks`` on this thread; on failure undo exactly what was done."""
         prepared = self.claim(chunks, location)

@@ -1,4 +1,4 @@
-"""The prefix cache's index (software layer): full blocks named by a hash chained over their token ids.
+"""The prefix cache: full blocks named by a hash chained over their token ids, and the cached-free LRU.
 
 Block ``i`` of a sequence is named ``h_i = H(h_{i-1}, tokens of block i)`` (``H`` is
 an 8-byte BLAKE2b over the parent's 8 bytes and the block's int32 token ids, so a
@@ -10,16 +10,20 @@ two prefixes whose names collide never share a block.
 
 Blocks named here are *cached*. A cached block that no sequence holds (reference
 count 0) is *cached-free*: it keeps its data and name until the allocator needs
-the block (:meth:`pagedrt.blocks.BlockAllocator.allocate` evicts such blocks least
-recently freed first). The allocator owns the least-recently-used order; this
-module only names blocks.
+the block. :class:`CachedFree` keeps them in least-recently-used order (an
+``OrderedDict`` keyed by block id: O(1) to add, remove or take the oldest), one per
+tier; the eviction rule is :meth:`CachedFree.take_oldest`: the allocator evicts the
+least recently freed first (:meth:`pagedrt.blocks.BlockAllocator.allocate`). Every
+change here is journaled (:mod:`pagedrt.blocks.transaction`).
 """
 
 import hashlib
+from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 
-from .errors import InvalidTokenIdsError
+from ..errors import InvalidTokenIdsError
 
 ROOT = 0                # the parent name of a sequence's first block
 MAX_TOKEN_ID = 1 << 31  # token ids are int32 >= 0
@@ -54,12 +58,12 @@ def check_token_ids(token_ids, length, what):
 class PrefixIndex:
     """Names of cached blocks: name -> block id, block id -> name, and each cached block's token ids."""
 
-    def __init__(self, max_blocks):
+    def __init__(self, max_blocks, tx):
+        self.tx = tx                               # the journal (pagedrt.blocks.transaction)
         self.block_of = {}                         # name -> block id
         self.name = np.zeros(max_blocks, np.uint64)
         self.cached = np.zeros(max_blocks, bool)   # per block: named here
         self.tokens = {}                           # block id -> its int32 token ids
-        self.lookups = self.hit_blocks = self.hit_tokens = self.queried_tokens = 0
 
     def __len__(self):
         return len(self.block_of)
@@ -68,25 +72,40 @@ class PrefixIndex:
         """Name a full ``block``; a name already taken keeps its first block (that block stays unnamed)."""
         if name in self.block_of or self.cached[block]:
             return
-        self.block_of[name] = block
-        self.name[block] = name
-        self.cached[block] = True
-        self.tokens[block] = tokens.copy()
+        self.tx.undo(partial(self._unname, block, name))
+        self._name(block, name, tokens.copy())
 
     def forget(self, block):
         """Drop ``block``'s name (it is being evicted)."""
-        del self.block_of[int(self.name[block])]
-        del self.tokens[block]
-        self.cached[block] = False
-        self.name[block] = 0
+        name = int(self.name[block])
+        self.tx.undo(partial(self._name, block, name, self.tokens[block]))
+        self._unname(block, name)
 
     def move(self, src, dst):
         """Give ``src``'s name and token ids to ``dst`` (its copy in the other tier); ``src`` is unnamed after."""
-        name = int(self.name[src])
-        self.block_of[name] = dst
-        self.name[dst], self.cached[dst] = name, True
-        self.tokens[dst] = self.tokens.pop(src)
-        self.cached[src], self.name[src] = False, 0
+        name, tokens = int(self.name[src]), self.tokens[src]
+        self.tx.undo(partial(self._moved_back, src, dst, name, tokens))
+        self._moved_back(dst, src, name, tokens)
+
+    # Each of these leaves the index consistent from whatever point the one it undoes was cut short at.
+
+    def _name(self, block, name, tokens):
+        self.block_of[name] = block
+        self.tokens[block] = tokens
+        self.name[block], self.cached[block] = name, True
+
+    def _unname(self, block, name):
+        if self.block_of.get(name) == block:
+            del self.block_of[name]
+        self.tokens.pop(block, None)
+        self.cached[block], self.name[block] = False, 0
+
+    def _moved_back(self, src, dst, name, tokens):
+        """``name`` (with ``tokens``) on ``src``, ``dst`` unnamed: undoes a move from ``src`` to ``dst`` (a copy
+        that had no name of its own)."""
+        self.tokens.pop(dst, None)
+        self.cached[dst], self.name[dst] = False, 0
+        self._name(src, name, tokens)
 
     def match(self, prompt, block_size, most):
         """(block ids, last name): the longest chain of cached blocks equal to ``prompt``'s first ``most`` blocks."""
@@ -101,6 +120,44 @@ class PrefixIndex:
             parent = name
         return np.array(found, np.int32), parent
 
-    def stats(self):
-        return {"lookups": self.lookups, "hit_blocks": self.hit_blocks, "hit_tokens": self.hit_tokens,
-                "queried_tokens": self.queried_tokens, "cached_blocks": len(self)}
+
+class CachedFree(OrderedDict):
+    """Cached-free blocks of one tier (named, held by none), least recently used first; changes journaled."""
+
+    def __init__(self, tx):
+        super().__init__()
+        self.tx = tx
+
+    def push(self, blocks):
+        """Add ``blocks`` (none of them here), the last the most recent."""
+        self.tx.undo(partial(self._drop, blocks))
+        for block in blocks:
+            self[block] = None
+
+    def take_oldest(self, n):
+        """Remove and return the ``n`` least recently used blocks, oldest first: the eviction rule."""
+        taken = []
+        self.tx.undo(partial(self._put_back, taken))
+        for _ in range(n):
+            taken.append(self.popitem(last=False)[0])
+        return taken
+
+    def remove(self, blocks):
+        """Remove ``blocks`` (each here) wherever they are in the order."""
+        if self.tx.open and blocks:
+            self.tx.undo(partial(self._restore, list(self)))  # O(size), once per call: only prefix hits remove
+        for block in blocks:
+            del self[block]
+
+    def _drop(self, blocks):
+        for block in blocks:
+            self.pop(block, None)
+
+    def _put_back(self, taken):
+        for block in reversed(taken):
+            self[block] = None
+            self.move_to_end(block, last=False)
+
+    def _restore(self, order):
+        self.clear()
+        self.update(dict.fromkeys(order))
