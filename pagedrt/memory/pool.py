@@ -56,7 +56,7 @@ confuses an old pool's view with new memory.
 import os
 import threading
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -104,7 +104,9 @@ class ChunkRecord:
                         # and on the host backend
 
     def as_dict(self):
-        return asdict(self)
+        """The record as a dict (its fields are ints, strings, None and a tuple of ints: nothing to copy deeply,
+        so not ``dataclasses.asdict``, which a snapshot of many chunks would wait on)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Prepared:
@@ -116,7 +118,7 @@ class Prepared:
     the pool adopts them when the claim is discarded, as a failed ``map`` does.
     """
 
-    __slots__ = ("chunks", "location", "handles", "stuck", "state")
+    __slots__ = ("chunks", "location", "handles", "stuck", "state", "before")
 
     def __init__(self, chunks, location):
         self.chunks = chunks  # sorted pool chunk indices
@@ -124,6 +126,7 @@ class Prepared:
         self.handles = {}
         self.stuck = {}
         self.state = CLAIMED
+        self.before = (set(), {})  # the places' released flags and locations when claimed
 
     def __repr__(self):
         return f"Prepared(chunks={self.chunks}, {self.state})"
@@ -334,15 +337,35 @@ class Pool:
             self._version += 1
 
     def _map(self, chunks, location=DEVICE):
-        """Claim, prepare and commit ``chunks`` on this thread; on failure undo exactly what was done."""
-        prepared = self.claim(chunks, location)
+        """Claim, prepare and commit ``chunks`` on this thread. On any exception, an interrupt included, whatever
+        part of the three ran is undone (:meth:`_abandon`) before it propagates."""
+        prepared = Prepared(chunks, location)
         try:
+            self._take(prepared)
             self.prepare(prepared)
+            return self.commit(prepared)
         except BaseException:
-            self.discard(prepared)
+            self._abandon(prepared)
             raise
-        self.commit(prepared)
-        return prepared.chunks
+
+    def _abandon(self, prepared):
+        """Undo any prefix of :meth:`_take`, :meth:`prepare` and :meth:`commit` of ``prepared``: its places given
+        back, the chunks it mapped unmapped and released, the pool's records as before the claim."""
+        with self._claims_lock:
+            ours = [c for c in prepared.chunks if self._claims.get(c) is prepared]
+            taken = bool(ours) or prepared.state == DONE  # committed (DONE) or a claim still
+            for c in ours:
+                del self._claims[c]
+            prepared.state = DONE
+            if self._range.retired or not taken:  # close released its chunks; or it never took a place
+                return
+        for c in prepared.chunks:
+            self._handles.pop(c, None)
+            self._location.pop(c, None)
+        self._released.update(prepared.before[0])
+        self._location.update(prepared.before[1])
+        self._adopt_stuck({**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))},
+                          prepared.location)
 
     # --- mapping in three steps: claim, prepare (any thread), commit or discard ------
 
@@ -354,13 +377,20 @@ class Pool:
         other claims refuse its places. Call it on the thread that owns the pool.
         """
         self._check_open()
+        prepared = Prepared(self._chunk_list(chunks), location)
+        self._take(prepared)
+        return prepared
+
+    def _take(self, prepared):
+        """Check the location, record what the claim's places were (for :meth:`_abandon`), then take them."""
+        chunks, location = prepared.chunks, prepared.location
         if location not in LOCATIONS:
             raise PoolSizeError(f"location {location!r:.40} must be one of {', '.join(LOCATIONS)}")
         if location == HOST and self.chunk_bytes % self._backend.host_page_bytes:
             raise PoolSizeError(f"chunk_bytes={self.chunk_bytes} is not a whole number of host pages "
                                 f"({self._backend.host_page_bytes} bytes): a host chunk cannot be that size")
-        chunks = self._chunk_list(chunks)
-        prepared = Prepared(chunks, location)
+        prepared.before = (self._released.intersection(chunks), {c: self._location[c] for c in chunks
+                                                                  if c in self._location})
         with self._claims_lock:
             for c in chunks:
                 if c in self._handles:
@@ -368,7 +398,6 @@ class Pool:
                 if c in self._claims:
                     raise ChunkStateError(f"chunk {c} is already claimed: it is being mapped")
             self._claims.update((c, prepared) for c in chunks)
-        return prepared
 
     def prepare(self, prepared):
         """Create, map and enable access to a claim's chunks: backend calls only, so any thread may run it.
@@ -378,41 +407,50 @@ class Pool:
         what it did and raises; the claim stays until :meth:`discard`. Refused once the
         pool is closed (:class:`~pagedrt.errors.PoolClosedError`).
         """
-        with self._claims_lock:
-            if self._range.retired:
-                raise PoolClosedError("this pool was closed while chunks were claimed; create a new Pool")
-            self._check_claim(prepared, CLAIMED, "prepare")
-            prepared.state = RUNNING
         b, size = self._backend, self.chunk_bytes
-        created, mapped = {}, []
-        try:
+        created, mapped, started = {}, [], False
+        try:  # the claim goes RUNNING inside: an interrupt anywhere after leaves it READY or FAILED
+            with self._claims_lock:
+                if self._range.retired:
+                    raise PoolClosedError("this pool was closed while chunks were claimed; create a new Pool")
+                self._check_claim(prepared, CLAIMED, "prepare")
+                started = True
+                prepared.state = RUNNING
             for c in prepared.chunks:
                 created[c] = b.create(size, prepared.location)
-            for c in prepared.chunks:
-                b.map(self.base + c * size, size, created[c])
-                mapped.append(c)
+            for c in prepared.chunks:  # one statement maps a chunk and records it: no point in between
+                mapped.append(b.map(self.base + c * size, size, created[c]) or c)
             for first, count in _runs(prepared.chunks):  # one access call per contiguous run
                 b.set_access(self.base + first * size, count * size)
-        except BaseException:
-            stuck = self._undo(created, mapped)
             with self._claims_lock:
-                prepared.stuck, prepared.state = stuck, FAILED
+                prepared.handles, prepared.state = created, READY
                 self._claims_lock.notify_all()
+        except BaseException:
+            if started:
+                self._fail(prepared, created, mapped)
             raise
+
+    def _fail(self, prepared, created, mapped):
+        """A preparation stopped by an exception: a claim still RUNNING is undone and goes FAILED; waiters
+        are woken either way."""
+        stuck = self._undo(created, mapped) if prepared.state == RUNNING else {}  # only this thread changes it
         with self._claims_lock:
-            prepared.handles, prepared.state = created, READY
+            if prepared.state == RUNNING:
+                prepared.stuck, prepared.state = stuck, FAILED
             self._claims_lock.notify_all()
 
     def commit(self, prepared):
-        """Adopt a prepared claim's chunks: mapped from now on, in :meth:`mappings` and :meth:`mapped_mask`."""
+        """Adopt a prepared claim's chunks: mapped from now on, in :meth:`mappings` and :meth:`mapped_mask`.
+        Returns their indices."""
         self._check_open()
         with self._claims_lock:
             self._check_claim(prepared, READY, "commit")
+            self._handles.update(prepared.handles)
+            self._released.difference_update(prepared.chunks)
+            self._location.update((c, prepared.location) for c in prepared.chunks)
+            self._version += 1
             self._unclaim(prepared)
-        self._handles.update(prepared.handles)
-        self._released.difference_update(prepared.chunks)
-        self._location.update((c, prepared.location) for c in prepared.chunks)
-        self._version += 1
+        return prepared.chunks
 
     def discard(self, prepared):
         """Give a claim's places back, unmapping and releasing whatever it mapped. After :meth:`close`
@@ -422,11 +460,15 @@ class Pool:
                 return
             self._check_claim(prepared, (CLAIMED, READY, FAILED), "discard")
             self._unclaim(prepared)
-        stuck = {**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))}
-        if stuck:  # a chunk the backend could not unmap is mapped: the pool keeps it
+        self._adopt_stuck({**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))},
+                          prepared.location)
+
+    def _adopt_stuck(self, stuck, location):
+        """Chunks the backend could not unmap are mapped: the pool keeps them."""
+        if stuck:
             self._handles.update(stuck)
             self._released.difference_update(stuck)
-            self._location.update((c, prepared.location) for c in stuck)
+            self._location.update((c, location) for c in stuck)
             self._version += 1
 
     def _check_claim(self, prepared, states, what):
@@ -437,9 +479,9 @@ class Pool:
             raise ChunkStateError(f"cannot {what} {prepared!r}: it is {prepared.state}")
 
     def _unclaim(self, prepared):
+        prepared.state = DONE  # first: a claim DONE or still held is one taken (_abandon)
         for c in prepared.chunks:
             del self._claims[c]
-        prepared.state = DONE
 
     def _undo(self, created, mapped):
         """Unmap ``mapped`` and release every handle in ``created``; backend calls only. Returns the chunks
