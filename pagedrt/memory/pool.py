@@ -56,11 +56,10 @@ confuses an old pool's view with new memory.
 import os
 import threading
 import weakref
-from dataclasses import dataclass, fields
-
 import numpy as np
 
 from .backends import select_backend
+from .records import ChunkRecord, c_strides, extent, runs
 from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, ReservationExceededError,
                       UnknownChunkError, UnmappedRangeError)
 
@@ -84,29 +83,6 @@ def find_pool(address):
         elif found is None and pool.base <= address < pool.base + pool.max_bytes:
             found = pool
     return found
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """One row of the chunk table, as :meth:`Pool.mappings` returns it."""
-
-    chunk: int          # chunk index: its place in the range, offset // chunk_bytes
-    va_start: int       # first virtual address
-    va_end: int         # one past the last virtual address
-    offset: int         # bytes from the pool's base
-    size: int           # bytes
-    handle: int | None  # CUDA allocation handle, or the host memfd's inode; None once released
-    state: str          # "mapped" or "released"
-    access: str         # "rw" while mapped, "none" once released
-    location: str       # "device" or "host": where its memory lives (lived, once released)
-    location_id: int | None  # the device ordinal or host NUMA node (CUDA); None on the host backend
-    devices: tuple      # the GPUs that may read and write it (CUDA: its pool's and those granted); () once released
-                        # and on the host backend
-
-    def as_dict(self):
-        """The record as a dict (its fields are ints, strings, None and a tuple of ints: nothing to copy deeply,
-        so not ``dataclasses.asdict``, which a snapshot of many chunks would wait on)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Prepared:
@@ -274,7 +250,7 @@ class Pool:
                 mapped.update(prepared.handles, prepared.stuck)
             size = self.chunk_bytes
             self._backend.grant_access(device, [(self.base + first * size, count * size)
-                                                for first, count in _runs(sorted(mapped))])
+                                                for first, count in runs(sorted(mapped))])
 
     def export_chunks(self, chunks):
         """A new POSIX file descriptor for each of the given mapped device chunks, by chunk index: what another
@@ -420,7 +396,7 @@ class Pool:
                 created[c] = b.create(size, prepared.location)
             for c in prepared.chunks:  # one statement maps a chunk and records it: no point in between
                 mapped.append(b.map(self.base + c * size, size, created[c]) or c)
-            for first, count in _runs(prepared.chunks):  # one access call per contiguous run
+            for first, count in runs(prepared.chunks):  # one access call per contiguous run
                 b.set_access(self.base + first * size, count * size)
             with self._claims_lock:
                 prepared.handles, prepared.state = created, READY
@@ -539,8 +515,8 @@ class Pool:
         self._check_open()
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
-        strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
-        lo, hi = _extent(offset, shape, strides, dtype.itemsize)
+        strides = c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
+        lo, hi = extent(offset, shape, strides, dtype.itemsize)
         if lo < 0 or hi > self.max_bytes:
             raise UnmappedRangeError(
                 f"view bytes [{lo}, {hi}) fall outside the reservation [0, {self.max_bytes})")
@@ -625,30 +601,3 @@ class _Range:
         self.backend.free(self.base, self.size)
         self.backend.close()
 
-
-def _runs(sorted_chunks):
-    """(first, count) for each run of consecutive indices."""
-    runs = []
-    for c in sorted_chunks:
-        if runs and runs[-1][0] + runs[-1][1] == c:
-            runs[-1][1] += 1
-        else:
-            runs.append([c, 1])
-    return [tuple(r) for r in runs]
-
-
-def _c_strides(shape, itemsize):
-    strides, step = [], itemsize
-    for s in reversed(shape):
-        strides.append(step)
-        step *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _extent(offset, shape, strides, itemsize):
-    """[lo, hi) byte range an array of this layout touches."""
-    if any(s == 0 for s in shape):
-        return offset, offset
-    lo = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st < 0)
-    hi = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st > 0) + itemsize
-    return lo, hi
