@@ -47,11 +47,12 @@ def run_step(cache, model, p):
 
 
 def plan(seqs=(), counts=1, arrivals=(), arrival_tokens=None, forks=(), frees=(), swap_out=(), swap_in=(),
-         ids=None):
+         with_ids=True):
+    """The keywords of ``cache.step()``; the new tokens' ids 0, 1, 2, ... (``with_ids``) or none given."""
     seqs = list(seqs)
     counts = [counts] * len(seqs) if isinstance(counts, int) else list(counts)
-    ids = np.arange(sum(counts)) % 50 if ids is None else ids
-    return dict(seqs=seqs, counts=counts, token_ids=np.asarray(ids, np.int64), arrivals=[list(a) for a in arrivals],
+    ids = np.arange(sum(counts), dtype=np.int64) % 50 if with_ids else None
+    return dict(seqs=seqs, counts=counts, token_ids=ids, arrivals=[list(a) for a in arrivals],
                 arrival_tokens=arrival_tokens, forks=list(forks), frees=list(frees), swap_out=list(swap_out),
                 swap_in=list(swap_in))
 
@@ -297,6 +298,16 @@ def test_swap_out_and_in_of_sequences_sharing_blocks_is_all_or_nothing():
     still_usable(cache, model)
 
 
+def append(cache, model, seq, n):
+    """``cache.append(seq, n)`` (the building block, which does not tick growth), its K/V written."""
+    slots, copies = cache.append(seq, n, token_ids=np.arange(n) % 50)
+    kernels.copy_blocks(cache.planes, copies)
+    start = len(model.tokens[seq])
+    model.tokens[seq] += (np.arange(n) % 50).tolist()
+    k, v = soak.expected_kv(model.tokens[seq], start, start + n)
+    kernels.write_kv(k, v, cache.k(0), cache.v(0), np.ascontiguousarray(slots, np.int64))
+
+
 @pytest.mark.parametrize("case", ["release_after_1", "append_after_70_idle_ticks"])
 def test_growth_never_releases_the_chunk_a_steps_own_swap_out_reads(case):
     """repro_growth_releases_swap_source.py: growth's tick at the end of the step released the swap's source."""
@@ -306,16 +317,24 @@ def test_growth_never_releases_the_chunk_a_steps_own_swap_out_reads(case):
                          host_tokens=8 * BS, growth=growth)
     model = soak.Model()
     if case == "release_after_1":
-        model, st, _ = run_step(cache, model, plan(arrivals=[range(16), range(100, 108)]))
-        a = int(st.arrived[0])
+        a, f = cache.add_sequence(), cache.add_sequence()
+        model.tokens.update({a: [], f: []})
+        model, _, _ = run_step(cache, model, plan([a], 2 * BS, with_ids=False))  # a: blocks 0-1 (chunk 0)
+        model, _, _ = run_step(cache, model, plan([f], BS, with_ids=False))      # f: block 2 (chunk 1)
     else:
-        model, st, _ = run_step(cache, model, plan(arrivals=[range(16), range(100, 116)]))
-        f, g = st.arrived.tolist()
-        model, _, _ = run_step(cache, model, plan(frees=[g]))
+        f, g = cache.add_sequence(), cache.add_sequence()
+        model.tokens.update({f: [], g: []})
+        model, _, _ = run_step(cache, model, plan([f], 2 * BS))
+        model, _, _ = run_step(cache, model, plan([g], 2 * BS))
+        model, _, _ = run_step(cache, model, plan(frees=[g]))  # chunk 1 empty...
         for _ in range(70):
-            model, _, _ = run_step(cache, model, plan())
-        model, st, _ = run_step(cache, model, plan(arrivals=[range(200, 216), range(300, 308)]))
-        a = int(st.arrived[0])
+            model, _, _ = run_step(cache, model, plan())  # ...for 70 ticks, kept mapped (spare blocks are low)
+        a = cache.add_sequence()
+        model.tokens[a] = []
+        append(cache, model, a, 2 * BS)  # a takes chunk 1's blocks; no tick
+        h = cache.add_sequence()
+        model.tokens[h] = []
+        append(cache, model, h, BS)  # another chunk mapped, one spare block
     model, _, _ = run_step(cache, model, plan(swap_out=[a]))  # its copies must be possible, and made
     soak.check_state(cache.snapshot(), model)
     soak.check_kv(cache, model)
@@ -328,7 +347,7 @@ def chunk_mappings():
         return sum("pagedrt-chunk" in line for line in f)
 
 
-@pytest.mark.parametrize("growth", [None, dict(background=False)])  # a worker may hold a pool while it maps
+@pytest.mark.parametrize("growth", [None, dict(background=False), dict(background=True)])
 def test_caches_dropped_without_close_release_their_mappings_at_once(growth):
     """Issue 35, 5: a dropped cache is reclaimed when its last reference goes, not by the cycle collector."""
     import gc
@@ -342,6 +361,9 @@ def test_caches_dropped_without_close_release_their_mappings_at_once(growth):
             base = cache.pool.base
             assert chunk_mappings() > start
             del cache
+            for worker in [t for t in threading.enumerate() if t.name == "pagedrt-growth"]:
+                worker.join(60)  # it ends once the growth is gone, dropping the pool it was mapping for
+                assert not worker.is_alive(), f"cache {i}: its growth's worker outlived it"
             assert find_pool(base) is None, f"cache {i}: its pool outlived the last reference"
             assert chunk_mappings() == start, f"cache {i}: its chunks are still mapped"
     finally:

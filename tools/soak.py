@@ -117,7 +117,8 @@ def plan(rng, model, docs):
         if len(model.tokens[s]) + len(new) > 12 * BS:
             continue
         seqs.append(s), counts.append(len(new)), ids.extend(new)
-    return dict(seqs=seqs, counts=counts, token_ids=np.array(ids, np.int64), arrivals=arrivals,
+    ids = None if rng.random() < 0.15 else np.array(ids, np.int64)  # without ids: nothing to cache
+    return dict(seqs=seqs, counts=counts, token_ids=ids, arrivals=arrivals,
                 arrival_tokens=chunk, forks=forks, frees=frees, swap_out=swap_out, swap_in=swap_in)
 
 
@@ -130,7 +131,8 @@ def apply(model, p, st):
     for parent, child in zip(p["forks"], st.forked.tolist()):
         m.tokens[child] = list(model.tokens[parent])
     m.swapped = (m.swapped | set(p["swap_out"])) - set(p["swap_in"])
-    rows, ids = [], p["token_ids"].tolist()
+    rows = []
+    ids = [0] * sum(p["counts"]) if p["token_ids"] is None else p["token_ids"].tolist()
     for s, n in zip(p["seqs"], p["counts"]):
         rows.append((s, len(m.tokens[s])))
         m.tokens[s] += ids[:n]
