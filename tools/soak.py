@@ -107,7 +107,7 @@ def plan(rng, model, docs):
         doc = docs[rng.integers(len(docs))]
         cut = int(rng.integers(1, len(doc) + 1))
         arrivals.append(doc[:cut] + rng.integers(0, 50, rng.integers(0, 2 * BS)).tolist())
-    chunk = None if rng.random() < 0.5 else int(rng.integers(1, 3 * BS))
+    chunk = None if not arrivals or rng.random() < 0.5 else int(rng.integers(1, 3 * BS))
     seqs, counts, ids = [], [], []
     for s in sorted(set(resident) - set(swap_out) | set(swap_in)):
         if rng.random() < 0.2:

@@ -23,7 +23,10 @@ class ChunkRecord:
     def as_dict(self):
         """The record as a dict (its fields are ints, strings, None and a tuple of ints: nothing to copy deeply,
         so not ``dataclasses.asdict``, which a snapshot of many chunks would wait on)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in fields(ChunkRecord))
 
 
 def runs(sorted_chunks):
