@@ -4,7 +4,8 @@ The sweep runs one mixed step once, recording every line pagedrt executes, then 
 the same cache, raises KeyboardInterrupt there (``sys.settrace``, at a bytecode boundary as a signal handler
 would) and asserts that the interrupt came out, that the step either completed or left the snapshot as it was,
 that no block is held twice, and that the cache goes on working (a next step, K/V read back) and closes. Public
-API only, against the independent model of ``tools/soak.py``. Also: random SIGALRM interrupts, the reproducers
+API only, against the independent model of ``tools/soak.py``. Every file of ``pagedrt/`` is swept, the backends'
+included (``memory/host.py``: an interrupt there must be undone by the pool like any other failure). Also: random SIGALRM interrupts, the reproducers
 of ``/work/shared/repro/`` (issue 35), and caches dropped without ``close()``.
 """
 
