@@ -33,6 +33,8 @@ from pagedrt import PagedKVCache, kernels  # noqa: E402
 from pagedrt.errors import HostTierExhaustedError, PagedRTError, PoolExhaustedError  # noqa: E402
 
 BS, HEAD_DIM, MAX_SEQS = 8, 64, 16
+MAX_SEQ_LEN = 12 * BS
+MAX_STEP_TOKENS = MAX_SEQ_LEN + MAX_SEQS  # the cache's default: a step never holds more
 FULL = (PoolExhaustedError, HostTierExhaustedError)  # a step that does not fit: nothing may change
 CONFIGS = {  # name -> cache keywords: device blocks, host blocks, chunk blocks, growth
     "tight": dict(device=24, host=16, chunk=4, growth=None),
@@ -50,7 +52,7 @@ def make_cache(config):
     """A host cache of one layer, one KV head, ``BS``-token blocks, sized by ``CONFIGS[config]``."""
     c = CONFIGS[config]
     return PagedKVCache(1, 1, HEAD_DIM, BS, "float32", max_tokens=c["device"] * BS, max_seqs=MAX_SEQS,
-                        max_seq_len=12 * BS, chunk_bytes=c["chunk"] * BS * HEAD_DIM * 4, backend="host",
+                        max_seq_len=MAX_SEQ_LEN, chunk_bytes=c["chunk"] * BS * HEAD_DIM * 4, backend="host",
                         host_tokens=c["host"] * BS, growth=c["growth"])
 
 
@@ -108,14 +110,16 @@ def plan(rng, model, docs):
         cut = int(rng.integers(1, len(doc) + 1))
         arrivals.append(doc[:cut] + rng.integers(0, 50, rng.integers(0, 2 * BS)).tolist())
     chunk = None if not arrivals or rng.random() < 0.5 else int(rng.integers(1, 3 * BS))
+    budget = MAX_STEP_TOKENS - sum(len(a) if chunk is None else min(chunk, len(a)) for a in arrivals)
     seqs, counts, ids = [], [], []
     for s in sorted(set(resident) - set(swap_out) | set(swap_in)):
         if rng.random() < 0.2:
             continue
         rest = model.rest.get(s)
         new = rest[:int(rng.integers(1, 2 * BS))] if rest else rng.integers(0, 50, rng.integers(1, 3)).tolist()
-        if len(model.tokens[s]) + len(new) > 12 * BS:
+        if len(model.tokens[s]) + len(new) > MAX_SEQ_LEN or len(new) > budget:
             continue
+        budget -= len(new)
         seqs.append(s), counts.append(len(new)), ids.extend(new)
     ids = None if rng.random() < 0.15 else np.array(ids, np.int64)  # without ids: nothing to cache
     return dict(seqs=seqs, counts=counts, token_ids=ids, arrivals=arrivals,
@@ -242,6 +246,8 @@ class Soak:
                 raise Broken("a step that raised changed the snapshot") from None
             self.relieve()
             return
+        except PagedRTError as exc:  # the plan is valid by construction: any other refusal is a bug
+            raise Broken(f"a valid step raised {type(exc).__name__}: {exc}") from None
         self.model, rows = apply(self.model, p, st)
         try:
             write(self.cache, self.model, st, rows)
