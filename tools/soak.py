@@ -156,8 +156,10 @@ def apply(model, p, st):
 
 def write(cache, model, st, rows):
     """The step's copies in order, then every new token's K/V from the model."""
-    kernels.swap_blocks(cache.planes, st.swaps)
-    kernels.copy_blocks(cache.planes, st.copies)
+    if len(st.swaps):  # each is a no-op for none, after its checks
+        kernels.swap_blocks(cache.planes, st.swaps)
+    if len(st.copies):
+        kernels.copy_blocks(cache.planes, st.copies)
     if not st.num_tokens:
         return
     ks, vs = zip(*(expected_kv(model.tokens[s], start, len(model.tokens[s])) for s, start in rows))
