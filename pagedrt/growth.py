@@ -91,7 +91,7 @@ class Growth:
         self._worker = None
         self._stop = weakref.finalize(self, self._todo.put, None)  # the worker ends when this object goes
         self._closed = False
-        allocator.wait_in_flight = self._wait
+        allocator.wait_in_flight = _weak_wait(self)
 
     @property
     def in_flight(self):
@@ -209,6 +209,19 @@ class Growth:
     def __repr__(self):
         return (f"Growth(low_blocks={self.low_blocks}, high_blocks={self.high_blocks}, "
                 f"release_after={self.release_after}, background={self.background}, {self.stats()})")
+
+
+def _weak_wait(growth):
+    """``growth._wait`` through a weak reference: the allocator must not hold its Growth, or a cache dropped
+    without ``close()`` would be a cycle (allocator, growth) that keeps the pool's mappings until the cycle
+    collector runs."""
+    method = weakref.WeakMethod(growth._wait)
+
+    def wait():
+        wait_now = method()
+        if wait_now is not None:  # a Growth collected has no request left to wait for
+            wait_now()
+    return wait
 
 
 def _prepare(pool, prepared):

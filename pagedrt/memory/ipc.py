@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .backends import select_backend
-from .pool import _c_strides, _extent
+from .records import c_strides, extent
 from ..errors import ChunkStateError, PoolClosedError, PoolSizeError, UnmappedRangeError
 
 MAX_CHUNKS = 253  # descriptors in one message: Linux's SCM_MAX_FD
@@ -180,8 +180,8 @@ class ImportedChunks:
             raise PoolClosedError("these imported chunks were closed; receive them again")
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
-        strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
-        lo, hi = _extent(offset, shape, strides, dtype.itemsize)
+        strides = c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
+        lo, hi = extent(offset, shape, strides, dtype.itemsize)
         if lo < 0 or hi > self.size:
             raise UnmappedRangeError(f"view bytes [{lo}, {hi}) fall outside the imported chunks [0, {self.size})")
         return self._backend.array(self.base, self.size, offset, shape, dtype, strides, self)

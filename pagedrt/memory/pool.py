@@ -56,11 +56,10 @@ confuses an old pool's view with new memory.
 import os
 import threading
 import weakref
-from dataclasses import asdict, dataclass
-
 import numpy as np
 
 from .backends import select_backend
+from .records import ChunkRecord, c_strides, extent, runs
 from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, ReservationExceededError,
                       UnknownChunkError, UnmappedRangeError)
 
@@ -86,27 +85,6 @@ def find_pool(address):
     return found
 
 
-@dataclass(frozen=True)
-class ChunkRecord:
-    """One row of the chunk table, as :meth:`Pool.mappings` returns it."""
-
-    chunk: int          # chunk index: its place in the range, offset // chunk_bytes
-    va_start: int       # first virtual address
-    va_end: int         # one past the last virtual address
-    offset: int         # bytes from the pool's base
-    size: int           # bytes
-    handle: int | None  # CUDA allocation handle, or the host memfd's inode; None once released
-    state: str          # "mapped" or "released"
-    access: str         # "rw" while mapped, "none" once released
-    location: str       # "device" or "host": where its memory lives (lived, once released)
-    location_id: int | None  # the device ordinal or host NUMA node (CUDA); None on the host backend
-    devices: tuple      # the GPUs that may read and write it (CUDA: its pool's and those granted); () once released
-                        # and on the host backend
-
-    def as_dict(self):
-        return asdict(self)
-
-
 class Prepared:
     """Chunk places claimed for mapping apart from the pool's bookkeeping (:meth:`Pool.claim`).
 
@@ -116,7 +94,7 @@ class Prepared:
     the pool adopts them when the claim is discarded, as a failed ``map`` does.
     """
 
-    __slots__ = ("chunks", "location", "handles", "stuck", "state")
+    __slots__ = ("chunks", "location", "handles", "stuck", "state", "before")
 
     def __init__(self, chunks, location):
         self.chunks = chunks  # sorted pool chunk indices
@@ -124,6 +102,7 @@ class Prepared:
         self.handles = {}
         self.stuck = {}
         self.state = CLAIMED
+        self.before = (set(), {})  # the places' released flags and locations when claimed
 
     def __repr__(self):
         return f"Prepared(chunks={self.chunks}, {self.state})"
@@ -271,7 +250,7 @@ class Pool:
                 mapped.update(prepared.handles, prepared.stuck)
             size = self.chunk_bytes
             self._backend.grant_access(device, [(self.base + first * size, count * size)
-                                                for first, count in _runs(sorted(mapped))])
+                                                for first, count in runs(sorted(mapped))])
 
     def export_chunks(self, chunks):
         """A new POSIX file descriptor for each of the given mapped device chunks, by chunk index: what another
@@ -349,15 +328,35 @@ class Pool:
             self._location.pop(c, None)
 
     def _map(self, chunks, location=DEVICE):
-        """Claim, prepare and commit ``chunks`` on this thread; on failure undo exactly what was done."""
-        prepared = self.claim(chunks, location)
+        """Claim, prepare and commit ``chunks`` on this thread. On any exception, an interrupt included, whatever
+        part of the three ran is undone (:meth:`_abandon`) before it propagates."""
+        prepared = Prepared(chunks, location)
         try:
+            self._take(prepared)
             self.prepare(prepared)
+            return self.commit(prepared)
         except BaseException:
-            self.discard(prepared)
+            self._abandon(prepared)
             raise
-        self.commit(prepared)
-        return prepared.chunks
+
+    def _abandon(self, prepared):
+        """Undo any prefix of :meth:`_take`, :meth:`prepare` and :meth:`commit` of ``prepared``: its places given
+        back, the chunks it mapped unmapped and released, the pool's records as before the claim."""
+        with self._claims_lock:
+            ours = [c for c in prepared.chunks if self._claims.get(c) is prepared]
+            taken = bool(ours) or prepared.state == DONE  # committed (DONE) or a claim still
+            for c in ours:
+                del self._claims[c]
+            prepared.state = DONE
+            if self._range.retired or not taken:  # close released its chunks; or it never took a place
+                return
+        for c in prepared.chunks:
+            self._handles.pop(c, None)
+            self._location.pop(c, None)
+        self._released.update(prepared.before[0])
+        self._location.update(prepared.before[1])
+        self._adopt_stuck({**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))},
+                          prepared.location)
 
     # --- mapping in three steps: claim, prepare (any thread), commit or discard ------
 
@@ -369,13 +368,20 @@ class Pool:
         other claims refuse its places. Call it on the thread that owns the pool.
         """
         self._check_open()
+        prepared = Prepared(self._chunk_list(chunks), location)
+        self._take(prepared)
+        return prepared
+
+    def _take(self, prepared):
+        """Check the location, record what the claim's places were (for :meth:`_abandon`), then take them."""
+        chunks, location = prepared.chunks, prepared.location
         if location not in LOCATIONS:
             raise PoolSizeError(f"location {location!r:.40} must be one of {', '.join(LOCATIONS)}")
         if location == HOST and self.chunk_bytes % self._backend.host_page_bytes:
             raise PoolSizeError(f"chunk_bytes={self.chunk_bytes} is not a whole number of host pages "
                                 f"({self._backend.host_page_bytes} bytes): a host chunk cannot be that size")
-        chunks = self._chunk_list(chunks)
-        prepared = Prepared(chunks, location)
+        prepared.before = (self._released.intersection(chunks), {c: self._location[c] for c in chunks
+                                                                  if c in self._location})
         with self._claims_lock:
             for c in chunks:
                 if c in self._handles:
@@ -383,7 +389,6 @@ class Pool:
                 if c in self._claims:
                     raise ChunkStateError(f"chunk {c} is already claimed: it is being mapped")
             self._claims.update((c, prepared) for c in chunks)
-        return prepared
 
     def prepare(self, prepared):
         """Create, map and enable access to a claim's chunks: backend calls only, so any thread may run it.
@@ -393,41 +398,50 @@ class Pool:
         what it did and raises; the claim stays until :meth:`discard`. Refused once the
         pool is closed (:class:`~pagedrt.errors.PoolClosedError`).
         """
-        with self._claims_lock:
-            if self._range.retired:
-                raise PoolClosedError("this pool was closed while chunks were claimed; create a new Pool")
-            self._check_claim(prepared, CLAIMED, "prepare")
-            prepared.state = RUNNING
         b, size = self._backend, self.chunk_bytes
-        created, mapped = {}, []
-        try:
+        created, mapped, started = {}, [], False
+        try:  # the claim goes RUNNING inside: an interrupt anywhere after leaves it READY or FAILED
+            with self._claims_lock:
+                if self._range.retired:
+                    raise PoolClosedError("this pool was closed while chunks were claimed; create a new Pool")
+                self._check_claim(prepared, CLAIMED, "prepare")
+                started = True
+                prepared.state = RUNNING
             for c in prepared.chunks:
                 created[c] = b.create(size, prepared.location)
-            for c in prepared.chunks:
-                b.map(self.base + c * size, size, created[c])
-                mapped.append(c)
-            for first, count in _runs(prepared.chunks):  # one access call per contiguous run
+            for c in prepared.chunks:  # one statement maps a chunk and records it: no point in between
+                mapped.append(b.map(self.base + c * size, size, created[c]) or c)
+            for first, count in runs(prepared.chunks):  # one access call per contiguous run
                 b.set_access(self.base + first * size, count * size)
-        except BaseException:
-            stuck = self._undo(created, mapped)
             with self._claims_lock:
-                prepared.stuck, prepared.state = stuck, FAILED
+                prepared.handles, prepared.state = created, READY
                 self._claims_lock.notify_all()
+        except BaseException:
+            if started:
+                self._fail(prepared, created, mapped)
             raise
+
+    def _fail(self, prepared, created, mapped):
+        """A preparation stopped by an exception: a claim still RUNNING is undone and goes FAILED; waiters
+        are woken either way."""
+        stuck = self._undo(created, mapped) if prepared.state == RUNNING else {}  # only this thread changes it
         with self._claims_lock:
-            prepared.handles, prepared.state = created, READY
+            if prepared.state == RUNNING:
+                prepared.stuck, prepared.state = stuck, FAILED
             self._claims_lock.notify_all()
 
     def commit(self, prepared):
-        """Adopt a prepared claim's chunks: mapped from now on, in :meth:`mappings` and :meth:`mapped_mask`."""
+        """Adopt a prepared claim's chunks: mapped from now on, in :meth:`mappings` and :meth:`mapped_mask`.
+        Returns their indices."""
         self._check_open()
         with self._claims_lock:
             self._check_claim(prepared, READY, "commit")
+            self._handles.update(prepared.handles)
+            self._released.difference_update(prepared.chunks)
+            self._location.update((c, prepared.location) for c in prepared.chunks)
+            self._version += 1
             self._unclaim(prepared)
-        self._handles.update(prepared.handles)
-        self._released.difference_update(prepared.chunks)
-        self._location.update((c, prepared.location) for c in prepared.chunks)
-        self._version += 1
+        return prepared.chunks
 
     def discard(self, prepared):
         """Give a claim's places back, unmapping and releasing whatever it mapped. After :meth:`close`
@@ -437,11 +451,15 @@ class Pool:
                 return
             self._check_claim(prepared, (CLAIMED, READY, FAILED), "discard")
             self._unclaim(prepared)
-        stuck = {**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))}
-        if stuck:  # a chunk the backend could not unmap is mapped: the pool keeps it
+        self._adopt_stuck({**prepared.stuck, **self._undo(prepared.handles, list(prepared.handles))},
+                          prepared.location)
+
+    def _adopt_stuck(self, stuck, location):
+        """Chunks the backend could not unmap are mapped: the pool keeps them."""
+        if stuck:
             self._handles.update(stuck)
             self._released.difference_update(stuck)
-            self._location.update((c, prepared.location) for c in stuck)
+            self._location.update((c, location) for c in stuck)
             self._version += 1
 
     def _check_claim(self, prepared, states, what):
@@ -452,9 +470,9 @@ class Pool:
             raise ChunkStateError(f"cannot {what} {prepared!r}: it is {prepared.state}")
 
     def _unclaim(self, prepared):
+        prepared.state = DONE  # first: a claim DONE or still held is one taken (_abandon)
         for c in prepared.chunks:
             del self._claims[c]
-        prepared.state = DONE
 
     def _undo(self, created, mapped):
         """Unmap ``mapped`` and release every handle in ``created``; backend calls only. Returns the chunks
@@ -512,8 +530,8 @@ class Pool:
         self._check_open()
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
-        strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
-        lo, hi = _extent(offset, shape, strides, dtype.itemsize)
+        strides = c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
+        lo, hi = extent(offset, shape, strides, dtype.itemsize)
         if lo < 0 or hi > self.max_bytes:
             raise UnmappedRangeError(
                 f"view bytes [{lo}, {hi}) fall outside the reservation [0, {self.max_bytes})")
@@ -598,30 +616,3 @@ class _Range:
         self.backend.free(self.base, self.size)
         self.backend.close()
 
-
-def _runs(sorted_chunks):
-    """(first, count) for each run of consecutive indices."""
-    runs = []
-    for c in sorted_chunks:
-        if runs and runs[-1][0] + runs[-1][1] == c:
-            runs[-1][1] += 1
-        else:
-            runs.append([c, 1])
-    return [tuple(r) for r in runs]
-
-
-def _c_strides(shape, itemsize):
-    strides, step = [], itemsize
-    for s in reversed(shape):
-        strides.append(step)
-        step *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _extent(offset, shape, strides, itemsize):
-    """[lo, hi) byte range an array of this layout touches."""
-    if any(s == 0 for s in shape):
-        return offset, offset
-    lo = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st < 0)
-    hi = offset + sum((n - 1) * st for n, st in zip(shape, strides) if st > 0) + itemsize
-    return lo, hi
