@@ -19,7 +19,7 @@ from .layout import KV, PLACEMENTS, Layout, is_int, translate
 from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
 from .step import StepMetadata
-from .supported import (BLOCK_SIZES, HEAD_DIMS, MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS,
+from .supported import (BLOCK_SIZES, PREFILL_HEAD_DIMS, MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS,
                         MAX_TABLE_ENTRIES, FP8, check, check_fp8, kv_dtype_name, kv_numpy_dtype, numpy_dtype)
 
 
@@ -178,6 +178,8 @@ class PagedKVCache(PlaneViews):
     (default ``max_seq_len + max_seqs``: a whole prompt and a decode token for every other
     sequence) sizes the step's slot buffer, the most new tokens one :meth:`step` takes.
     ``backend`` is a name or a backend made by :func:`pagedrt.memory.select_backend`.
+    ``head_dim`` is one that prefill attends (64, 128, 256: ``supported.PREFILL_HEAD_DIMS``), since prompts
+    fill a cache; decode alone attends 80 and 96 too, over planes of one's own.
 
     ``dtype`` is the model's (q and attention output); ``kv_dtype`` what the planes store
     (default: ``dtype``). ``kv_dtype="float8_e4m3"`` stores K and V as float8 e4m3 bits
@@ -217,7 +219,7 @@ class PagedKVCache(PlaneViews):
         num_layers, num_kv_heads = _check_positive("num_layers", num_layers), _check_positive("num_kv_heads",
                                                                                                 num_kv_heads)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
-        head_dim = check("head_dim", head_dim, HEAD_DIMS)
+        head_dim = check("head_dim", head_dim, PREFILL_HEAD_DIMS)  # what prefill attends, not decode alone
         block_size = check("block_size", block_size, BLOCK_SIZES)
         placement = check("placement", placement, PLACEMENTS)
         self.dtype = numpy_dtype(dtype)

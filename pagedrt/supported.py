@@ -16,7 +16,8 @@ FP8 = "float8_e4m3"  # K/V stored as float8 e4m3 with float32 scales per (layer,
 KV_DTYPES = DTYPES + (FP8,)  # what K/V planes may hold
 FP8_DTYPES = ("float16", "bfloat16")  # q and output dtypes over FP8 planes
 FP8_HEAD_DIMS = (64, 128)  # FP8 decode runs on tensor cores only (cuda_src/decode.cu: decode_fp8)
-HEAD_DIMS = (64, 80, 96, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)  # decode's
+PREFILL_HEAD_DIMS = (64, 128, 256)  # prefill's (whole groups of 8 16-byte chunks per row), so a cache's
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GROUPS = tuple(range(1, 65))  # query heads per KV head (multi-query models reach 64): decode and prefill
 

@@ -44,10 +44,9 @@ from ..kernels.args import (array_module, c_contiguous, check, check_scales, dev
                             ptr, RunArrays, scale_keywords, scale_pointers, store)
 from ..kernels.configs import config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
-from ..supported import check as check_supported
+from ..supported import PREFILL_HEAD_DIMS, check as check_supported
 from . import decode, prefill_sm90, reference
-from .planner import (PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items,
-                      prefill_sm90_geometry)
+from .planner import PREFILL_DTYPES, decode_rows, prefill_geometry, prefill_items, prefill_sm90_geometry
 from .prefill_sm90 import Launch
 
 FILE = "prefill.cu"
