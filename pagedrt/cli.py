@@ -4,7 +4,8 @@ Every command takes ``--backend``; every command that shows state takes ``--json
 (the snapshot schema of docs/SNAPSHOT.md, or one record with its own ``schema`` and
 ``version``, documented there) and ``--no-color`` (as does a non-empty ``NO_COLOR``).
 Bad input is a usage error (exit 2) or a named error (exit 1) with a message,
-never a traceback.
+never a traceback. A reader that closes the pipe (``pagedrt demo | head``) ends a
+command quietly with exit 0: it had what it wanted, and nothing failed.
 """
 
 import functools
