@@ -20,7 +20,7 @@ from .memory import Pool, select_backend
 from .snapshot import build_snapshot, write_snapshot
 from .spec import KVSpec
 from .step import StepMetadata
-from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS, MAX_TABLE_ENTRIES
+from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS, MAX_TABLE_ENTRIES, PREFILL_HEAD_DIMS, check
 
 
 def _check_positive(name, value, limit=None):
@@ -182,6 +182,8 @@ class PagedKVCache(PlaneViews):
     (default ``max_seq_len + max_seqs``: a whole prompt and a decode token for every other
     sequence) sizes the step's slot buffer, the most new tokens one :meth:`step` takes.
     ``backend`` is a name or a backend made by :func:`pagedrt.memory.select_backend`.
+    ``head_dim`` is one that prefill attends (64, 128, 256: ``supported.PREFILL_HEAD_DIMS``), since prompts
+    fill a cache; decode alone attends 80 and 96 too, over planes of one's own.
 
     ``dtype`` is the model's (q and attention output); ``kv_dtype`` what the planes store
     (default: ``dtype``). ``kv_dtype="float8_e4m3"`` stores K and V as float8 e4m3 bits
@@ -220,6 +222,7 @@ class PagedKVCache(PlaneViews):
                  kv_dtype=None, kv_scales=None):
         self.spec = spec = KVSpec.build(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_dtype, placement)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
+        check("head_dim", spec.head_dim, PREFILL_HEAD_DIMS)  # what prefill attends, not decode alone
         scales = _kv_scales(spec, kv_scales)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")

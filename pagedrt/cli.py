@@ -4,7 +4,8 @@ Every command takes ``--backend``; every command that shows state takes ``--json
 (the snapshot schema of docs/SNAPSHOT.md, or one record with its own ``schema`` and
 ``version``, documented there) and ``--no-color`` (as does a non-empty ``NO_COLOR``).
 Bad input is a usage error (exit 2) or a named error (exit 1) with a message,
-never a traceback.
+never a traceback. A reader that closes the pipe (``pagedrt demo | head``) ends a
+command quietly with exit 0: it had what it wanted, and nothing failed.
 """
 
 import functools
@@ -16,18 +17,14 @@ import time
 import click
 
 from .cli_inputs import PromptFile, Seconds, Utf8Text, check_output_path
-from .errors import PagedRTError
+from .demo import MAX_KV_HEADS, MAX_LAYERS, MAX_SEQS, MAX_STEPS, MAX_TOKENS, PRESETS
+from .errors import PagedRTError, UnsupportedConfigError
 from .memory import BACKENDS
-from .supported import BLOCK_SIZES, DTYPES, FP8, GROUPS, HEAD_DIMS
+from .supported import BLOCK_SIZES, DTYPES, FP8, GROUPS, PREFILL_HEAD_DIMS
 
 DEMO_SCHEMA, DEMO_VERSION = "pagedrt-demo", 1  # the JSON records, documented in docs/SNAPSHOT.md
 INFO_SCHEMA, INFO_VERSION = "pagedrt-info", 1
 TRANSLATION_SCHEMA, TRANSLATION_VERSION = "pagedrt-translation", 1
-# The demo's bounds: beyond them its cache could not be reserved or its K/V not be held.
-MAX_LAYERS, MAX_KV_HEADS, MAX_TOKENS, MAX_STEPS, MAX_SEQS = 256, 128, 1 << 24, 100_000, 1024
-MAX_DEMO_BYTES = 1 << 40      # the demo cache's reservation (virtual address space)
-MAX_DEMO_STEP_BYTES = 4 << 30  # the float32 K/V of a step's prompt tokens, every layer, that a demo step computes
-DEMO_MAX_PROMPT = 256          # the longest prompt, and the most prompt tokens one demo step appends
 
 
 def backend_option(fn):
@@ -41,11 +38,16 @@ def output_options(fn):
 
 
 def named_errors(fn):
-    """Turn pagedrt's named errors, and what the OS refuses (OSError, MemoryError), into one line and exit 1."""
+    """Turn pagedrt's named errors, and what the OS refuses (OSError, MemoryError), into one line and exit 1;
+    end quietly (exit 0) when stdout's reader has gone (``pagedrt demo | head``), as other commands do."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+            return result
+        except BrokenPipeError:
+            _closed_pipe()
         except PagedRTError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         except OSError as exc:
@@ -57,6 +59,15 @@ def named_errors(fn):
     return wrapper
 
 
+def _closed_pipe():
+    """Stop writing, and exit 0: point stdout and stderr at /dev/null, so that Python's flush at exit finds
+    nothing to write to a pipe nobody reads."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(devnull, stream.fileno())
+    raise SystemExit(0)
+
+
 def styler(no_color):
     """click.style, or plain text with --no-color or a non-empty NO_COLOR (https://no-color.org)."""
     from .render import plain
@@ -64,7 +75,6 @@ def styler(no_color):
 
 
 def demo_options(fn):
-    from .demo import PRESETS
     options = [
         click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama3-8b", show_default=True,
                      help="Model shape: layers, query heads, KV heads, head_dim."),
@@ -72,7 +82,7 @@ def demo_options(fn):
         click.option("--q-heads", type=click.IntRange(1, MAX_KV_HEADS * GROUPS[-1]),
                      help="Override the preset's query heads."),
         click.option("--kv-heads", type=click.IntRange(1, MAX_KV_HEADS), help="Override the preset's KV heads."),
-        click.option("--head-dim", type=click.Choice(HEAD_DIMS), help="Override the preset's head_dim."),
+        click.option("--head-dim", type=click.Choice(PREFILL_HEAD_DIMS), help="Override the preset's head_dim."),
         click.option("--dtype", type=click.Choice(DTYPES), default="float16",
                      show_default=True),
         click.option("--block-size", type=click.Choice(BLOCK_SIZES), default=16, show_default=True,
@@ -90,30 +100,13 @@ def demo_options(fn):
     return fn
 
 
-def demo_config(backend, preset, layers, q_heads, kv_heads, head_dim, dtype, block_size, placement, steps,
-                max_seqs, max_tokens, seed):
-    from .demo import PRESETS, DemoConfig
-    p_layers, p_q, p_kv, p_dim = PRESETS[preset]
-    given = lambda value, preset_value: preset_value if value is None else value
-    layers, q_heads, kv_heads, head_dim = (given(layers, p_layers), given(q_heads, p_q), given(kv_heads, p_kv),
-                                           given(head_dim, p_dim))
-    if q_heads % kv_heads:
-        raise click.UsageError(f"--kv-heads {kv_heads} must divide --q-heads {q_heads} (query heads share KV heads)")
-    if q_heads // kv_heads not in GROUPS:
-        raise click.UsageError(f"{q_heads // kv_heads} query heads per KV head: the kernels support "
-                               f"{GROUPS[0]} to {GROUPS[-1]}")
-    token_values = 2 * layers * kv_heads * head_dim
-    model = f"{layers} layers, {kv_heads} KV heads x {head_dim}"
-    if DEMO_MAX_PROMPT * token_values * 4 > MAX_DEMO_STEP_BYTES:
-        raise click.UsageError(f"a demo step computes the K/V of up to {DEMO_MAX_PROMPT} prompt tokens, "
-                               f"{DEMO_MAX_PROMPT * token_values * 4} bytes in float32 for {model}; at most "
-                               f"{MAX_DEMO_STEP_BYTES >> 30} GiB: use fewer layers, KV heads or a smaller head_dim")
-    reserved = -(-max_tokens // block_size) * block_size * token_values * (4 if dtype == "float32" else 2)
-    if reserved > MAX_DEMO_BYTES:
-        raise click.UsageError(f"--max-tokens {max_tokens} for {model}, {dtype} would reserve {reserved} bytes; "
-                               f"the demo reserves at most {MAX_DEMO_BYTES >> 30} GiB: ask for fewer tokens")
-    return DemoConfig(layers, q_heads, kv_heads, head_dim, dtype, block_size, placement, steps, max_seqs,
-                      DEMO_MAX_PROMPT, max_tokens, seed, backend)
+def demo_config(**options):
+    """The demo's DemoConfig from its options; beyond the demo's bounds a usage error (exit 2)."""
+    from .demo import make_config
+    try:
+        return make_config(**options)
+    except UnsupportedConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def run_demo_quietly(**options):
@@ -174,7 +167,7 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     float64 attention over contiguous K/V.
     """
     from .demo import run_demo
-    from .render import block_tables, chain_lines, chunk_table, pool_map, size
+    from .render import block_tables, chain_lines, chunk_table, demo_report, pool_map
     config = demo_config(**options)
     if snapshot_path:
         directory = os.path.dirname(os.path.abspath(snapshot_path))
@@ -192,6 +185,10 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
                 raise click.ClickException(f"cannot write the snapshot {snapshot_path}: {exc.strerror}") from None
         figures = result.figures()
         tr = _sample_translation(cache)
+    if not figures["arrived"]:
+        raise click.ClickException(f"no request arrived in {config.steps} steps: none of the demo's prompts fitted "
+                                   f"in --max-tokens {config.max_tokens} (or, in so few steps, none was drawn); ask "
+                                   f"for more tokens or steps")
     if as_json:
         used = vars(config) | {"backend": snap["pool"]["backend"]}  # the one "auto" chose
         click.echo(json.dumps({"schema": DEMO_SCHEMA, "version": DEMO_VERSION, "config": used,
@@ -209,37 +206,11 @@ def demo(as_json, no_color, show_seqs, snapshot_path, **options):
     echo(pool_map(snap, style))
     if tr:
         echo(["one token's translation:"] + chain_lines(snap, tr, style))
-    ok = figures["max_error"] <= figures["tolerance"]
-    verdict = style("ok" if ok else "TOO LARGE", fg="green" if ok else "red", bold=True)
-    growth, n = cache.growth, _plural
-    echo([
-        f"workload   {figures['arrived']} arrived, {figures['forked']} forked, {figures['finished']} finished; "
-        f"{n(figures['sequences'], 'sequence')} hold {n(figures['tokens'], 'token')} now",
-        f"steps      {n(figures['prompt_tokens'], 'prompt token')} computed in chunks, "
-        f"{n(figures['decode_tokens'], 'decode token')}; {figures['mixed_steps']} of {n(config.steps, 'step')} mixed "
-        f"prompt chunks with decode tokens",
-        f"sharing    {n(figures['prefix_hit_tokens'], 'prompt token')} found in the prefix cache (not computed); "
-        f"{n(figures['shared_blocks'], 'block')} shared now (*), {figures['blocks_copied']} copied on write; "
-        f"{n(figures['cached_blocks'], 'cached block')}, {figures['evictable_blocks']} of them held by no sequence "
-        f"(+), {figures['evictions']} evicted",
-        f"growth     {n(figures['chunks_ahead'], 'chunk')} mapped ahead of need, between steps (keeping "
-        f"{growth.low_blocks}-{growth.high_blocks} blocks spare); {n(figures['sync_grows'], 'grow')} inside a step; "
-        f"{n(figures['chunks_released'], 'chunk')} released after {growth.release_after} idle steps",
-        f"memory     {figures['stored_tokens']} stored tokens (shared ones once) fill {size(figures['token_bytes'])} "
-        f"of {size(figures['mapped_bytes'])} mapped ({figures['utilisation_of_mapped']:.1%}) and of "
-        f"{size(figures['held_bytes'])} in held blocks ({figures['utilisation_of_held']:.1%})",
-        f"contiguous reserving {cache.max_blocks_per_seq * lay['block_size']} tokens per sequence would need "
-        f"{size(figures['contiguous_bytes'])} now, {size(figures['peak_contiguous_bytes'])} at the peak "
-        f"(paged peak mapped: {size(figures['peak_mapped_bytes'])})",
-        f"attention  max relative error {figures['max_error']:.2e} over {figures['checks']} checks "
-        f"(tolerance {figures['tolerance']:.0e} for {lay['dtype']}): {verdict}",
-    ])
-    if not ok:
+    g = cache.growth
+    echo(demo_report(figures, config.steps, (g.low_blocks, g.high_blocks, g.release_after),
+                     cache.max_blocks_per_seq * lay["block_size"], lay["dtype"], style))
+    if figures["max_error"] > figures["tolerance"]:
         raise click.ClickException("attention through the block tables disagrees with contiguous attention")
-
-
-def _plural(count, noun):
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _sample_translation(cache):
@@ -252,8 +223,8 @@ def _sample_translation(cache):
 
 def snapshot_source(fn):
     """A SNAPSHOT file argument, or --from-demo with the demo's options."""
-    fn = click.option("--from-demo", is_flag=True, help="Run the demo (its options below) and use its final state.")(fn)
     fn = demo_options(fn)
+    fn = click.option("--from-demo", is_flag=True, help="Run the demo (its options below) and use its final state.")(fn)
     return click.argument("snapshot", required=False, type=click.Path(dir_okay=False))(fn)
 
 
@@ -282,7 +253,11 @@ def load_state(snapshot, from_demo, backend, options):
 @named_errors
 def map_command(snapshot, from_demo, backend, as_json, no_color, show_seqs, svg_path, png_path, html_path,
                 **options):
-    """The chunk table, the block tables and the pool map, side by side; or, with --svg/--png/--html, a picture."""
+    """The chunk table, the block tables and the pool map, side by side; or, with --svg/--png/--html, a picture.
+
+    SNAPSHOT: a snapshot file, written by cache.write_snapshot() or by `pagedrt demo --snapshot` or
+    `pagedrt generate --snapshot`; or, instead of one, --from-demo.
+    """
     snap = load_state(snapshot, from_demo, backend, options)
     if svg_path or png_path or html_path:
         draw_pictures(snap, svg_path, png_path, html_path)
@@ -343,13 +318,16 @@ class NumbersAsArguments(click.Command):
 @output_options
 @named_errors
 def translate(seq, pos, snapshot, from_demo, layer, kv, head, backend, as_json, no_color, **options):
-    """The whole chain for token POS of sequence SEQ: block, table, pool offset, address, chunk, page."""
+    """The whole chain for token POS of sequence SEQ: block, table, pool offset, address, chunk, page.
+
+    SNAPSHOT: a snapshot file (see `pagedrt map --help`); or, instead of one, --from-demo.
+    """
     from .render import chain, chain_lines
     snap = load_state(snapshot, from_demo, backend, options)
     tr = chain(snap, seq, pos, layer, kv, head)
     if as_json:
-        click.echo(json.dumps({"schema": TRANSLATION_SCHEMA, "version": TRANSLATION_VERSION, **tr.as_dict()},
-                              indent=1))
+        click.echo(json.dumps({"schema": TRANSLATION_SCHEMA, "version": TRANSLATION_VERSION, **tr.as_dict(),
+                               "backend": snap["pool"]["backend"]}, indent=1))
         return
     click.echo("\n".join(chain_lines(snap, tr, styler(no_color))))
 
@@ -436,26 +414,29 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
     Streams the tokens (of one sample), then prints the prompt's and the decode's time and speed. With
     --batch, every prompt of the file runs at once (continuous batching), and the throughput is printed.
     """
+    # the request first: what is refused is refused before the model loads (seconds)
     if (prompt is None) == (batch_file is None):
         raise click.UsageError("give a PROMPT or --batch FILE (one of them)")
     if snapshot_path:
         check_output_path(snapshot_path, "--snapshot")
+    if prompt == "":
+        raise click.BadParameter("the prompt is empty: give it some text", param_hint="PROMPT")
     from .engine import Engine, SamplingParams, model_path
-    path = model_path(model, say=lambda text: click.echo(text, err=True))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n)
     if devices is not None:
-        try:
-            devices = [int(d) for d in devices.split(",")]
-        except ValueError:
-            raise click.BadParameter(f"{devices!r} is not a comma-separated list of device ordinals",
-                                     param_hint="--devices") from None
+        devices = _gpus(devices, backend)
+    path = model_path(model, say=lambda text: click.echo(text, err=True))
     with Engine(path, backend=backend, max_seqs=max_seqs, kv_dtype=kv_dtype, devices=devices) as engine:
         c = engine.config
         where = (f"on the {engine.cache.pool.backend} backend" if devices is None else
                  f"sharded over devices {devices}, tensor-parallel")
+        act = (engine.model if devices is None else engine.model.shards[0]).act_dtype
         click.echo(f"model    {path.name}: {c.num_layers} layers, {c.q_heads} query / {c.kv_heads} KV heads x "
-                   f"{c.head_dim}, vocabulary {c.vocab_size}; {engine.cache.dtype.name}, K/V stored as "
+                   f"{c.head_dim}, vocabulary {c.vocab_size}; weights and activations {act.name}, K/V stored as "
                    f"{engine.cache.kv_dtype}, {where}", err=True)
+        if not raw and "<|im_start|>" in engine.tokenizer.vocab.chat_template:  # as Engine.encode_prompt
+            click.echo("chat     the prompt is a user's message in the model's chat format (--raw: a text to "
+                       "continue)", err=True)
         engine.warm_up()
         if batch_file:
             prompts = batch_file  # the file's prompts, read and checked by PromptFile
@@ -480,6 +461,22 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
             for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
                 click.echo(f"--- sample {i + 1} of {n} ({reason}) ---\n{text}")
         _report(engine.stats)
+
+
+def _gpus(devices, backend):
+    """The device ordinals of ``--devices`` ("0,1"); a usage error unless they name GPUs that are here (the host
+    backend, asked for, runs the shards in host memory)."""
+    from .memory import select_backend
+    try:
+        ordinals = [int(d) for d in devices.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{devices!r} is not a comma-separated list of device ordinals",
+                                 param_hint="--devices") from None
+    chosen = select_backend(backend) if backend == "auto" else None
+    if chosen and chosen.name != "cuda":
+        raise click.UsageError(f"--devices shards the cache over GPUs, and none is usable here ({chosen.reason}); "
+                               f"--backend host runs the shards in host memory")
+    return ordinals
 
 
 class _Stream:

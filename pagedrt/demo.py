@@ -345,3 +345,47 @@ def run_demo(config, progress=None):
         if progress:
             progress(1)
     return result
+
+
+# The demo's bounds: beyond them its cache could not be reserved, its K/V not be held, or no prompt fit.
+MAX_LAYERS, MAX_KV_HEADS, MAX_TOKENS, MAX_STEPS, MAX_SEQS = 256, 128, 1 << 24, 100_000, 1024
+MAX_DEMO_BYTES = 1 << 40       # the demo cache's reservation (virtual address space)
+MAX_DEMO_STEP_BYTES = 4 << 30  # the float32 K/V of a step's prompt tokens, every layer, that a demo step computes
+DEMO_MAX_PROMPT = 256          # the longest prompt, and the most prompt tokens one demo step appends
+MIN_DECODE = 4                 # the fewest tokens a demo sequence decodes after its prompt (_Workload.plan)
+
+
+def shortest_request(max_prompt=DEMO_MAX_PROMPT):
+    """The fewest tokens a demo request can need: the shortest system prompt, one user token, MIN_DECODE."""
+    return max(1, max_prompt // 4) + 1 + MIN_DECODE
+
+
+def make_config(preset, layers=None, q_heads=None, kv_heads=None, head_dim=None, **rest):
+    """The :class:`DemoConfig` of ``preset`` (a PRESETS name) with the given overrides; ``rest``: DemoConfig's
+    other fields but ``max_prompt``. Raises UnsupportedConfigError, saying which bound, beyond the demo's."""
+    from .errors import UnsupportedConfigError
+    from .supported import GROUPS
+    given = [p if v is None else v for v, p in zip((layers, q_heads, kv_heads, head_dim), PRESETS[preset])]
+    c = DemoConfig(*given, max_prompt=DEMO_MAX_PROMPT, **rest)
+    model = f"{c.layers} layers, {c.kv_heads} KV heads x {c.head_dim}"
+    token_values = 2 * c.layers * c.kv_heads * c.head_dim
+    reserved = ceil_div(c.max_tokens, c.block_size) * c.block_size * token_values * (4 if c.dtype == "float32" else 2)
+    need = shortest_request(c.max_prompt)
+    for bad, why in (
+            (c.q_heads % c.kv_heads, f"--kv-heads {c.kv_heads} must divide --q-heads {c.q_heads} (query heads share "
+                                     f"KV heads)"),
+            (c.q_heads % c.kv_heads == 0 and c.q_heads // c.kv_heads not in GROUPS,
+             f"{c.q_heads // c.kv_heads} query heads per KV head: the kernels support {GROUPS[0]} to {GROUPS[-1]}"),
+            (c.max_prompt * token_values * 4 > MAX_DEMO_STEP_BYTES,
+             f"a demo step computes the K/V of up to {c.max_prompt} prompt tokens, {c.max_prompt * token_values * 4} "
+             f"bytes in float32 for {model}; at most {MAX_DEMO_STEP_BYTES >> 30} GiB: use fewer layers, KV heads or "
+             f"a smaller head_dim"),
+            (reserved > MAX_DEMO_BYTES,
+             f"--max-tokens {c.max_tokens} for {model}, {c.dtype} would reserve {reserved} bytes; the demo reserves "
+             f"at most {MAX_DEMO_BYTES >> 30} GiB: ask for fewer tokens"),
+            (ceil_div(c.max_tokens, c.block_size) < ceil_div(need, c.block_size),
+             f"--max-tokens {c.max_tokens} holds no demo request: the shortest needs {need} tokens "
+             f"({ceil_div(need, c.block_size)} blocks of {c.block_size}); ask for more tokens")):
+        if bad:
+            raise UnsupportedConfigError(why)
+    return c

@@ -202,3 +202,41 @@ def chain_lines(snap, tr, style=plain):
         f"{'HBM' if memory == 'HBM' else 'memory':<8} {tr.nbytes} contiguous bytes ({lay.head_dim} x {lay.dtype}) in "
         f"chunk {tr.chunk}'s physical {memory}",
     ]
+
+
+def plural(count, noun):
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def demo_report(figures, steps, growth, seq_tokens, dtype, style=plain):
+    """The demo's figures (``DemoResult.figures()``) in words, a line per topic; the last says whether
+    attention through the block tables agreed with contiguous attention (``figures["max_error"]`` within
+    ``figures["tolerance"]``). ``steps``: the demo's; ``growth``: (low_blocks, high_blocks, release_after) of
+    the cache's growth; ``seq_tokens``: the most tokens a sequence holds (what a contiguous cache reserves);
+    ``dtype``: the cache's."""
+    f, n = figures, plural
+    low, high, release_after = growth
+    ok = f["max_error"] <= f["tolerance"]
+    verdict = style("ok" if ok else "TOO LARGE", fg="green" if ok else "red", bold=True)
+    return [
+        f"workload   {f['arrived']} arrived, {f['forked']} forked, {f['finished']} finished; "
+        f"{n(f['sequences'], 'sequence')} hold {n(f['tokens'], 'token')} now",
+        f"steps      {n(f['prompt_tokens'], 'prompt token')} computed in chunks, "
+        f"{n(f['decode_tokens'], 'decode token')}; {f['mixed_steps']} of {n(steps, 'step')} mixed "
+        f"prompt chunks with decode tokens",
+        f"sharing    {n(f['prefix_hit_tokens'], 'prompt token')} found in the prefix cache (not computed); "
+        f"{n(f['shared_blocks'], 'block')} shared now (*), {f['blocks_copied']} copied on write; "
+        f"{n(f['cached_blocks'], 'cached block')}, {f['evictable_blocks']} of them held by no sequence "
+        f"(+), {f['evictions']} evicted",
+        f"growth     {n(f['chunks_ahead'], 'chunk')} mapped ahead of need, between steps (keeping "
+        f"{low}-{high} blocks spare); {n(f['sync_grows'], 'grow')} inside a step; "
+        f"{n(f['chunks_released'], 'chunk')} released after {release_after} idle steps",
+        f"memory     {f['stored_tokens']} stored tokens (shared ones once) fill {size(f['token_bytes'])} "
+        f"of {size(f['mapped_bytes'])} mapped ({f['utilisation_of_mapped']:.1%}) and of "
+        f"{size(f['held_bytes'])} in held blocks ({f['utilisation_of_held']:.1%})",
+        f"contiguous reserving {seq_tokens} tokens per sequence would need "
+        f"{size(f['contiguous_bytes'])} now, {size(f['peak_contiguous_bytes'])} at the peak "
+        f"(paged peak mapped: {size(f['peak_mapped_bytes'])})",
+        f"attention  max relative error {f['max_error']:.2e} over {f['checks']} checks "
+        f"(tolerance {f['tolerance']:.0e} for {dtype}): {verdict}",
+    ]

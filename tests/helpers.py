@@ -1,6 +1,19 @@
 """Helpers the test modules import (pytest puts tests/ on sys.path)."""
 
 import numpy as np
+import pytest
+
+
+def _importable(name):
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+# bfloat16 is ml_dtypes.bfloat16 (the test and cuda extras install it): a test of it skips without the package
+needs_ml_dtypes = pytest.mark.skipif(not _importable("ml_dtypes"), reason="bfloat16 needs the ml_dtypes package")
 
 
 def to_host(a):

@@ -9,8 +9,9 @@ from helpers import to_host
 
 
 def np_dtype(name):
+    """The NumPy dtype ``name``; a test of bfloat16 skips without the ml_dtypes package."""
     if name == "bfloat16":
-        import ml_dtypes
+        ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the ml_dtypes package")
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

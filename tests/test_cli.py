@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,34 @@ def test_inspect_watch_waits_for_the_file(snapshot, tmp_path, monkeypatch):
     assert len(waits) == 3 and "no snapshot" in waits[0] and "cannot read" in waits[1] and "no snapshot" in waits[2]
     assert result.stdout.count("pool map") == 2
     assert "no snapshot" in run("inspect", path.with_name("never.json"), code=1)  # without --watch: exit 1
+
+
+@pytest.mark.parametrize("args", [["demo", *TINY, "--no-color"], ["map", "--from-demo", *TINY, "--no-color"],
+                                  ["translate", "0", "0", "--from-demo", *TINY, "--json"]])
+def test_a_closed_pipe_ends_quietly(args):
+    """``pagedrt demo | head -2``: the reader goes before the command writes; it stops, says nothing, exits 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagedrt", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the first write
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert "Error" not in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+def test_a_demo_in_which_no_prompt_fits_says_so():
+    assert "holds no demo request: the shortest needs 69 tokens" in run("demo", *TINY, "--max-tokens", "16", code=2)
+    # 80 tokens hold the shortest request possible, not those this seed draws: the run says nothing arrived
+    out = run("demo", *TINY, "--max-tokens", "80", code=1)
+    assert "no request arrived in 16 steps" in out and "checks" not in out
+
+
+def test_help_names_the_snapshot_argument_and_the_demo_options_follow_from_demo():
+    for command in ("map", "translate"):
+        out = run(command, "--help")
+        assert "SNAPSHOT: a snapshot file" in out
+        assert out.index("--from-demo") < out.index("--preset") and "its options below" in out
+
+
+def test_translate_json_names_the_backend(snapshot):
+    seq = json.loads(snapshot.read_text())["sequences"][0]["seq"]
+    tr = json.loads(run("translate", seq, 0, snapshot, "--json"))
+    assert tr["backend"] == "host" and tr["location"] == "device"  # the device tier, memfds on the host backend

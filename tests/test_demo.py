@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from helpers import needs_ml_dtypes
 from pagedrt import kernels
 from pagedrt.cache import PagedKVCache
 from pagedrt.demo import DemoConfig, features, run_demo
@@ -27,7 +28,8 @@ def test_the_demo_exercises_every_part_of_a_step():
 
 @pytest.mark.parametrize("config", [dict(max_tokens=1), dict(max_tokens=300, steps=200), dict(max_seqs=1),
                                     dict(block_size=128), dict(placement="block", dtype="float32"),
-                                    dict(dtype="bfloat16", seed=3), dict(steps=1)])
+                                    pytest.param(dict(dtype="bfloat16", seed=3), marks=needs_ml_dtypes),
+                                    dict(steps=1)])
 def test_the_demo_fits_its_cache_and_checks_out(config):
     f = demo(**config)  # a step that ran out of blocks would raise PoolExhaustedError
     assert f["max_error"] <= f["tolerance"]

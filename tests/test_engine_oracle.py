@@ -1,17 +1,18 @@
 """The engine against an independent implementation of the same model on the same weights: llama.cpp (through
 llama-cpp-python, the ``oracle`` extra). On the host backend.
 
-llama.cpp multiplies quantized (Q4_1, Q8_0) weights by activations it quantizes to 8 bits itself, which moves its
-logits by a few hundredths of their spread; the engine dequantizes the weights once and multiplies in float32.
-So the tight comparison runs llama.cpp on a float32 copy of the file (every tensor dequantized by the gguf package,
-as the engine's loader does): both then compute the same arithmetic, with float16 K/V. The quantized file itself
-is compared too, with the looser tolerance that llama.cpp's activation quantization needs.
+llama.cpp multiplies quantized (Q4_1, Q8_0) weights by activations it quantizes to 8 bits itself, along paths
+that depend on the CPU (AVX2, AVX-512 and others round differently), which moves its logits by a few tenths of
+their spread; the engine dequantizes the weights once and multiplies in float32. No bound on that difference
+tests pagedrt, so llama.cpp runs on a float32 copy of each file (every tensor dequantized by the gguf package,
+as the engine's loader does): both then compute the same arithmetic, with float16 K/V, on every CPU.
 
-Tolerances (logits; the models' logits have a spread, std, of about 1 (tiny) and 3.6 (SmolLM2)):
-- float32 weights: max |engine - llama.cpp| <= 0.01 + 0.01 * std, and greedy tokens equal for 32 steps;
-- quantized weights: rms(engine - llama.cpp) <= 0.15 * std (measured: 0.02 * std on the tiny model, 0.1 * std
-  on SmolLM2, where llama.cpp's greedy tokens then differ from the first few steps on: near-ties flip).
-Measured with float32 weights: max |diff| 0.0012-0.0017 (tiny), 0.009-0.017 (SmolLM2, std 4-8).
+Tolerances (logits; the models' logits have a spread, std, of about 1 (tiny) and 4 (SmolLM2)): after each
+prompt and after prompt + continuation, max |engine - llama.cpp| <= tol = 0.01 + 0.01 * std. At each of the
+32 greedy steps, llama.cpp's logit of the engine's token is within 2 * tol of its best: what logits that
+agree within tol allow (a near-tie may flip; anything else is a wrong token). The printed count is the steps
+where both chose the same token.
+Measured: max |diff| 0.0012-0.0017 (tiny), 0.009-0.018 (SmolLM2, std 4-8).
 """
 
 import os
@@ -84,21 +85,20 @@ def run_both(path, oracle_path, prompts, chat):
     return tokens, logits, scores, prompt_ids
 
 
-def check(path, oracle_path, prompts, *, chat, exact):
+def check(path, oracle_path, prompts, *, chat):
     tokens, logits, scores, prompt_ids = run_both(path, oracle_path, prompts, chat)
     for i, (p, t, s) in enumerate(zip(prompt_ids, tokens, scores)):
         ours = np.stack([logits[0][i], logits[1][i]])
         theirs = np.stack([s[p.size - 1], s[-1]])
-        diff, std = ours - theirs, theirs.std()
-        differ = np.flatnonzero(s[p.size - 1:-1].argmax(1) != t)
+        diff, tol = ours - theirs, 0.01 + 0.01 * theirs.std()
+        steps = s[p.size - 1:-1]                        # llama.cpp's logits where the engine chose t
+        chosen = np.take_along_axis(steps, t[:, None], 1)[:, 0]
+        gap = steps.max(1) - chosen                     # 0 where llama.cpp chose t too
         print(f"{os.path.basename(path)} vs {os.path.basename(oracle_path)}, prompt {i}: max |diff| "
-              f"{np.abs(diff).max():.4f}, rms {np.sqrt((diff ** 2).mean()):.4f}, std {std:.2f}; greedy agrees for "
-              f"{differ[0] if differ.size else STEPS} of {STEPS} steps")
-        if exact:
-            assert np.abs(diff).max() <= 0.01 + 0.01 * std
-            assert s[p.size - 1:-1].argmax(1).tolist() == t.tolist()  # llama.cpp's greedy choice at every step
-        else:
-            assert np.sqrt((diff ** 2).mean()) <= 0.15 * std
+              f"{np.abs(diff).max():.4f}, std {theirs.std():.2f}; greedy agrees at {np.sum(gap == 0)} of {STEPS} "
+              f"steps, largest gap {gap.max():.4f}")
+        assert np.abs(diff).max() <= tol
+        assert np.all(gap <= 2 * (0.01 + 0.01 * steps.std(1)))
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +111,12 @@ def tiny_files(tmp_path_factory):
 
 def test_tiny_model_equals_llama_cpp(tiny_files):
     f32, _, _ = tiny_files
-    check(f32, f32, TINY_PROMPTS, chat=False, exact=True)
+    check(f32, f32, TINY_PROMPTS, chat=False)
 
 
 def test_tiny_quantized_model_equals_llama_cpp(tiny_files):
     _, q4, q4_as_f32 = tiny_files
-    check(q4, q4_as_f32, TINY_PROMPTS, chat=False, exact=True)
-    check(q4, q4, TINY_PROMPTS, chat=False, exact=False)
+    check(q4, q4_as_f32, TINY_PROMPTS, chat=False)
 
 
 @settings(max_examples=150, deadline=None)
@@ -144,8 +143,7 @@ def real(tmp_path_factory):
 
 def test_real_model_equals_llama_cpp(real):
     path, as_f32 = real
-    check(path, as_f32, PROMPTS, chat=True, exact=True)
-    check(path, path, PROMPTS[:2], chat=True, exact=False)
+    check(path, as_f32, PROMPTS, chat=True)
 
 
 def test_real_tokenizer_equals_llama_cpp(real):

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from helpers import needs_ml_dtypes
 from pagedrt import PagedKVCache, fp8, kernels
 from pagedrt.attention import (DecodePlan, PrefillPlan, contiguous_decode, decode, paged_decode, paged_prefill, planner,
                                reference)
@@ -187,6 +188,7 @@ def test_fp8_kernels_are_named_and_planned_with_the_bytes_of_fp16_in_flight():
     assert not any("decode_fp8" in n for n in decode.instances(configs.sweep())["decode.cu"])
 
 
+@needs_ml_dtypes
 def test_cache_stores_fp8_with_scales_and_snapshots_translate_know_it(tmp_path):
     scales = np.full((2, 2, 2), 0.05, np.float32)
     scales[1, 1] = [0.1, 0.2]

@@ -13,6 +13,7 @@ from pagedrt import PagedKVCache, source
 from pagedrt.attention import PrefillPlan, paged_decode, paged_prefill, planner, prefill, prefill_sm90, reference
 from pagedrt.errors import BlockTableError, LaunchArgumentError, UnsupportedConfigError
 from pagedrt.kernels import configs, write_kv
+from pagedrt.supported import HEAD_DIMS, PREFILL_HEAD_DIMS
 from pagedrt.kernels.configs import Config
 from pagedrt.supported import FP8_HEAD_DIMS
 
@@ -100,6 +101,21 @@ def test_ragged_batches_property(spec, block_size, group, causal, seed):
     assert out.shape == case.q.shape
     if out.size:
         assert rel_error(out, naive(case, causal)) < TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_a_cache_holds_only_the_head_dims_prefill_attends(head_dim):
+    """Decode attends every head dim of HEAD_DIMS; a cache, which prompts fill, those prefill attends too: the
+    others are refused when the cache is made, not at its first prompt."""
+    if head_dim not in PREFILL_HEAD_DIMS:
+        with pytest.raises(UnsupportedConfigError, match=f"head_dim={head_dim} is not supported: use one of 64, 128"):
+            PagedKVCache(2, 2, head_dim, 16, "float16", max_tokens=256, backend="host")
+        return
+    with PagedKVCache(2, 2, head_dim, 16, "float16", max_tokens=256, backend="host") as cache:
+        step = cache.step(arrivals=[np.arange(20)])
+        q = np.random.default_rng(0).standard_normal((20, 4, head_dim)).astype(np.float16)
+        plan = PrefillPlan(q, cache.k(0), step.block_tables, step.seq_lens, step.qo_indptr, query_lens=step.query_lens)
+        assert plan.run(q, cache.k(0), cache.v(0)).shape == q.shape
 
 
 def test_a_cache_step_then_write_kv_then_a_plan_per_layer():
@@ -196,7 +212,7 @@ def test_work_items_cover_every_packed_row_once(counts, group, tile):
 def test_instances_name_every_prefill_capable_config_of_the_sweep():
     names = prefill.instances()["prefill.cu"]
     capable = [c for c in configs.sweep() + configs.fp8_sweep()
-               if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
+               if c.dtype != "float32" and c.head_dim in PREFILL_HEAD_DIMS]
     assert set(names) == {prefill.kernel_name(c) for c in capable}
     assert set(prefill.instances()["prefill_sm90.cu"]) == {prefill_sm90.kernel_name(c) for c in capable if not c.fp8}
     assert set(prefill.instances(capability="90")["prefill.cu"]) == {prefill.kernel_name(c) for c in capable
@@ -210,7 +226,7 @@ def test_instances_name_every_prefill_capable_config_of_the_sweep():
 
 
 @pytest.mark.parametrize("dtype", planner.PREFILL_DTYPES)
-@pytest.mark.parametrize("head_dim", planner.PREFILL_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", PREFILL_HEAD_DIMS)
 def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
     """Mirror of PrefillShape's static_asserts; shared memory fits an H100/H200 thread block (227 KiB)."""
     geo = planner.prefill_geometry(Config(dtype, head_dim, 16, 4))
@@ -229,14 +245,14 @@ def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
 
 
 def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
-    capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in planner.PREFILL_HEAD_DIMS]
+    capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in PREFILL_HEAD_DIMS]
     both = prefill.instances()
     assert set(both[prefill_sm90.FILE]) == {prefill_sm90.kernel_name(c) for c in capable}
     for cfg in capable:
         geo = planner.prefill_sm90_geometry(cfg)
         args = prefill_sm90.kernel_name(cfg).split("<")[1][:-1].split(", ")
         assert args == [cfg.cuda_type, str(cfg.head_dim), str(geo.tile_n), str(geo.stages)]
-    fp8 = tuple(prefill.kernel_name(c) for c in configs.fp8_sweep() if c.head_dim in planner.PREFILL_HEAD_DIMS)
+    fp8 = tuple(prefill.kernel_name(c) for c in configs.fp8_sweep() if c.head_dim in PREFILL_HEAD_DIMS)
     assert prefill.instances(capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE], prefill.FILE: fp8}
     assert prefill.instances(capability="80") == {prefill.FILE: both[prefill.FILE]}
     assert prefill.instances(capable, capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE]}
@@ -245,7 +261,7 @@ def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
 
 
 @pytest.mark.parametrize("dtype", planner.PREFILL_DTYPES)
-@pytest.mark.parametrize("head_dim", planner.PREFILL_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", PREFILL_HEAD_DIMS)
 def test_prefill_sm90_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
     """Mirror of PrefillSm90Shape's static_asserts and of the producer's copy split; shared memory (dynamic, and
     the static mbarriers) fits a thread block on compute capability 9.0 (227 KiB)."""

@@ -54,8 +54,11 @@ def train_merges(count=80):
 
 def write(path, *, quantized=False, seed=0, vocab_pad=0, shape=SHAPE):
     """Write the tiny model to ``path``; ``quantized``: its matrices as Q4_1 and the embedding as Q8_0 (as
-    SmolLM2's file), else float32; ``shape``: SHAPE's keys (another size). Returns the vocabulary size."""
-    import gguf
+    SmolLM2's file), else float32; ``shape``: SHAPE's keys (another size). Returns the vocabulary size.
+    A test that calls it skips without the gguf package."""
+    import pytest
+    gguf = pytest.importorskip("gguf", reason="the tiny model is written with the gguf package: pip install "
+                                              "'pagedrt[model]'")
     from gguf.quants import quantize
     from pagedrt.engine.tokenizer import byte_alphabet
     s = shape

@@ -38,7 +38,6 @@ MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a th
 SPLIT_BLOCKS_PER_SM = 2         # split plans count at most this many resident thread blocks an SM (split_residency)
 UNEVEN = 1.5                    # longest / mean length above which a batch that fills the device is split anyway
 PREFILL_DTYPES = ("float16", "bfloat16")  # prefill runs on tensor cores only
-PREFILL_HEAD_DIMS = (64, 128, 256)        # whole groups of 8 16-byte chunks per row (the swizzle's unit)
 PREFILL_THREADS = 128           # four warps, 16 packed query rows each
 PREFILL_TILE_M = 64             # packed query rows (query token x query head of the group) per work item
 PREFILL_STAGES = 2              # the key pipeline's depth

@@ -20,11 +20,11 @@ from ..kernels.args import array_module, c_contiguous, check, int_array, plane, 
 from ..kernels.configs import Config, config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..spec import Array, plane_kv_dtype
-from ..supported import check as check_supported
+from ..supported import PREFILL_HEAD_DIMS, check as check_supported
 from . import decode, prefill_sm90, reference
 from .plan_base import (LOG2E, Plan, check_block_mask, check_workspace, default_scale, table_args,
                         table_width)
-from .planner import (PREFILL_DTYPES, PREFILL_HEAD_DIMS, decode_rows, prefill_geometry, prefill_items,
+from .planner import (PREFILL_DTYPES, decode_rows, prefill_geometry, prefill_items,
                       prefill_sm90_geometry)
 from .prefill_sm90 import Launch
 

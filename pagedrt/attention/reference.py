@@ -91,20 +91,27 @@ def _tokens(blocks: np.ndarray, n: int) -> np.ndarray:
     return blocks.astype(np.float64).transpose(1, 0, 2, 3).reshape(kv, nb * bs, d)[:, :n]
 
 
+def _gather(cache, blocks, n, scale):
+    """The first ``n`` tokens of ``blocks`` (block ids) of a plane ``cache`` [num_blocks, kv, bs, d], as
+    [kv, n, d] float64; with ``scale`` the plane holds FP8 bits and only these blocks are dequantised."""
+    gathered = cache[blocks]
+    return _tokens(gathered if scale is None else fp8.dequantise(gathered, scale), n)
+
+
 def paged_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                  seq_lens: np.ndarray, scale: Optional[float] = None, *, num_splits: int = 1,
                  max_seq_len: Optional[int] = None, k_scale: Optional[np.ndarray] = None,
                  v_scale: Optional[np.ndarray] = None) -> np.ndarray:
     """Reference of :func:`pagedrt.attention.paged_decode` (no checks): gather through the table, softmax,
     weighted sum; with ``num_splits`` > 1 cut and merged as the split kernel does (see :func:`split`).
-    With ``k_scale`` and ``v_scale`` the planes hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`)."""
+    With ``k_scale`` and ``v_scale`` the planes hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`),
+    only the blocks a sequence reads."""
     block_size = k_cache.shape[2]
-    values = (lambda blocks, s: blocks) if k_scale is None else fp8.dequantise
 
     def keys(i: int) -> Tuple[np.ndarray, np.ndarray]:
         n = int(seq_lens[i])
         blocks = block_tables[i, :-(-n // block_size)]
-        return _tokens(values(k_cache[blocks], k_scale), n), _tokens(values(v_cache[blocks], v_scale), n)
+        return _gather(k_cache, blocks, n, k_scale), _gather(v_cache, blocks, n, v_scale)
 
     return _decode(q, keys, scale, num_splits, max_seq_len or block_tables.shape[1] * block_size, block_size)
 
@@ -130,18 +137,17 @@ def prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table
     Sequence b's query rows are q[qo_indptr[b]:qo_indptr[b + 1]] (n of them) over its
     kv_lens[b] keys gathered through the table; causal: its row i sees keys
     0..kv_lens[b] - n + i (the last n keys are the rows' own). With ``k_scale`` and ``v_scale`` the planes
-    hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`).
+    hold FP8 bits, dequantised exactly (:func:`pagedrt.fp8.dequantise`), only the blocks a sequence reads.
     """
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     block_size = k_cache.shape[2]
-    if k_scale is not None:
-        k_cache, v_cache = fp8.dequantise(k_cache, k_scale), fp8.dequantise(v_cache, v_scale)
     out = np.zeros(q.shape, np.float64)
     for b in range(block_tables.shape[0]):
         first, end, n = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(kv_lens[b])
         if end == first:
             continue
         blocks = block_tables[b, :-(-n // block_size)]
-        out[first:end] = attend(q[first:end], _tokens(k_cache[blocks], n), _tokens(v_cache[blocks], n), scale,
+        out[first:end] = attend(q[first:end], _gather(k_cache, blocks, n, k_scale),
+                                _gather(v_cache, blocks, n, v_scale), scale,
                                 causal_offset=n - (end - first) if causal else None)
     return out.astype(q.dtype)

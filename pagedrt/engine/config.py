@@ -14,9 +14,8 @@ support (:mod:`pagedrt.supported`).
 
 from dataclasses import dataclass
 
-from ..attention.planner import PREFILL_HEAD_DIMS
 from ..errors import UnsupportedModelError
-from ..supported import GROUPS
+from ..supported import GROUPS, PREFILL_HEAD_DIMS
 
 ARCHITECTURES = ("llama",)   # GGUF's name for Llama 1-3, Mistral, SmolLM, TinyLlama and other Llama-shaped models
 ROPE_SCALINGS = ("none", "linear")
