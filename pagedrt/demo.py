@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import attention, kernels
-from .blocks import ranks
+from .blocks import ceil_div, ranks
 from .cache import PagedKVCache
 from .layout import Layout
 from .memory import select_backend
