@@ -3,7 +3,7 @@
 The reservation is a private anonymous ``mmap(PROT_READ, MAP_NORESERVE)`` range (read-only zero pages); a
 chunk is a memfd mapped into it with ``MAP_FIXED`` (a host-tier chunk one named ``pagedrt-chunk-host``),
 enabled with ``mprotect``; a released chunk gets the zero pages back, and a closed pool's range becomes
-scratch memory. docs/ARCHITECTURE.md ("The pool": "Failures" and "What views see") says why, and how
+scratch memory. docs/ARCHITECTURE.md ("The pool (hardware layer)") says why, and how
 ``vm.max_map_count`` is kept from leaving a hole unprotected.
 """
 

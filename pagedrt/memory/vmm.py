@@ -5,7 +5,7 @@ located on the host NUMA node nearest the device) mapped with ``cuMemMap`` and e
 ``cuMemSetAccess``, one call a contiguous run, for the backend's device and each device granted since
 (:meth:`CudaBackend.grant_access`: VMM memory needs no ``cuCtxEnablePeerAccess``, the access list is the
 whole of it). Views are CuPy arrays over ``cupy.cuda.UnownedMemory`` (no copy). Device chunks are exportable
-as POSIX file descriptors where the device supports them. docs/ARCHITECTURE.md ("The pool", "The host tier")
+as POSIX file descriptors where the device supports them. docs/ARCHITECTURE.md ("The pool (hardware layer)")
 and docs/MULTIGPU.md say why and what views of holes and closed pools see.
 """
 
