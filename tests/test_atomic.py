@@ -6,7 +6,7 @@ would) and asserts that the interrupt came out, that the step either completed o
 that no block is held twice, and that the cache goes on working (a next step, K/V read back) and closes. Public
 API only, against the independent model of ``tools/soak.py``. Every file of ``pagedrt/`` is swept, the backends'
 included (``memory/host.py``: an interrupt there must be undone by the pool like any other failure). Also: random SIGALRM interrupts, the reproducers
-of ``/work/shared/repro/`` (issue 35), and caches dropped without ``close()``.
+of ``shared/repro/`` (beside the checkout) (issue 35), and caches dropped without ``close()``.
 """
 
 import importlib.util

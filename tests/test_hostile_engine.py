@@ -1,5 +1,5 @@
 """Hostile model files, prompts and paths (issue 35, item 4): each ends in one named error, never a traceback, a
-hang or garbage generated silently. The reproducers of /work/shared/repro (GGUF metadata of the wrong type or out
+hang or garbage generated silently. The reproducers of shared/repro (beside the checkout) (GGUF metadata of the wrong type or out
 of range, a quadratic tokenizer, prompts that are not UTF-8, special files as --batch or --model, a wheel path
 ignored, --watch nan, --snapshot into a missing directory) are tests here, and so is a fuzz over every metadata
 field the engine reads."""
