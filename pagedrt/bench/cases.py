@@ -1,4 +1,4 @@
-"""The standard decode and prefill cases (/work/shared/WORKLOADS.md), as data: the one copy every benchmark uses.
+"""The standard decode and prefill cases (../shared/WORKLOADS.md), as data: the one copy every benchmark uses.
 
 Shape of every case: 32 query heads, 8 KV heads (GQA group 4), head_dim 128, block
 size 16; block ids a seeded random permutation of the pool (:func:`scattered_table`),
@@ -71,7 +71,7 @@ DECODE_CASES = {c.name: c for c in (
     _decode("big-bf16", 64, 8192, "bfloat16"),
 )}
 
-# Not a standard case (/work/shared/WORKLOADS.md keeps those): a heavy-tailed batch, issue 22's "skewed batches".
+# Not a standard case (../shared/WORKLOADS.md keeps those): a heavy-tailed batch, issue 22's "skewed batches".
 # 64 sequences, lognormal lengths (median 2560, sigma 1, seed 0) clipped to [1, 16384]: 260,819 tokens against
 # var's 267,327, the longest 16,384 (the cap) against a median of 2,740.
 SKEW_MEDIAN, SKEW_SIGMA, SKEW_CAP, SKEW_SEED = 2560, 1.0, 16384, 0

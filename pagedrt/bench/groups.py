@@ -3,7 +3,7 @@
     python3 -m pagedrt.bench.groups [--groups 1,2,4,8,12,16,24,32,40,48,64] [--batch 64 --length 4096]
         [--repeats 50] [--out run.json]
 
-One K/V shape for every group (not a standard case: /work/shared/WORKLOADS.md fixes those at group 4):
+One K/V shape for every group (not a standard case: ../shared/WORKLOADS.md fixes those at group 4):
 by default 64 sequences of 4096 tokens, 2 KV heads, head_dim 128, fp16, blocks of 16 in the standard seeded
 permutation, in a CUDA Pool: 256 MiB of K and V, so every group reads the same bytes and only the
 query heads (2 x G) change. Per group it times (median, CUDA events, queued behind a spin kernel):
