@@ -9,17 +9,20 @@ layout (:mod:`pagedrt.layout`) and snapshots (:mod:`pagedrt.snapshot`).
 import functools
 import os
 import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
 from .errors import ConcurrentUseError, PoolClosedError, UnsupportedConfigError
 from .growth import Growth
-from .layout import KV, Layout, is_int, translate
+from .layout import KV, Layout, Translation, is_int, translate
 from .memory import Pool, select_backend
+from .memory.backends import Backend
+from .protocols import Counts, Handles
 from .snapshot import build_snapshot, write_snapshot
-from .spec import KVSpec
-from .step import StepMetadata
+from .spec import Array, KVSpec
+from .step import Step, StepMetadata
 from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS, MAX_TABLE_ENTRIES, PREFILL_HEAD_DIMS, check
 
 
@@ -58,7 +61,7 @@ def _check_sizes(layout, max_seqs, max_blocks_per_seq):
             f"lower max_seqs, max_seq_len or the capacity")
 
 
-def _growth_keywords(growth, blocks_per_chunk):
+def _growth_keywords(growth: Union[None, bool, Dict[str, Any]], blocks_per_chunk: int) -> Optional[Dict[str, Any]]:
     """``growth=`` as the keywords of :class:`~pagedrt.growth.Growth`, defaults filled in; None for no growth."""
     if growth is None or growth is False:
         return None
@@ -127,9 +130,27 @@ def _kv_scales(spec, kv_scales):
     return scales
 
 
-def plane_view(pool, layout, spec, layer, kv):
-    """Layer ``layer``'s K (``kv`` 0) or V (1) plane in ``pool`` under ``layout``: ``[max_blocks, num_kv_heads,
-    block_size, head_dim]`` of ``spec.kv_numpy_dtype``, a strided view (no copy)."""
+def plane_view(pool: Pool, layout: Layout, spec: KVSpec, layer: int, kv: str) -> Array:
+    """One plane of ``pool``, a strided view (no copy).
+
+    Parameters
+    ----------
+    pool : Pool
+        The pool the plane lies in.
+    layout : Layout
+        Where the plane lies in ``pool`` and its strides.
+    spec : KVSpec
+        What the plane stores (``spec.kv_numpy_dtype``).
+    layer : int
+        The layer, ``0 <= layer < layout.num_layers``.
+    kv : str
+        ``"k"`` or ``"v"``.
+
+    Returns
+    -------
+    Array
+        ``[max_blocks, num_kv_heads, block_size, head_dim]`` of ``spec.kv_numpy_dtype``, on the pool's device.
+    """
     lay, e = layout, layout.itemsize
     shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
     strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
@@ -141,32 +162,73 @@ class PlaneViews:
     ``_planes`` (K and V of each layer in order), ``_scales`` (float32 [num_layers, 2, num_kv_heads] on its
     device, or None), ``layout``, and ``_check_open(name)``."""
 
-    def k(self, layer):
-        """Layer ``layer``'s K plane: ``[max_blocks, num_kv_heads, block_size, head_dim]``, a strided view."""
+    _planes: List[Array]
+    _scales: Optional[Array]
+    layout: Layout
+    _check_open: Callable[[str], None]
+
+    def k(self, layer: int) -> Array:
+        """Layer ``layer``'s K plane, a strided view (no copy).
+
+        Parameters
+        ----------
+        layer : int
+            ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        Array
+            ``[max_blocks, num_kv_heads, block_size, head_dim]`` of ``spec.kv_numpy_dtype`` (uint8 for FP8).
+
+        Raises
+        ------
+        PoolClosedError
+            After ``close()``.
+        UnsupportedConfigError
+            A layer that is not an int in range.
+        """
         return self._plane(layer, 0)
 
-    def v(self, layer):
+    def v(self, layer: int) -> Array:
+        """Layer ``layer``'s V plane: as :meth:`k`."""
         return self._plane(layer, 1)
 
     @property
-    def planes(self):
-        """Every plane, K and V of each layer in order (what ``copy_blocks`` takes)."""
+    def planes(self) -> List[Array]:
+        """Every plane, K and V of each layer in order (``2 * num_layers``; what ``kernels.copy_blocks``
+        takes): a fresh list of the views. PoolClosedError after ``close()``."""
         self._check_open("planes")
         return list(self._planes)
 
-    def k_scale(self, layer):
-        """FP8 caches: layer ``layer``'s K scales, float32 [num_kv_heads] (on the cache's device); else None."""
+    def k_scale(self, layer: int) -> Optional[Array]:
+        """Layer ``layer``'s K scales.
+
+        Parameters
+        ----------
+        layer : int
+            ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        Array or None
+            FP8 planes: float32 ``[num_kv_heads]`` on the planes' device (a view); other planes: None.
+
+        Raises
+        ------
+        PoolClosedError, UnsupportedConfigError
+            As :meth:`k`.
+        """
         return self._scale(layer, 0)
 
-    def v_scale(self, layer):
-        """FP8 caches: layer ``layer``'s V scales, float32 [num_kv_heads]; else None."""
+    def v_scale(self, layer: int) -> Optional[Array]:
+        """Layer ``layer``'s V scales: as :meth:`k_scale`."""
         return self._scale(layer, 1)
 
-    def _scale(self, layer, kv):
+    def _scale(self, layer: int, kv: int) -> Optional[Array]:
         self._plane(layer, kv)  # checks the cache is open and the layer
         return None if self._scales is None else self._scales[layer, kv]
 
-    def _plane(self, layer, kv):
+    def _plane(self, layer: int, kv: int) -> Array:
         self._check_open("k" if kv == 0 else "v")
         if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
             self.layout.check(layer, "k", 0)
@@ -176,50 +238,83 @@ class PlaneViews:
 class PagedKVCache(PlaneViews):
     """K and V of ``num_layers`` layers in blocks of ``block_size`` tokens, over one growable pool.
 
-    Give the capacity as ``max_tokens`` or ``max_bytes`` (KV bytes); the pool reserves
-    that much address space and maps chunks only as sequences need blocks.
-    ``max_seqs`` and ``max_seq_len`` size the dense block table; ``max_step_tokens``
-    (default ``max_seq_len + max_seqs``: a whole prompt and a decode token for every other
-    sequence) sizes the step's slot buffer, the most new tokens one :meth:`step` takes.
-    ``backend`` is a name or a backend made by :func:`pagedrt.memory.select_backend`.
-    ``head_dim`` is one that prefill attends (64, 128, 256: ``supported.PREFILL_HEAD_DIMS``), since prompts
-    fill a cache; decode alone attends 80 and 96 too, over planes of one's own.
+    The pool reserves the capacity's address space and maps chunks only as sequences need blocks. A
+    :class:`~pagedrt.protocols.KVCache` and a :class:`~pagedrt.protocols.KVPlanes`. Not thread-safe: a call made
+    while another thread is inside the cache raises :class:`~pagedrt.errors.ConcurrentUseError` and changes
+    nothing; after :meth:`close` every call raises :class:`~pagedrt.errors.PoolClosedError`
+    (docs/ARCHITECTURE.md, "Layers").
 
-    ``dtype`` is the model's (q and attention output); ``kv_dtype`` what the planes store
-    (default: ``dtype``). ``kv_dtype="float8_e4m3"`` stores K and V as float8 e4m3 bits
-    (uint8 planes, half the bytes of fp16; :mod:`pagedrt.fp8`) under float32 scales, one per
-    layer and KV head for K and for V: ``kv_scales`` [num_layers, 2, num_kv_heads] (K then V,
-    positive and finite; default all 1), fixed for the cache's life since stored bytes mean
-    value / scale. :meth:`k_scale` and :meth:`v_scale` give one layer's, as ``write_kv`` and
-    decode take them. FP8 needs ``dtype`` float16 or bfloat16 and head_dim 64 or 128.
+    Parameters
+    ----------
+    num_layers, num_kv_heads : int
+        Layers, and KV heads per layer.
+    head_dim : int
+        One that prefill attends (``supported.PREFILL_HEAD_DIMS``: 64, 128, 256); FP8: 64 or 128.
+    block_size : int
+        Tokens a block holds (``supported.BLOCK_SIZES``).
+    dtype : str or numpy.dtype
+        The model's dtype: q, k, v and the attention output (float16, bfloat16 or float32).
+    max_tokens, max_bytes : int
+        The device capacity, exactly one of them: tokens (rounded up to whole blocks) or KV bytes (rounded down,
+        at least one block).
+    max_seqs : int
+        Rows of the block table: the most live sequences.
+    max_seq_len : int, optional
+        The most tokens a sequence holds (sizes each row); default the capacity, at most 32768.
+    max_step_tokens : int, optional
+        The most new tokens one :meth:`step` takes (sizes the slot buffer); default ``max_seq_len + max_seqs``.
+    placement : str
+        ``"plane"`` (each layer's K and V its own region) or ``"block"`` (a block's every layer together).
+    chunk_bytes : int, optional
+        Bytes of one pool chunk (a multiple of the backend's page); default the layout's choice.
+    backend : str or Backend
+        ``"auto"``, ``"cuda"`` or ``"host"``, or a backend made by :func:`pagedrt.memory.select_backend`.
+    growth : None, bool or dict
+        None or False: chunks are mapped when an append needs them. True: a
+        :class:`~pagedrt.growth.Growth` keeps one to two chunks' blocks spare (``low_blocks``,
+        ``high_blocks``) and releases a chunk all free for 64 ticks (``release_after``), on a worker thread
+        (``background``). A dict of those keywords sets some; the rest as True.
+    host_tokens, host_bytes : int, optional
+        At most one: a host tier of that capacity (rounded up to whole chunks), pinned here, ahead of need.
+    kv_dtype : str, optional
+        What the planes store, a name of ``supported.KV_DTYPES``; default ``dtype``. ``"float8_e4m3"``
+        stores uint8 bits under ``kv_scales`` and needs ``dtype`` float16 or bfloat16.
+    kv_scales : array-like, float32 [num_layers, 2, num_kv_heads], optional
+        FP8 only: the scales of K then V per layer and KV head, positive, normal and finite (stored bytes mean
+        value / scale, so fixed for the cache's life); default all 1.
 
-    ``host_tokens`` or ``host_bytes`` (at most one; default none) gives the cache a host
-    tier of that capacity (rounded up to whole chunks): pinned host memory mapped into the
-    same range after the device's blocks, created here, ahead of need, since pinning is
-    slow (:class:`~pagedrt.errors.HostOutOfMemoryError` if the host refuses, and nothing is
-    left). Sequences swap out to it and back (:meth:`step`'s ``swap_out``/``swap_in``, or
-    :meth:`swap_out`/:meth:`swap_in`), and the prefix cache offloads the blocks it would
-    evict to it, bringing them back on a later hit (inside :meth:`step`).
+    Raises
+    ------
+    UnsupportedConfigError
+        A shape, dtype, capacity or option pagedrt does not support, or a cache the host bookkeeping or block
+        ids (int32) cannot describe; nothing is allocated then.
+    HostOutOfMemoryError
+        The host refused to pin the host tier; nothing is left allocated.
 
-    ``growth`` maps chunks ahead of demand, on a worker thread (:mod:`pagedrt.growth`).
-    None or False (the default): chunks are mapped only when an append needs them.
-    True: one to two chunks' blocks are kept spare (``low_blocks`` one chunk's blocks,
-    ``high_blocks`` two) and a chunk all free for 64 ticks is released
-    (``release_after``). A dict of :class:`~pagedrt.growth.Growth` keywords sets some
-    of those (and ``background``), the rest as True does. ``cache.growth`` is the
-    :class:`~pagedrt.growth.Growth` or None; call its ``tick()`` once per step, on the
-    thread that calls the cache.
-
-    The cache is not thread-safe: call it from one thread at a time. Concurrent use is
-    detected: a call made while another thread is inside the cache raises
-    :class:`~pagedrt.errors.ConcurrentUseError` and changes nothing. After :meth:`close`
-    every call raises :class:`~pagedrt.errors.PoolClosedError`.
+    Attributes
+    ----------
+    spec : KVSpec
+        What the cache holds.
+    layout : Layout
+        Where every block of every plane lies.
+    pool : Pool
+        The reserved range and its mapped chunks.
+    allocator : BlockAllocator
+        Blocks and chunks, and the prefix cache's index.
+    tables : BlockTables
+        The sequences' block tables and lengths, on the host.
+    metadata : StepMetadata
+        The device side of the tables, and each step's arrays.
+    growth : Growth or None
+        Growth ahead of demand; :meth:`step` ends with its ``tick()``.
     """
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, block_size, dtype="float16", *,
-                 max_tokens=None, max_bytes=None, max_seqs=256, max_seq_len=None, max_step_tokens=None,
-                 placement="plane", chunk_bytes=None, backend="auto", growth=None, host_tokens=None, host_bytes=None,
-                 kv_dtype=None, kv_scales=None):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any = "float16",
+                 *, max_tokens: Optional[int] = None, max_bytes: Optional[int] = None, max_seqs: int = 256,
+                 max_seq_len: Optional[int] = None, max_step_tokens: Optional[int] = None, placement: str = "plane",
+                 chunk_bytes: Optional[int] = None, backend: Union[str, Backend] = "auto",
+                 growth: Union[None, bool, Dict[str, Any]] = None, host_tokens: Optional[int] = None,
+                 host_bytes: Optional[int] = None, kv_dtype: Optional[str] = None, kv_scales: Any = None):
         self.spec = spec = KVSpec.build(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_dtype, placement)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
         check("head_dim", spec.head_dim, PREFILL_HEAD_DIMS)  # what prefill attends, not decode alone
@@ -272,74 +367,160 @@ class PagedKVCache(PlaneViews):
 
     # --- shape ------------------------------------------------------------------------
 
-    dtype = property(lambda self: self.spec.dtype, doc="The model's dtype (q, k, v, attention output): numpy.dtype")
-    kv_dtype = property(lambda self: self.spec.kv_dtype, doc="What the planes store: a name of supported.KV_DTYPES")
-    num_layers = property(lambda self: self.layout.num_layers)
-    num_kv_heads = property(lambda self: self.layout.num_kv_heads)
-    head_dim = property(lambda self: self.layout.head_dim)
-    block_size = property(lambda self: self.layout.block_size)
-    placement = property(lambda self: self.layout.placement)
-    max_blocks_per_seq = property(lambda self: self.tables.max_blocks_per_seq)
-    xp = property(lambda self: self.pool.xp)
+    @property
+    def dtype(self) -> np.dtype:
+        """The model's dtype: q, k, v and the attention output."""
+        return self.spec.dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        """What the planes store: a name of ``supported.KV_DTYPES``."""
+        return self.spec.kv_dtype
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of K and V."""
+        return self.layout.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads in each plane."""
+        return self.layout.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Elements of one head's K (or V) of one token."""
+        return self.layout.head_dim
+
+    @property
+    def block_size(self) -> int:
+        """Tokens a block holds."""
+        return self.layout.block_size
+
+    @property
+    def placement(self) -> str:
+        """``"plane"`` or ``"block"``: how the planes lie in the pool."""
+        return self.layout.placement
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Columns of the block table: the most blocks one sequence holds."""
+        return self.tables.max_blocks_per_seq
+
+    @property
+    def xp(self) -> Any:
+        """The array module of the cache's arrays: ``cupy``, or ``numpy`` on the host backend."""
+        return self.pool.xp
 
     # --- sequences (delegated to the block tables) --------------------------------------
 
     @_exclusive
-    def add_sequence(self, prefix=None):
-        """A new sequence; returns its handle (its row in the block table).
+    def add_sequence(self, prefix: Optional[Sequence[int]] = None) -> int:
+        """A new sequence.
 
-        Without ``prefix`` it starts empty. With ``prefix``, the prompt's token ids, it
-        starts holding the cached blocks that the prompt begins with (shared, by
-        reference count), never all of the prompt: ``cache.length(seq)`` tokens are
-        cached, and the prefill appends the other ``len(prefix) - cache.length(seq)``
-        with their ids (``append(seq, n, token_ids=prefix[length:])``), attending over
-        the cached ones as a chunk with a prefix.
+        Parameters
+        ----------
+        prefix : sequence of int, optional
+            The prompt's token ids: the sequence starts holding the cached blocks the prompt begins with
+            (shared), never all of it; the prefill appends the other ``len(prefix) - length(seq)`` tokens with
+            their ids. None: it starts empty.
+
+        Returns
+        -------
+        int
+            Its handle (its row in the block table).
+
+        Raises
+        ------
+        TooManySequencesError
+            ``max_seqs`` sequences are live.
+        InvalidTokenIdsError
+            ``prefix`` is not a flat sequence of int32 ids.
         """
         return self.tables.add(prefix)
 
     @_exclusive
-    def append(self, seqs, counts=1, token_ids=None):
-        """Room for ``counts`` more tokens per sequence: ``(slot_mapping, copies)``.
+    def append(self, seqs: Optional[Handles], counts: Counts = 1,
+               token_ids: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """Room for ``counts`` more tokens per sequence; all or nothing.
 
-        Write the new tokens' K/V through ``slot_mapping`` (``kernels.write_kv``) after
-        copying each ``copies`` (src, dst) block pair (``kernels.copy_blocks(cache.planes, copies)``).
-        ``token_ids`` (optional, ``sum(counts)`` ids, sequence by sequence) lets the
-        blocks these tokens fill be cached for later prompts that begin alike.
+        Parameters
+        ----------
+        seqs : handles or None
+            Live sequences, each once; None: every live sequence, in handle order.
+        counts : int or int sequence
+            New tokens: one count for every sequence, or one each.
+        token_ids : sequence of int, optional
+            ``sum(counts)`` ids, sequence by sequence: the blocks these tokens fill are named in the prefix cache.
+
+        Returns
+        -------
+        slot_mapping : numpy.ndarray
+            Host int64 ``[sum(counts)]``: each new token's slot (``block * block_size + offset``), for
+            ``kernels.write_kv``.
+        copies : numpy.ndarray
+            Host int32 ``[n, 2]`` (src, dst) block pairs to copy first (``kernels.copy_blocks(cache.planes,
+            copies)``): copy-on-write of shared tail blocks.
+
+        Raises
+        ------
+        UnknownSequenceError, DuplicateSequenceError, InvalidTokenCountError, InvalidTokenIdsError
+            Bad arguments.
+        SequenceFullError, PoolExhaustedError
+            A row or the cache cannot hold the tokens; nothing changes.
         """
         return self.tables.append(seqs, counts, token_ids)
 
     @_exclusive
-    def step(self, seqs=None, counts=1, token_ids=None, *, arrivals=(), arrival_tokens=None, forks=(), frees=(),
-             swap_out=(), swap_in=()):
+    def step(self, seqs: Optional[Handles] = None, counts: Counts = 1, token_ids: Optional[Sequence[int]] = None, *,
+             arrivals: Sequence[Sequence[int]] = (), arrival_tokens: Optional[Counts] = None, forks: Handles = (),
+             frees: Handles = (), swap_out: Handles = (), swap_in: Handles = ()) -> Step:
         """One engine step in one call: the scheduler's decisions in, the step's kernel metadata out.
 
-        In order: ``frees`` (handles) are freed; each of ``forks`` (parent handles; one
-        child each, a parent may repeat; never a swapped-out one) gets a child sharing its
-        blocks as they are before this step's tokens; each of ``arrivals`` (prompts, as token
-        ids) becomes a new sequence holding the cached blocks its prompt begins with (blocks
-        offloaded to the host tier are brought back), and appends ``arrival_tokens`` more of
-        the prompt (one int, one per arrival, or None: the whole uncached rest; a chunked
-        prefill appends the rest in later steps, with its ids); ``swap_out`` (handles) move to
-        the host tier and ``swap_in`` (swapped-out handles) back (:meth:`swap_out`); then
-        ``seqs`` (None: every live sequence not freed now and not swapped out after the swaps,
-        before the arrivals and forks) get ``counts`` new tokens each (``token_ids``: their
-        ids, optional, as for :meth:`append`). With ``growth``, the step ends with its
-        :meth:`~pagedrt.growth.Growth.tick`.
+        In order: ``frees``, ``forks``, ``arrivals``, ``swap_out``, ``swap_in``, then ``counts`` new tokens for
+        ``seqs``; with ``growth``, the step ends with its :meth:`~pagedrt.growth.Growth.tick`. All or nothing:
+        any error, ``KeyboardInterrupt`` included, changes nothing (docs/ARCHITECTURE.md, "All or nothing").
+        Preempting: by swap, ``swap_out=[seq]`` now and ``swap_in=[seq]`` when :meth:`can_swap_in`; by
+        recompute, ``frees=[seq]`` now and its tokens so far as an arrival later. ``None`` for any list means
+        none.
 
-        Preempting: by swap, ``swap_out=[seq]`` now and ``swap_in=[seq]`` when there is room
-        (:meth:`can_swap_in`); by recompute, ``frees=[seq]`` now and its tokens so far as an
-        arrival later (with their ids, its full blocks stay in the prefix cache meanwhile,
-        offloaded to the host tier if evicted, so the arrival recomputes what was lost).
+        Parameters
+        ----------
+        seqs : handles, optional
+            The sequences that get new tokens; None: every live one not freed now and not swapped out after the
+            swaps, before the arrivals and forks.
+        counts : int or int sequence
+            New tokens: one count for every sequence of ``seqs``, or one each.
+        token_ids : sequence of int, optional
+            ``sum(counts)`` ids, sequence by sequence (for the prefix cache, as :meth:`append`).
+        arrivals : sequence of int sequences
+            Prompts, as token ids: each becomes a new sequence holding the cached blocks its prompt begins with
+            (blocks offloaded to the host tier are brought back).
+        arrival_tokens : int or int sequence, optional
+            Tokens of each prompt to append now, one for all or one per arrival; None: the whole uncached rest
+            (a chunked prefill appends the rest in later steps, with its ids).
+        forks : handles
+            Parents (a parent may repeat, never a swapped-out one): each gets a child sharing its blocks as they
+            are before this step's tokens.
+        frees : handles
+            Sequences to free (one handle, or several).
+        swap_out, swap_in : handles
+            Live sequences to move to the host tier, and swapped-out ones to move back (:meth:`swap_out`).
 
-        Returns a :class:`~pagedrt.step.Step`: the slot mapping, the batch's block tables,
-        KV lengths and query offsets on the device (one pinned upload), the tier copies and
-        then the copy-on-write pairs to copy first, and the arrivals' handles and cached
-        tokens and the children's handles. All or nothing: a step that cannot be satisfied
-        (an unknown, finished or repeated sequence, ids of the wrong length, more tokens than
-        ``max_step_tokens`` or than the cache holds, a swap-out the host tier cannot hold)
-        raises a named error and changes nothing; so does any exception raised inside it,
-        ``KeyboardInterrupt`` included (docs/ARCHITECTURE.md, "All or nothing"). ``None``
-        for any list means none; ``frees`` may be one handle, as :meth:`free` takes.
+        Returns
+        -------
+        Step
+            The slot mapping, the batch's block tables, KV lengths and query offsets on the device (one pinned
+            upload), the tier copies then the copy-on-write pairs to copy first, the arrivals' handles and cached
+            tokens and the children's handles (:class:`~pagedrt.step.Step`).
+
+        Raises
+        ------
+        UnknownSequenceError, DuplicateSequenceError, InvalidTokenCountError, InvalidTokenIdsError, SwapStateError
+            An unknown, finished, repeated or wrongly swapped sequence, counts or ids of the wrong length, or
+            more new tokens than ``max_step_tokens``.
+        SequenceFullError, PoolExhaustedError, TooManySequencesError, HostTierExhaustedError
+            More than a row, the cache or the block table holds, or a swap a tier cannot hold.
         """
         t = self.tables
         step = t.tx.run(lambda: self.metadata.build(t.step(seqs, counts, token_ids, arrivals, arrival_tokens, forks,
@@ -350,75 +531,134 @@ class PagedKVCache(PlaneViews):
         return step
 
     @_exclusive
-    def swap_out(self, seqs):
-        """Move the device blocks of ``seqs`` (live, not swapped out) to the host tier; they are left out of
-        ``step()``'s default batch until :meth:`swap_in`.
+    def swap_out(self, seqs: Handles) -> np.ndarray:
+        """Move the device blocks of ``seqs`` to the host tier; they are left out of :meth:`step`'s default
+        batch until :meth:`swap_in`. A block moves once every sequence holding it is swapped out (forks swap
+        out together to free their shared blocks). All or nothing.
 
-        Returns int32 ``[n, 2]`` (src, dst) block pairs: copy them in order
-        (``kernels.swap_blocks(cache.planes, pairs, stream)``) before anything writes into
-        the device blocks they free. A block moves once every sequence holding it is swapped
-        out (forks swap out together to free their shared blocks). All or nothing:
-        :class:`~pagedrt.errors.HostTierExhaustedError` when the host tier is short.
+        Parameters
+        ----------
+        seqs : handles
+            Live sequences, not swapped out, each once.
+
+        Returns
+        -------
+        numpy.ndarray
+            Host int32 ``[n, 2]`` (src, dst) block pairs: copy them in order
+            (``kernels.swap_blocks(cache.planes, pairs, stream)``) before anything writes into the device blocks
+            they free.
+
+        Raises
+        ------
+        HostTierExhaustedError
+            The host tier is short (or there is none).
+        UnknownSequenceError, DuplicateSequenceError, SwapStateError
+            Bad handles, or a sequence already swapped out.
         """
         return self.tables.swap_out(seqs)
 
     @_exclusive
-    def swap_in(self, seqs):
-        """Move the host-tier blocks of ``seqs`` (swapped out) back to the device: the pairs to copy first, in
-        order, as for :meth:`swap_out`. All or nothing: :class:`~pagedrt.errors.PoolExhaustedError` when the
-        device is short."""
+    def swap_in(self, seqs: Handles) -> np.ndarray:
+        """Move the host-tier blocks of ``seqs`` back to the device. All or nothing.
+
+        Parameters
+        ----------
+        seqs : handles
+            Swapped-out sequences, each once.
+
+        Returns
+        -------
+        numpy.ndarray
+            Host int32 ``[n, 2]`` (src, dst) block pairs to copy first, in order, as for :meth:`swap_out`.
+
+        Raises
+        ------
+        PoolExhaustedError
+            The device is short.
+        UnknownSequenceError, DuplicateSequenceError, SwapStateError
+            Bad handles, or a sequence not swapped out.
+        """
         return self.tables.swap_in(seqs)
 
     @_exclusive
-    def can_swap_out(self, seqs):
-        """Whether :meth:`swap_out` of ``seqs`` would succeed now."""
+    def can_swap_out(self, seqs: Handles) -> bool:
+        """Whether :meth:`swap_out` of ``seqs`` (handles) would succeed now; bad handles raise as it does."""
         return self.tables.can_swap_out(seqs)
 
     @_exclusive
-    def can_swap_in(self, seqs):
-        """Whether :meth:`swap_in` of ``seqs`` would succeed now."""
+    def can_swap_in(self, seqs: Handles) -> bool:
+        """Whether :meth:`swap_in` of ``seqs`` (handles) would succeed now; bad handles raise as it does."""
         return self.tables.can_swap_in(seqs)
 
     @property
     @_exclusive
-    def swapped(self):
-        """The handles of the sequences swapped out to the host tier."""
+    def swapped(self) -> List[int]:
+        """The handles of the sequences swapped out to the host tier, in handle order."""
         return [int(s) for s in self.tables.swapped_sequences]
 
     @_exclusive
-    def fork(self, seq):
-        """A new sequence sharing every block of ``seq``; its first append copies a shared tail block."""
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every block of ``seq``; its first append copies a shared tail block.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence, not swapped out.
+
+        Returns
+        -------
+        int
+            The child's handle.
+
+        Raises
+        ------
+        UnknownSequenceError, SwapStateError, TooManySequencesError
+            ``seq`` is not live, is swapped out, or ``max_seqs`` sequences are live.
+        """
         return self.tables.fork(seq)
 
     @_exclusive
-    def free(self, seqs):
-        """Free sequences, each given once; their blocks go back when no fork holds them."""
+    def free(self, seqs: Handles) -> None:
+        """Free sequences; their blocks go back when no fork holds them (named full blocks stay cached-free).
+
+        Parameters
+        ----------
+        seqs : handles
+            Live sequences, each once.
+
+        Raises
+        ------
+        UnknownSequenceError, DuplicateSequenceError
+            A handle not live or given twice; nothing is freed.
+        """
         self.tables.free(seqs)
 
     @_exclusive
-    def can_append(self, seqs, counts=1):
-        """Whether ``append(seqs, counts)`` would succeed now.
+    def can_append(self, seqs: Optional[Handles], counts: Counts = 1) -> bool:
+        """Whether ``append(seqs, counts)`` would succeed now: every row wide enough, and the available blocks
+        cover the new blocks and the copy-on-write copies of shared tail blocks.
 
-        Every sequence's block-table row must be wide enough, and the available blocks
-        must cover the new blocks and the private copies of shared tail blocks that
-        copy-on-write takes. Bad arguments raise as :meth:`append` does.
+        Parameters
+        ----------
+        seqs, counts
+            As :meth:`append`'s; bad ones raise as it does.
         """
         return self.tables.can_append(seqs, counts)
 
     @property
     @_exclusive
-    def num_available_blocks(self):
+    def num_available_blocks(self) -> int:
         """Blocks that appends can still get: the free ones and every block of chunks not mapped yet."""
         return self.allocator.num_available
 
     @property
     @_exclusive
-    def num_cached_blocks(self):
+    def num_cached_blocks(self) -> int:
         """Blocks named in the prefix cache, held by sequences or cached-free (evictable)."""
         return len(self.allocator.index)
 
     @_exclusive
-    def prefix_stats(self):
+    def prefix_stats(self) -> Dict[str, int]:
         """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable,
         evictions; with a host tier, offloaded (cached blocks in it now), offloads, reloads and host_evictions
         (offloaded blocks dropped)."""
@@ -429,47 +669,77 @@ class PagedKVCache(PlaneViews):
                 "reloads": st.reloads, "host_evictions": st.host_evictions}
 
     @_exclusive
-    def trim(self):
-        """Hand back every chunk whose blocks are all free; returns the allocator chunks released.
+    def trim(self) -> List[int]:
+        """Hand back every device chunk whose blocks are all free (a cached-free block is not free: its chunk
+        stays mapped until allocation evicts it).
 
-        Cached-free blocks are not free: a chunk holding one stays mapped until
-        allocation evicts the block.
+        Returns
+        -------
+        list of int
+            The allocator chunks released, in increasing order.
         """
         return self.allocator.trim()
 
     @_exclusive
-    def length(self, seq):
+    def length(self, seq: int) -> int:
+        """The tokens live sequence ``seq`` holds; UnknownSequenceError for a handle not live."""
         return int(self.tables.lens[self.tables.row(seq)])
 
     @_exclusive
-    def lengths(self, seqs):
-        """The lengths of live sequences ``seqs`` (handles), as a host int64 array in their order: a scheduler's
-        view, without a device round trip (:meth:`seq_lens` is the device's)."""
+    def lengths(self, seqs: Handles) -> np.ndarray:
+        """The lengths of live sequences ``seqs`` (handles): a scheduler's view, without a device round trip.
+
+        Returns
+        -------
+        numpy.ndarray
+            Host int64 ``[n]``, in the order of ``seqs`` (:meth:`seq_lens` is the device's).
+
+        Raises
+        ------
+        UnknownSequenceError
+            A handle not live.
+        """
         return self.tables.lens[self.tables.rows(seqs)].astype(np.int64)
 
     @property
     @_exclusive
-    def sequences(self):
+    def sequences(self) -> List[int]:
+        """The handles of the live sequences, in handle order."""
         return [int(s) for s in self.tables.sequences]
 
     # --- what kernels read: PlaneViews' k, v, planes, k_scale, v_scale ----------------------------
 
     @_exclusive
-    def block_tables(self, seqs=None):
-        """The device block table (int32), all rows or those of ``seqs`` in order.
+    def block_tables(self, seqs: Optional[Handles] = None) -> Array:
+        """The device block table, uploaded first if the host's changed.
 
-        Consecutive handles give a view of the table (no copy); others a gathered copy.
+        Parameters
+        ----------
+        seqs : handles, optional
+            Live sequences; None: every row.
+
+        Returns
+        -------
+        Array
+            int32 ``[max_seqs, max_blocks_per_seq]``, or ``[n, max_blocks_per_seq]`` for ``seqs`` in order:
+            consecutive handles give a view (no copy), others a gathered copy.
+
+        Raises
+        ------
+        UnknownSequenceError
+            A handle not live.
         """
         self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
         return self._select(self.metadata.block_table, seqs)
 
     @_exclusive
-    def seq_lens(self, seqs=None):
-        """The device lengths (int32), all rows or those of ``seqs`` in order."""
+    def seq_lens(self, seqs: Optional[Handles] = None) -> Array:
+        """The device lengths: int32 ``[max_seqs]``, or ``[n]`` for ``seqs`` in order (as
+        :meth:`block_tables`)."""
         self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
         return self._select(self.metadata.seq_lens, seqs)
 
-    def _select(self, array, seqs):
+    def _select(self, array: Array, seqs: Optional[Handles]) -> Array:
         if seqs is None:
             return array
         rows = self.tables.rows(seqs)
@@ -479,32 +749,57 @@ class PagedKVCache(PlaneViews):
         return array[self.xp.asarray(rows)]
 
     @_exclusive
-    def block_mask(self):
-        """Per block, on the device: 1 where its chunk is mapped. Kernels validate tables against it."""
+    def block_mask(self) -> Array:
+        """uint8 ``[max_blocks]`` on the device (both tiers' blocks): 1 where the block's chunk is mapped.
+        Kernels validate tables against it; the same array until chunks are mapped or released."""
         if self._mask_version != self.allocator.version:
             self._mask = self.xp.asarray(self.allocator.usable_mask().astype(np.uint8))
             self._mask_version = self.allocator.version
         return self._mask
 
-    def _plane_view(self, layer, kv):
+    def _plane_view(self, layer: int, kv: str) -> Array:
         return plane_view(self.pool, self.layout, self.spec, layer, kv)
 
     # --- both layers at once ----------------------------------------------------------------
 
     @_exclusive
-    def translate(self, seq, pos, layer=0, kv="k", head=0):
-        """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page."""
+    def translate(self, seq: int, pos: int, layer: int = 0, kv: str = "k", head: int = 0) -> Translation:
+        """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence.
+        pos : int
+            ``0 <= pos < length(seq)``.
+        layer, kv, head : int, str, int
+            The layer, ``"k"`` or ``"v"``, and the KV head.
+
+        Returns
+        -------
+        Translation
+            The whole address chain (:class:`~pagedrt.layout.Translation`).
+
+        Raises
+        ------
+        UnknownSequenceError, InvalidPositionError, UnsupportedConfigError
+            A handle not live, a position it does not hold, a layer, kv or head that does not exist.
+        """
         row = self.tables.row(seq)
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
                          row, pos, layer, kv, head, cached=self.allocator.index.cached)
 
     @_exclusive
-    def stats(self):
+    def stats(self) -> Dict[str, int]:
         """Token and byte counts: what holds tokens against what is mapped.
 
-        ``tokens`` counts every sequence's tokens; ``stored_tokens`` counts the token
-        slots filled in held blocks, once even when forks share them, and
-        ``token_bytes`` is what those hold.
+        Returns
+        -------
+        dict of str to int
+            ``sequences``, ``tokens`` (every sequence's), ``stored_tokens`` (slots filled in held blocks, once
+            even when forks share them) and ``token_bytes`` (what those hold); ``held_blocks``, ``free_blocks``,
+            ``mapped_blocks``, ``max_blocks`` (device), ``mapped_bytes``, ``reserved_bytes``;
+            ``swapped_sequences``, ``host_blocks``, ``host_held_blocks``, ``host_free_blocks``.
         """
         lay, a, t = self.layout, self.allocator, self.tables
         rows = t.sequences
@@ -525,28 +820,29 @@ class PagedKVCache(PlaneViews):
         }
 
     @_exclusive
-    def snapshot(self):
+    def snapshot(self) -> dict:
         """Both layers as a JSON-ready dict (schema in docs/SNAPSHOT.md)."""
         return build_snapshot(self.layout, self.pool, self.allocator, self.tables)
 
     @_exclusive
-    def write_snapshot(self, path):
-        """Write :meth:`snapshot` to ``path`` atomically (a temp file renamed over it)."""
+    def write_snapshot(self, path: str) -> None:
+        """Write :meth:`snapshot` to ``path`` (a file name) atomically: a temp file renamed over it."""
         write_snapshot(build_snapshot(self.layout, self.pool, self.allocator, self.tables), path)
 
     # --- lifetime -----------------------------------------------------------------------------
 
-    def _check_open(self, name):
+    def _check_open(self, name: str) -> None:
         if self.pool.closed:
             raise PoolClosedError(f"cache.{name}: this cache was closed; make a new one")
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self.pool.closed
 
-    def close(self):
+    def close(self) -> None:
         """Stop growth (its worker), then unmap and release the pool; idempotent. Every later call raises
-        PoolClosedError."""
+        PoolClosedError; ConcurrentUseError while another thread is inside the cache."""
         locked = False
         try:
             locked = self._lock.acquire(False)
@@ -561,13 +857,15 @@ class PagedKVCache(PlaneViews):
             if locked:
                 self._lock.release()
 
-    def __enter__(self):
+    def __enter__(self) -> "PagedKVCache":
+        """The cache itself."""
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
+        """:meth:`close`."""
         self.close()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         lay = self.layout
         return (f"PagedKVCache({lay.num_layers} layers, {lay.num_kv_heads} kv heads x {lay.head_dim}, "
                 f"block {lay.block_size}, {lay.dtype}, {lay.placement}-major, {self.pool!r})")
