@@ -22,11 +22,13 @@ On the host backend the kernels' NumPy references read host arrays: the step's a
 gathered from the host table, and there is nothing to upload.
 """
 
-from typing import NamedTuple
+from typing import Any, Dict, NamedTuple, Tuple
 
 import numpy as np
 
 from . import source
+from .blocks import BlockTables, StepResult
+from .spec import Array
 from .staging import PinnedStaging
 
 THREADS = 256
@@ -45,33 +47,77 @@ class Step(NamedTuple):
     swap-ins, offloads and reloads between the tiers), then ``copies``
     (``kernels.copy_blocks(cache.planes, step.copies)``), then write the new tokens; each is a
     no-op for none.
+
+    Attributes
+    ----------
+    seqs : numpy.ndarray
+        Host int64 ``[batch]``: the sequences, in batch order.
+    query_lens : numpy.ndarray
+        Host int64 ``[batch]``: new tokens per sequence.
+    num_tokens : int
+        New tokens of the whole step: ``query_lens.sum()``.
+    slot_mapping : Array
+        int64 ``[num_tokens]``: the new tokens' pool slots (``kernels.write_kv``).
+    block_tables : Array
+        int32 ``[batch, max_blocks_per_seq]``: each batch row's blocks, -1 past its last.
+    seq_lens : Array
+        int32 ``[batch]``: KV lengths after the step.
+    qo_indptr : Array
+        int32 ``[batch + 1]``: each sequence's first query token; the last is ``num_tokens``.
+    copies : numpy.ndarray
+        Host int32 ``[n, 2]``: the copy-on-write (src, dst) block pairs to copy first.
+    arrived : numpy.ndarray
+        Host int64 ``[arrivals]``: the arrivals' handles, in the order given.
+    cached : numpy.ndarray
+        Host int64 ``[arrivals]``: per arrival, its leading tokens found in the prefix cache.
+    forked : numpy.ndarray
+        Host int64 ``[forks]``: one child's handle per fork, in the order given.
+    swaps : numpy.ndarray
+        Host int32 ``[n, 2]``: the (src, dst) tier copies to make first, in order.
     """
 
-    seqs: np.ndarray        # int64 [batch], host: the sequences, in batch order
-    query_lens: np.ndarray  # int64 [batch], host: new tokens per sequence
+    seqs: np.ndarray
+    query_lens: np.ndarray
     num_tokens: int
-    slot_mapping: object    # int64 [num_tokens]: the new tokens' pool slots (write_kv)
-    block_tables: object    # int32 [batch, max_blocks_per_seq]
-    seq_lens: object        # int32 [batch]: KV lengths after the step
-    qo_indptr: object       # int32 [batch + 1]: each sequence's first query token; the last is num_tokens
-    copies: np.ndarray      # int32 [n, 2], host: the copy-on-write (src, dst) block pairs to copy first
-    arrived: np.ndarray     # int64, host: the arrivals' handles, in the order given
-    cached: np.ndarray      # int64, host: per arrival, its leading tokens found in the prefix cache
-    forked: np.ndarray      # int64, host: one child's handle per fork, in the order given
-    swaps: np.ndarray       # int32 [n, 2], host: the (src, dst) tier copies to make first, in order
+    slot_mapping: Array
+    block_tables: Array
+    seq_lens: Array
+    qo_indptr: Array
+    copies: np.ndarray
+    arrived: np.ndarray
+    cached: np.ndarray
+    forked: np.ndarray
+    swaps: np.ndarray
 
 
 class StepMetadata:
-    """The device block table and lengths (int32), and the fixed buffers of each step's arrays.
+    """The device block table and lengths, and the fixed buffers of each step's arrays.
 
-    ``xp`` is the pool's array module: with NumPy, ``block_table`` and ``seq_lens``
-    are the host arrays themselves. Call :meth:`upload` before kernels read them.
+    Parameters
+    ----------
+    tables : BlockTables
+        The host tables to keep current on the device (their change log is drained from now on).
+    xp : module
+        The pool's array module: with ``numpy``, ``block_table`` and ``seq_lens`` are the host arrays themselves
+        and nothing is uploaded.
+    max_step_tokens : int
+        The most new tokens one step takes: the slot buffer's size.
+
+    Attributes
+    ----------
+    block_table : Array
+        int32 ``[max_seqs, max_blocks_per_seq]``; current after :meth:`upload` or :meth:`build`.
+    seq_lens : Array
+        int32 ``[max_seqs]``; as ``block_table``.
+    max_step_tokens : int
+        As given.
     """
 
-    def __init__(self, tables, xp, max_step_tokens):
+    def __init__(self, tables: BlockTables, xp: Any, max_step_tokens: int):
         self.tables = tables
         self.max_step_tokens = max_step_tokens
-        self._queries = {}  # (batch, tokens each) -> (query lengths, query offsets), read-only
+        # (batch, tokens each) -> (query lengths, query offsets), read-only
+        self._queries: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray]] = {}
         tables.drain_changes()  # the copies below start from the state now
         if xp is np:
             tables.log_changes = False  # nothing to keep current: the host arrays are what kernels read
@@ -89,10 +135,10 @@ class StepMetadata:
         self._pos = xp.full(rows, -1, np.int32)  # each sequence's row in the step's arrays, -1 if none
         self._batch = _NONE      # the last step's sequences, in batch order
         self._padded = (0, 0)    # (tokens, batch) of the last step; slots and rows are padded past them
-        self._views = {}         # (name, size) -> a view of that buffer's first size rows
+        self._views: Dict[Tuple[str, int], Array] = {}  # (name, size) -> a view of that buffer's first size rows
         self._grid = (4 * _multiprocessors(xp),)
 
-    def upload(self):
+    def upload(self) -> None:
         """Bring ``block_table`` and ``seq_lens`` up to date (and the last step's arrays with them): one copy and
         one launch, on the current stream."""
         if self._staging is None:
@@ -101,9 +147,21 @@ class StepMetadata:
         if changes[0].size or changes[2].size:
             self._launch(self._staging.send(_header(changes, 0, 0, 0, 0, self._width, 0, 0), *changes))
 
-    def build(self, result):
-        """The :class:`Step` of ``result`` (a :class:`~pagedrt.blocks.StepResult`): one copy and one launch on
-        the current stream, two when the batch is not the last step's (none on the host backend)."""
+    def build(self, result: StepResult) -> Step:
+        """One step's device metadata: one copy and one launch on the current stream, two when the batch is not
+        the last step's (none on the host backend).
+
+        Parameters
+        ----------
+        result : StepResult
+            The software layer's step (:meth:`BlockTables.step <pagedrt.blocks.BlockTables.step>`).
+
+        Returns
+        -------
+        Step
+            Its arrays views of the fixed buffers (on the host backend, of the host table or gathered copies),
+            valid until the next step rewrites them.
+        """
         rows, counts = result.rows, result.counts
         query_lens, qo = self._query_offsets(rows.size, counts)
         n_tokens, batch = int(qo[-1]), int(rows.size)
