@@ -1,61 +1,20 @@
 """Growth ahead of demand: chunks mapped before allocation needs them, off the step's critical path.
 
-Without it, :meth:`BlockAllocator.allocate <pagedrt.blocks.BlockAllocator.allocate>`
-maps chunks itself when it runs out of free blocks, inside whatever step asked; in
-the plane-major layout one allocator chunk is one pool chunk per plane, so that is
-one create, map and access call per plane. :class:`Growth` keeps a margin of spare
-blocks mapped instead, and maps it on a worker thread (the driver's calls release
-the GIL, so the caller's thread keeps launching meanwhile).
-
-The policy, applied by :meth:`Growth.tick` once per step:
-
-- **Spare blocks** are those allocate can hand out without mapping: free blocks,
-  cached-free blocks (allocate evicts them before it maps) and the blocks of chunks
-  in flight.
-- **Low watermark.** When spare blocks fall under ``low_blocks``, tick claims enough
-  chunks (the lowest unmapped ones, as ``grow`` picks them; at least one) to bring
-  them to ``high_blocks``, and hands them to the worker.
-- **Hysteresis on release.** A mapped chunk whose blocks have all been free for
-  ``release_after`` consecutive ticks is released, highest first, but only while
-  spare blocks stay at ``high_blocks`` or more after the release. Since release
-  stops at the high watermark and mapping starts under the low one, a chunk is
-  never mapped and released in turn. A chunk holding a cached-free block is not
-  all free, so it stays.
-- **Idle means untouched.** The allocator marks every chunk that allocate, free,
-  transfer or eviction touches (``allocator.touched``, the building-block calls
-  included); a tick counts a touched chunk's idle ticks from zero again and clears
-  the marks. So a chunk whose blocks this very step freed (its swap-out's or
-  offload's sources, which the caller still copies from) is never released in the
-  same tick, whatever ``release_after``.
-
-**The worker's contract.** The worker makes backend calls only
-(:meth:`Pool.prepare <pagedrt.memory.Pool.prepare>` on places the caller's thread
-claimed); every piece of bookkeeping, the pool's and the allocator's, changes on the
-caller's thread: in :meth:`Growth.tick`, or in ``allocate`` when it has to wait for
-chunks in flight. Results (a prepared claim, or the exception that stopped it) come
-back through a queue. A failed preparation is undone by the pool, its places are
-given back when its outcome is taken (at a tick, or by a waiting ``allocate``), the
-error is kept in :attr:`Growth.last_error`, and nothing more is asked of the worker
-until the allocator's chunks change (a synchronous grow, a release, another claim
-committed); meanwhile ``allocate`` maps what it needs itself, raising the named
-error if memory is really out.
-
-With ``background=False`` the same policy maps on the caller's thread inside
-:meth:`Growth.tick`: between steps, not inside an allocation (the benchmark's
-comparison).
-
-The counters (:meth:`Growth.stats`): ``chunks_ahead`` mapped ahead, ``chunks_released``
-by the hysteresis, ``sync_grows`` (times ``allocate`` mapped chunks itself, on the
-critical path), ``waits`` (times ``allocate`` blocked on chunks in flight),
-``failures`` and ``in_flight`` (chunks being mapped now).
+:class:`Growth` keeps spare blocks (free, cached-free, in flight) between a low and a high watermark: under
+``low_blocks`` a :meth:`Growth.tick` claims chunks and a worker thread maps them (backend calls only; every piece
+of bookkeeping changes on the caller's thread); a chunk untouched and all free for ``release_after`` ticks is
+released while spare blocks stay at ``high_blocks`` or more. docs/ARCHITECTURE.md ("Growth ahead of demand")
+says why, and what the worker may and may not do.
 """
 
 import queue
 import threading
 import weakref
+from typing import Any, Dict, Optional
 
 import numpy as np
 
+from .blocks import BlockAllocator
 from .blocks.util import ceil_div
 from .errors import PoolClosedError, UnsupportedConfigError
 
@@ -63,12 +22,38 @@ from .errors import PoolClosedError, UnsupportedConfigError
 class Growth:
     """Maps ``allocator``'s chunks ahead of demand and releases idle ones, one :meth:`tick` per step.
 
-    Call :meth:`tick` (and the cache) from one thread; the worker thread, started at
-    the first request, only runs backend calls. A failed request's exception is kept
-    in :attr:`last_error`. :meth:`close` stops the worker.
+    Call :meth:`tick` (and the cache) from one thread; the worker thread, started at the first request, only
+    runs backend calls. :meth:`close` stops the worker.
+
+    Parameters
+    ----------
+    allocator : BlockAllocator
+        The allocator whose chunks it maps; it waits on this Growth's chunks in flight from now on.
+    low_blocks : int
+        The low watermark, ``>= 0``: under it spare blocks, a tick asks for chunks up to ``high_blocks``.
+    high_blocks : int
+        The high watermark, ``>= max(1, low_blocks)``: idle chunks are released only while spare blocks stay at
+        it or more.
+    release_after : int
+        Ticks, ``>= 1``, a chunk must stay all free and untouched before it is released.
+    background : bool
+        Map on a worker thread (True) or inside :meth:`tick`, on the caller's thread (False).
+
+    Raises
+    ------
+    UnsupportedConfigError
+        A watermark or ``release_after`` that is not an int in range, or an allocator that has a Growth already.
+
+    Attributes
+    ----------
+    last_error : BaseException or None
+        The exception of the last failed preparation; requests pause until the allocator's chunks change.
+    chunks_ahead, chunks_released, waits, failures : int
+        Counters (:meth:`stats`).
     """
 
-    def __init__(self, allocator, *, low_blocks, high_blocks, release_after, background=True):
+    def __init__(self, allocator: BlockAllocator, *, low_blocks: int, high_blocks: int, release_after: int,
+                 background: bool = True):
         for name, value, least in (("low_blocks", low_blocks, 0), ("high_blocks", high_blocks, 1),
                                    ("release_after", release_after, 1)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
@@ -82,11 +67,13 @@ class Growth:
         self.allocator, self.pool = allocator, allocator.pool
         self.low_blocks, self.high_blocks, self.release_after = int(low_blocks), int(high_blocks), int(release_after)
         self.background = bool(background)
-        self.last_error = None  # the exception of the last failed preparation
+        self.last_error: Optional[BaseException] = None  # the exception of the last failed preparation
         self.chunks_ahead = self.chunks_released = self.waits = self.failures = 0
         self._idle = np.zeros(allocator.device_chunks, np.int64)  # per device chunk: consecutive ticks all free
         self._paused = None   # the allocator's version at the last failure: no requests until it changes
         self._pending = 0     # requests handed to the worker and not taken back yet
+        self._todo: queue.SimpleQueue[Any]  # (pool, chunks, claim) to prepare; None stops the worker
+        self._done: queue.SimpleQueue[Any]  # (chunks, claim, the exception or None) prepared
         self._todo, self._done = queue.SimpleQueue(), queue.SimpleQueue()
         self._worker = None
         self._stop = weakref.finalize(self, self._todo.put, None)  # the worker ends when this object goes
@@ -94,27 +81,37 @@ class Growth:
         allocator.wait_in_flight = _weak_wait(self)
 
     @property
-    def in_flight(self):
+    def in_flight(self) -> int:
         """Chunks being mapped ahead now."""
         return int(np.count_nonzero(self.allocator.in_flight))
 
     @property
-    def spare_blocks(self):
+    def spare_blocks(self) -> int:
         """Blocks allocate can hand out without mapping: free, cached-free and in flight."""
         a = self.allocator
         return a.num_free + len(a.evictable) + self.in_flight * a.blocks_per_chunk
 
-    def stats(self):
-        """The counters (see the module docstring) as a dict."""
+    def stats(self) -> Dict[str, int]:
+        """The counters: ``chunks_ahead`` (mapped ahead), ``chunks_released`` (by the hysteresis), ``sync_grows``
+        (times ``allocate`` mapped chunks itself, on the critical path), ``waits`` (times ``allocate`` blocked on
+        chunks in flight), ``failures``, and ``in_flight`` (chunks being mapped now)."""
         return {"chunks_ahead": self.chunks_ahead, "chunks_released": self.chunks_released,
                 "sync_grows": self.allocator.stats.sync_grows, "waits": self.waits, "failures": self.failures,
                 "in_flight": self.in_flight}
 
-    def tick(self):
+    def tick(self) -> None:
         """Once per step, between steps: adopt chunks the worker has mapped, then map ahead or release.
 
-        Never waits for the worker; with ``background=False`` it maps here, itself.
-        :meth:`stats` counts what it did.
+        Never waits for the worker; with ``background=False`` it maps here, itself. :meth:`stats` counts what
+        it did.
+
+        Raises
+        ------
+        PoolClosedError
+            After :meth:`close`, or once the cache's pool is closed.
+        BaseException
+            An interrupt that stopped a preparation, raised again once its chunks are given back (an
+            ``Exception`` is kept in :attr:`last_error` instead).
         """
         if self._closed or self.pool.closed:
             raise PoolClosedError("growth.tick(): this growth (or its cache) was closed")
@@ -191,7 +188,7 @@ class Growth:
             self.waits += 1
             self._collect(block=True)
 
-    def close(self):
+    def close(self) -> None:
         """Stop the worker, wait for the preparation under way and discard every uncommitted one. Idempotent."""
         if self._closed:
             return
@@ -206,7 +203,7 @@ class Growth:
             self.pool.discard(prepared)
         self.allocator.wait_in_flight = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Growth(low_blocks={self.low_blocks}, high_blocks={self.high_blocks}, "
                 f"release_after={self.release_after}, background={self.background}, {self.stats()})")
 
