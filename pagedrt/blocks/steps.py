@@ -11,7 +11,7 @@ then the appends (copy-on-write inside), all inside one transaction
 record of what was done: what the caller applies on the device.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import numpy as np
 
@@ -21,16 +21,36 @@ from .util import NO_ROWS, pairs
 
 
 class StepResult(NamedTuple):
-    """What one :meth:`BlockTables.step <pagedrt.blocks.tables.BlockTables.step>` did, on the host."""
+    """What one :meth:`BlockTables.step <pagedrt.blocks.tables.BlockTables.step>` did, on the host.
 
-    rows: np.ndarray     # int64 [batch]: the step's sequences in batch order (scheduled, then arrivals)
-    counts: object       # their new tokens: one int for every row, or int64 [batch]
-    slots: np.ndarray    # int64 [tokens]: the new tokens' pool slots, row by row
-    copies: np.ndarray   # int32 [n, 2]: (src, dst) blocks to copy before writing (copy-on-write)
-    arrived: np.ndarray  # int64: the arrivals' handles, in the order given
-    cached: np.ndarray   # int64: per arrival, its leading tokens found in the prefix cache
-    forked: np.ndarray   # int64: the children's handles, one per fork, in the order given
-    swaps: np.ndarray    # int32 [n, 2]: (src, dst) tier copies (swaps, offloads, reloads) to make first, in order
+    Attributes
+    ----------
+    rows : numpy.ndarray
+        int64 ``[batch]``: the step's sequences in batch order (scheduled, then arrivals).
+    counts : int or numpy.ndarray
+        Their new tokens: one int for every row, or int64 ``[batch]``.
+    slots : numpy.ndarray
+        int64 ``[tokens]``: the new tokens' pool slots, row by row.
+    copies : numpy.ndarray
+        int32 ``[n, 2]``: (src, dst) blocks to copy before writing (copy-on-write).
+    arrived : numpy.ndarray
+        int64 ``[arrivals]``: the arrivals' handles, in the order given.
+    cached : numpy.ndarray
+        int64 ``[arrivals]``: per arrival, its leading tokens found in the prefix cache.
+    forked : numpy.ndarray
+        int64 ``[forks]``: the children's handles, one per fork, in the order given.
+    swaps : numpy.ndarray
+        int32 ``[n, 2]``: (src, dst) tier copies (swaps, offloads, reloads) to make first, in order.
+    """
+
+    rows: np.ndarray
+    counts: Union[int, np.ndarray]
+    slots: np.ndarray
+    copies: np.ndarray
+    arrived: np.ndarray
+    cached: np.ndarray
+    forked: np.ndarray
+    swaps: np.ndarray
 
 
 class _Checked(NamedTuple):

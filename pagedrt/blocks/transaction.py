@@ -22,20 +22,33 @@ primitives just change things (direct allocator calls, construction).
 import signal
 import threading
 from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
 
 
 class Transaction:
-    """The undo journal of one cache's software layer (see the module docstring)."""
+    """The undo journal of one cache's software layer (see the module docstring).
 
-    def __init__(self):
-        self._journal = None  # a list while a transaction is open
-        self.moves = None     # while a list: offload on eviction, and record every tier copy (src, dst) in order
+    Attributes
+    ----------
+    moves : list of (int, int) or None
+        While a list (inside a transaction run with ``moves=True``): eviction offloads, and every tier copy
+        (src, dst) is recorded there in order.
+    """
+
+    def __init__(self) -> None:
+        self._journal: Optional[List[Any]] = None  # a list while a transaction is open
+        self.moves: Optional[List[Any]] = None  # while a list: offload on eviction, record every tier copy in order
 
     @property
-    def open(self):
+    def open(self) -> bool:
+        """Whether a transaction is open."""
         return self._journal is not None
 
-    def run(self, operation, moves=False):
+    def run(self, operation: Callable[[], T], moves: bool = False) -> T:
         """``operation()`` as one transaction: all of its changes, or (on any exception) none.
 
         Parameters
@@ -45,6 +58,16 @@ class Transaction:
         moves : bool
             Whether the caller makes the operation's tier copies (:attr:`moves`).
             Ignored when a transaction is open already: the operation is part of it.
+
+        Returns
+        -------
+        object
+            What ``operation()`` returned.
+
+        Raises
+        ------
+        BaseException
+            Whatever ``operation()`` raised, after every change it made is undone.
         """
         if self._journal is not None:
             return operation()
@@ -68,28 +91,28 @@ class Transaction:
                 else:
                     entry()
 
-    def set(self, array, index, values):
-        """``array[index] = values``, journaled."""
+    def set(self, array: np.ndarray, index: Any, values: Any) -> None:
+        """``array[index] = values``, journaled (``index`` any NumPy index, ``values`` what it takes)."""
         if self._journal is not None:
             self._journal.append((array, index, array[index].copy()))
         array[index] = values
 
-    def save(self, array, index):
+    def save(self, array: np.ndarray, index: Any) -> None:
         """Journal ``array[index]`` before the caller changes it in place (``np.add.at`` and the like)."""
         if self._journal is not None:
             self._journal.append((array, index, array[index].copy()))
 
-    def attr(self, obj, name, value):
+    def attr(self, obj: Any, name: str, value: Any) -> None:
         """``setattr(obj, name, value)``, journaled."""
         if self._journal is not None:
             self._journal.append(_SetAttr(obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
-    def count(self, obj, name, n):
+    def count(self, obj: Any, name: str, n: int) -> None:
         """Add ``n`` to the counter ``obj.name``, journaled."""
         self.attr(obj, name, getattr(obj, name) + n)
 
-    def undo(self, function):
+    def undo(self, function: Callable[[], Any]) -> None:
         """Record ``function`` (no arguments) to run on rollback; call it before the change it undoes."""
         if self._journal is not None:
             self._journal.append(function)
@@ -106,7 +129,7 @@ class _SetAttr:
 
 
 @contextmanager
-def deferred_sigint():
+def deferred_sigint() -> Iterator[None]:
     """SIGINT held back while the block runs (main thread only; elsewhere signals do not arrive), then
     delivered once to the handler it would have met."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
