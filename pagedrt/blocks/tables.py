@@ -23,7 +23,7 @@ is :mod:`pagedrt.blocks.steps`'. Every public call is one transaction
 """
 
 from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,14 +34,40 @@ from . import steps
 from .tiers import SwapTables
 from .util import NO_COPIES, NO_ROWS, ceil_div, joined, ranks
 
+if TYPE_CHECKING:  # pagedrt.protocols imports pagedrt.step, which imports this package
+    from ..protocols import Counts, Handles
+    from .allocator import BlockAllocator
+    from .steps import StepResult
+
 
 class BlockTables(SwapTables):
     """Sequences: a length and a block-table row each, with a log of what changed.
 
-    ``seq`` handles are rows of the table; a freed handle may be given to a later sequence.
+    ``seq`` handles are rows of the table; a freed handle may be given to a later sequence. Every public call
+    that changes something is one transaction: a named error (:mod:`pagedrt.errors`) changes nothing.
+
+    Parameters
+    ----------
+    allocator : BlockAllocator
+        Where blocks come from; its transaction is the tables' too.
+    block_size : int
+        Tokens a block holds (a power of two).
+    max_seqs : int
+        Rows: the most live sequences.
+    max_blocks_per_seq : int
+        Columns: the most blocks one sequence holds.
+
+    Attributes
+    ----------
+    table : numpy.ndarray
+        int32 ``[max_seqs, max_blocks_per_seq]``: each row's block ids in logical order, -1 past its last.
+    lens : numpy.ndarray
+        int32 ``[max_seqs]``: each row's tokens (0 for a row not live).
+    live, swapped : numpy.ndarray
+        bool ``[max_seqs]``: the rows that are live sequences, and those swapped out to the host tier.
     """
 
-    def __init__(self, allocator, block_size, max_seqs, max_blocks_per_seq):
+    def __init__(self, allocator: "BlockAllocator", block_size: int, max_seqs: int, max_blocks_per_seq: int):
         self.allocator = allocator
         self.tx = allocator.tx  # one journal for the allocator, the index and the tables
         self.block_size = block_size
@@ -61,35 +87,49 @@ class BlockTables(SwapTables):
         self.tail = np.zeros((max_seqs, block_size), np.int32)  # the ids in the partly filled last block
         self.chain = [prefix.ROOT] * max_seqs                   # the name of the last full block
         self.log_changes = True     # False where no device copy reads the log (the host backend)
-        self._changed_entries = []  # (rows, cols) of table entries changed since the last drain
-        self._changed_lens = []     # rows whose length changed since the last drain
+        # (rows, cols) of table entries changed since the last drain
+        self._changed_entries: List[Tuple[np.ndarray, np.ndarray]] = []
+        self._changed_lens: List[np.ndarray] = []  # rows whose length changed since the last drain
 
     # --- queries ------------------------------------------------------------------------
 
     @property
-    def sequences(self):
+    def sequences(self) -> np.ndarray:
+        """int64 ``[n]``: the live sequences' handles, in handle order."""
         return np.flatnonzero(self.live)
 
     @property
-    def swapped_sequences(self):
+    def swapped_sequences(self) -> np.ndarray:
+        """int64 ``[n]``: the swapped-out sequences' handles, in handle order."""
         return np.flatnonzero(self.swapped)
 
-    def blocks(self, seq):
-        """The block ids of one sequence, in logical order."""
+    def blocks(self, seq: int) -> np.ndarray:
+        """The block ids of live sequence ``seq``, in logical order: int32 ``[ceil(length / block_size)]``, a
+        copy."""
         row = self.row(seq)
         return self.table[row, :ceil_div(int(self.lens[row]), self.block_size)].copy()
 
-    def row(self, seq):
-        """One live sequence's handle as an int (a list of exactly one handle is accepted too)."""
+    def row(self, seq: "Handles") -> int:
+        """One live sequence's handle as an int (a list of exactly one handle is accepted too); else
+        UnknownSequenceError."""
         rows = self.rows(seq)
         if rows.size != 1:
             raise UnknownSequenceError(f"one sequence handle expected, got {rows.size}")
         return int(rows[0])
 
-    def rows(self, seqs):
-        """``seqs`` (one handle or many) as an int64 array, each checked to be a live sequence.
+    def rows(self, seqs: "Handles") -> np.ndarray:
+        """``seqs`` (one handle or many), each checked to be a live sequence.
 
-        An empty list gives no rows (every call over no sequences does nothing).
+        Returns
+        -------
+        numpy.ndarray
+            int64 ``[n]`` in the order given; an empty list gives no rows (every call over no sequences does
+            nothing).
+
+        Raises
+        ------
+        UnknownSequenceError
+            Handles that are not ints, not flat, or not live sequences.
         """
         try:
             rows = np.asarray(seqs)
@@ -111,8 +151,8 @@ class BlockTables(SwapTables):
 
     # --- changes ------------------------------------------------------------------------
 
-    def add(self, prompt=None):
-        """A new sequence; returns its handle.
+    def add(self, prompt: Optional[Sequence[int]] = None) -> int:
+        """A new sequence; returns its handle (TooManySequencesError when every row is live).
 
         With ``prompt`` (token ids), the sequence starts holding the longest chain of
         cached blocks equal to the prompt's leading full blocks, but never the whole
@@ -130,13 +170,25 @@ class BlockTables(SwapTables):
             self._start(row, prompt, self.match(prompt))
         return row
 
-    def match(self, prompt, reload=False):
-        """(block ids, name of the last): the cached blocks a sequence for ``prompt`` would start with.
+    def match(self, prompt: np.ndarray, reload: bool = False) -> Tuple[np.ndarray, int]:
+        """The cached blocks a sequence for ``prompt`` would start with; changes nothing.
 
         The longest chain of cached blocks equal to the prompt's leading full blocks,
-        never the whole prompt (its last token is left to compute); with ``reload``
-        offloaded (host-tier) blocks count too, else the chain stops at the first.
-        Changes nothing.
+        never the whole prompt (its last token is left to compute).
+
+        Parameters
+        ----------
+        prompt : numpy.ndarray
+            The prompt's token ids, checked (``prefix.check_token_ids``): int32 ``[n]``.
+        reload : bool
+            Whether offloaded (host-tier) blocks count too; else the chain stops at the first.
+
+        Returns
+        -------
+        blocks : numpy.ndarray
+            The chain's block ids, in logical order.
+        name : int
+            The name of its last block (``prefix.ROOT`` for none).
         """
         most = min(max(prompt.size - 1, 0) >> self._shift, self.max_blocks_per_seq)
         blocks, name = self.allocator.index.match(prompt, self.block_size, most)
@@ -183,7 +235,8 @@ class BlockTables(SwapTables):
         self._set_chain(row, prefix.ROOT)
         return row
 
-    def append(self, seqs, counts, token_ids=None):
+    def append(self, seqs: Optional["Handles"], counts: "Counts",
+               token_ids: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Make room for ``counts`` more tokens in each of ``seqs``.
 
         Returns ``(slot_mapping, copies)``: int64 pool slots (block_id * block_size +
@@ -216,8 +269,10 @@ class BlockTables(SwapTables):
             self._record_tokens(rows, before, np.broadcast_to(step, rows.shape).astype(np.int64), token_ids)
         return result
 
-    def step(self, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens, swap_out=(),
-             swap_in=()):
+    def step(self, seqs: Optional["Handles"], counts: "Counts", token_ids: Optional[Sequence[int]],
+             arrivals: Optional[Sequence[Sequence[int]]], arrival_tokens: Optional["Counts"],
+             forks: Optional["Handles"], frees: Optional["Handles"], max_tokens: int,
+             swap_out: Optional["Handles"] = (), swap_in: Optional["Handles"] = ()) -> "StepResult":
         """One engine step's decisions, all or nothing: frees, forks, arrivals' prefix hits, swap-outs, swap-ins,
         then the appends.
 
@@ -289,7 +344,7 @@ class BlockTables(SwapTables):
             if block < device:  # a swapped-out sequence's host-tier block stays unnamed: only offloads name those
                 index.register(block, chain[row], tokens)
 
-    def can_append(self, seqs, counts):
+    def can_append(self, seqs: Optional["Handles"], counts: "Counts") -> bool:
         """Whether ``append(seqs, counts)`` would succeed now.
 
         True when every sequence's row is wide enough and the free blocks, with those
@@ -464,8 +519,9 @@ class BlockTables(SwapTables):
 
     # --- forks and frees ---------------------------------------------------------------------
 
-    def fork(self, seq):
-        """A new sequence sharing every block of ``seq`` (parallel sampling, beam search); never a swapped-out one."""
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every block of ``seq`` (parallel sampling, beam search); returns its handle.
+        SwapStateError for a swapped-out ``seq``, TooManySequencesError when every row is live."""
         parent = self.row(seq)
         if self.swapped[parent]:
             raise SwapStateError(f"sequence {parent} is forked but swapped out: swap it in first")
@@ -483,7 +539,7 @@ class BlockTables(SwapTables):
         self._set_lens(np.array([child]), self.lens[parent])
         return child
 
-    def free(self, seqs):
+    def free(self, seqs: "Handles") -> None:
         """Free sequences, each given once: drop their references to their blocks; their handles may be reused."""
         rows = np.sort(self._distinct(self.rows(seqs), "free", "free each sequence once"))
         self.tx.run(lambda: self._free(rows))
@@ -504,7 +560,7 @@ class BlockTables(SwapTables):
 
     # --- the change log -------------------------------------------------------------------
 
-    def drain_changes(self):
+    def drain_changes(self) -> Optional["Changes"]:
         """What changed since the last drain, and an empty log: a :class:`Changes`, or None if nothing did.
 
         The step module drains it to bring the device's copies of the table and the
@@ -537,10 +593,10 @@ class Changes(NamedTuple):
     changes may be applied in any order.
     """
 
-    entries: np.ndarray  # int64 flat indices into the table: row * max_blocks_per_seq + logical block
-    blocks: np.ndarray   # int32 block ids now held there (-1: none)
-    rows: np.ndarray     # int64 rows whose length changed
-    lens: np.ndarray     # int32 their lengths now
+    entries: np.ndarray  # int64 [n] flat indices into the table: row * max_blocks_per_seq + logical block
+    blocks: np.ndarray   # int32 [n] block ids now held there (-1: none)
+    rows: np.ndarray     # int64 [m] rows whose length changed
+    lens: np.ndarray     # int32 [m] their lengths now
 
 
 def _restore_tail(items, n, last):
