@@ -31,6 +31,7 @@ a transaction that fails are released again. Counters live in ``stats``
 """
 
 from functools import partial
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -41,11 +42,45 @@ from .tiers import HostTier
 from .transaction import Transaction
 from .util import ceil_div
 
+if TYPE_CHECKING:
+    from ..memory import Pool
+
 
 class BlockAllocator(HostTier):
-    """Reference-counted block ids over a :class:`~pagedrt.memory.Pool`'s chunks."""
+    """Reference-counted block ids over a :class:`~pagedrt.memory.Pool`'s chunks.
 
-    def __init__(self, pool, blocks_per_chunk, num_planes=1, host_chunks=0):
+    Parameters
+    ----------
+    pool : Pool
+        The pool whose chunks hold the blocks; nothing is mapped here.
+    blocks_per_chunk : int
+        Blocks in one allocator chunk.
+    num_planes : int
+        Pool chunks per allocator chunk (plane-major placement: one per plane).
+    host_chunks : int
+        The last allocator chunks, the host tier's (mapped by :meth:`map_host`); at least one chunk is left to
+        the device.
+
+    Raises
+    ------
+    PoolSizeError
+        A pool whose chunks do not split into ``num_planes``, or ``host_chunks`` out of range.
+
+    Attributes
+    ----------
+    ref_count : numpy.ndarray
+        int32 ``[max_blocks]``: references to each block (0: free or cached-free).
+    is_free : numpy.ndarray
+        bool ``[max_blocks]``: free blocks, in mapped chunks.
+    chunk_mapped : numpy.ndarray
+        bool ``[num_chunks]``: mapped allocator chunks.
+    stats : BlockStats
+        The counters.
+    tx : Transaction
+        The journal every change of the software layer goes through.
+    """
+
+    def __init__(self, pool: "Pool", blocks_per_chunk: int, num_planes: int = 1, host_chunks: int = 0):
         if pool.num_chunks % num_planes:
             raise PoolSizeError(f"the pool's {pool.num_chunks} chunks do not split into {num_planes} planes")
         self.pool = pool
@@ -75,49 +110,69 @@ class BlockAllocator(HostTier):
         self._host_free = 0  # free host-tier blocks
         self.host_evictable = CachedFree(self.tx)  # offloaded cached-free blocks in the host tier, oldest first
         self.in_flight = np.zeros(self.num_chunks, bool)  # chunks being mapped ahead: not mapped yet, grow skips them
-        self.wait_in_flight = None  # set with in_flight: returns once no chunk is in flight (adopted or given up)
+        self.wait_in_flight: Optional[Callable[[], None]] = None  # set with in_flight: returns once no chunk is in flight (adopted or given up)
 
     # --- what is where ---------------------------------------------------------------
 
-    def pool_chunks(self, chunk):
+    def pool_chunks(self, chunk: int) -> List[int]:
         """The pool chunks that allocator chunk ``chunk`` stands for (one per plane)."""
         return [p * self.num_chunks + chunk for p in range(self.num_planes)]
 
     @property
-    def num_free(self):
+    def num_free(self) -> int:
         """Free device blocks."""
         return self._free
 
     @property
-    def num_mapped_blocks(self):
+    def num_mapped_blocks(self) -> int:
         """Device blocks in mapped chunks."""
         return self._mapped_chunks * self.blocks_per_chunk
 
     @property
-    def num_held(self):
+    def num_held(self) -> int:
         """Device blocks held by sequences."""
         return self.num_mapped_blocks - self.num_free - len(self.evictable)
 
     @property
-    def num_available(self):
+    def num_available(self) -> int:
         """Device blocks :meth:`allocate` can still hand out: free, cached-free (evictable) and every block of
         unmapped chunks."""
         return self.device_blocks - self.num_held
 
-    def usable_mask(self):
-        """Per block id of both tiers: True where its chunk is mapped (free or held)."""
+    def usable_mask(self) -> np.ndarray:
+        """bool ``[max_blocks]`` (both tiers): True where the block's chunk is mapped (free or held)."""
         return np.repeat(self.chunk_mapped, self.blocks_per_chunk)
 
     # --- allocation -------------------------------------------------------------------
 
-    def can_allocate(self, n):
+    def can_allocate(self, n: int) -> bool:
+        """Whether :meth:`allocate` of ``n`` blocks would succeed now."""
         return n <= self.num_available
 
-    def allocate(self, n):
-        """``n`` block ids (int32 [n]) with reference count 1, fullest chunks first; grows the pool if needed.
+    def allocate(self, n: int) -> np.ndarray:
+        """Device blocks with reference count 1, fullest chunks first; grows the pool if needed.
 
         Free blocks first, then cached-free ones (evicted), then chunks in flight
         (waited for), and only then chunks this call maps itself.
+
+        Parameters
+        ----------
+        n : int
+            Blocks, ``>= 0``.
+
+        Returns
+        -------
+        numpy.ndarray
+            int32 ``[n]`` block ids.
+
+        Raises
+        ------
+        InvalidTokenCountError
+            ``n < 0``.
+        PoolExhaustedError
+            Fewer than ``n`` blocks available.
+        DeviceOutOfMemoryError
+            The device refused a chunk this call maps (the backend's error).
         """
         if n <= 0:
             if n == 0:
@@ -188,7 +243,7 @@ class BlockAllocator(HostTier):
         if n:
             self.tx.attr(self, "num_shared", self.num_shared + n)
 
-    def claim_cached(self, block_ids):
+    def claim_cached(self, block_ids: Sequence[int]) -> None:
         """One more reference to each of these cached blocks (a prefix hit); cached-free ones stop being evictable."""
         ids = np.asarray(block_ids, np.int64)
         refs = self.ref_count[ids]
@@ -196,20 +251,31 @@ class BlockAllocator(HostTier):
         self._add_shared(int((refs == 1).sum()))
         self.tx.set(self.ref_count, ids, refs + 1)
 
-    def share(self, block_ids):
-        """Add one reference to each held block (a fork); a block may appear more than once."""
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to each held block (a fork); a block may appear more than once. DoubleFreeError for
+        a block not held."""
         ids, counts = np.unique(np.asarray(block_ids, np.int64), return_counts=True)
         self._check_held(ids, np.ones_like(counts), "share")
         before = self.ref_count[ids]
         self.tx.set(self.ref_count, ids, before + counts.astype(np.int32))
         self._add_shared(int((before == 1).sum()))
 
-    def free(self, block_ids):
+    def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per occurrence; blocks reaching zero become free. All or nothing.
 
         A cached (named) block reaching zero becomes cached-free instead, the most
         recently used; of several freed at once, later ones in ``block_ids`` (the
         ends of sequences' chains) are evicted before earlier ones.
+
+        Parameters
+        ----------
+        block_ids : int sequence or numpy.ndarray
+            Held block ids, repeats allowed (one reference each).
+
+        Raises
+        ------
+        DoubleFreeError
+            An id out of range, or more references dropped than a block holds; nothing changes.
         """
         order = np.asarray(block_ids, np.int64)
         ids, counts = np.unique(order, return_counts=True)
@@ -248,8 +314,9 @@ class BlockAllocator(HostTier):
 
     # --- growing and trimming ---------------------------------------------------------
 
-    def grow(self, n_chunks):
-        """Map ``n_chunks`` more chunks, re-using holes (lowest first) before the frontier; never one in flight."""
+    def grow(self, n_chunks: int) -> List[int]:
+        """Map ``n_chunks`` more device chunks, re-using holes (lowest first) before the frontier; never one in
+        flight. Returns the chunks mapped; PoolExhaustedError when fewer remain (nothing mapped then)."""
         chunks = self.unmapped_chunks(n_chunks)
         if len(chunks) < n_chunks:
             raise PoolExhaustedError(
@@ -261,12 +328,12 @@ class BlockAllocator(HostTier):
         self.adopt(chunks)
         return chunks
 
-    def unmapped_chunks(self, n_chunks):
+    def unmapped_chunks(self, n_chunks: int) -> List[int]:
         """The ``n_chunks`` lowest device chunks (or fewer, all there are) that are neither mapped nor in flight."""
         idle = ~(self.chunk_mapped | self.in_flight)[:self.device_chunks]
         return [int(k) for k in np.flatnonzero(idle)[:n_chunks]]
 
-    def adopt(self, chunks, fresh=None):
+    def adopt(self, chunks: Sequence[int], fresh: Optional[List[int]] = None) -> None:
         """Make newly mapped chunks' blocks free. Inside a transaction that fails they are released again (and
         ``fresh``, the pool places of them never mapped before, forgotten: :meth:`Pool.unmap
         <pagedrt.memory.Pool.unmap>`); ``grow`` records that itself, before it maps."""
@@ -281,7 +348,7 @@ class BlockAllocator(HostTier):
         tx.attr(self, "_mapped_chunks", self._mapped_chunks + len(chunks))
         tx.attr(self, "version", self.version + 1)
 
-    def trim(self):
+    def trim(self) -> List[int]:
         """Release every mapped device chunk whose blocks are all free; return their indices."""
         empty = np.flatnonzero((self.chunk_mapped & (self.free_in_chunk == self.blocks_per_chunk))[:self.device_chunks])
         if empty.size == 0:
@@ -290,7 +357,7 @@ class BlockAllocator(HostTier):
         self.release_chunks(chunks)
         return chunks
 
-    def release_chunks(self, chunks):
+    def release_chunks(self, chunks: Sequence[int]) -> None:
         """Unmap these mapped chunks, every block of which is free, and free their memory. Between transactions
         only (trim, growth's tick): a release is not journaled."""
         self.pool.release([c for k in chunks for c in self.pool_chunks(k)])
