@@ -110,7 +110,8 @@ class BlockAllocator(HostTier):
         self._host_free = 0  # free host-tier blocks
         self.host_evictable = CachedFree(self.tx)  # offloaded cached-free blocks in the host tier, oldest first
         self.in_flight = np.zeros(self.num_chunks, bool)  # chunks being mapped ahead: not mapped yet, grow skips them
-        self.wait_in_flight: Optional[Callable[[], None]] = None  # set with in_flight: returns once no chunk is in flight (adopted or given up)
+        # set with in_flight (by a Growth): returns once no chunk is in flight (adopted or given up)
+        self.wait_in_flight: Optional[Callable[[], None]] = None
 
     # --- what is where ---------------------------------------------------------------
 
