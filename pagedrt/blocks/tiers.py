@@ -19,30 +19,35 @@ block brings it back (:meth:`~HostTier.reload`).
 sequences out and in), each sharing its class's state.
 """
 
+from typing import TYPE_CHECKING, Sequence
+
 import numpy as np
 
 from ..errors import HostTierExhaustedError, SwapStateError
 from .util import ceil_div, pairs, ranks
+
+if TYPE_CHECKING:
+    from ..protocols import Handles
 
 
 class HostTier:
     """The host-tier methods of :class:`~pagedrt.blocks.allocator.BlockAllocator`."""
 
     @property
-    def num_host_free(self):
+    def num_host_free(self) -> int:
         return self._host_free
 
     @property
-    def num_host_available(self):
+    def num_host_available(self) -> int:
         """Host-tier blocks :meth:`allocate_host` can hand out: free, and those of offloaded cached blocks."""
         return self._host_free + len(self.host_evictable)
 
     @property
-    def num_host_held(self):
+    def num_host_held(self) -> int:
         """Host-tier blocks held by (swapped-out) sequences."""
         return self.host_blocks - self._host_free - len(self.host_evictable)
 
-    def map_host(self):
+    def map_host(self) -> None:
         """Map the host tier's chunks (pinned host memory; slow, so once, ahead of need): all or none. At
         construction, outside any transaction."""
         chunks = list(range(self.device_chunks, self.num_chunks))
@@ -55,7 +60,7 @@ class HostTier:
         self._host_free = self.host_blocks
         self.version += 1
 
-    def allocate_host(self, n):
+    def allocate_host(self, n: int) -> np.ndarray:
         """``n`` host-tier block ids (int32) with reference count 1: free ones first, then those of offloaded cached
         blocks (least recently used first, forgetting their names). HostTierExhaustedError when short."""
         if n > self.num_host_available:
@@ -94,7 +99,7 @@ class HostTier:
         self.tx.moves.append((src, dst))
         self.tx.count(self.stats, "offloads", src.size)
 
-    def transfer(self, src, dst):
+    def transfer(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Move every reference of blocks ``src`` to their copies ``dst`` (just allocated, in the other tier): the
         sources are released (free, or cached-free when named: the name stays with them)."""
         refs = self.ref_count[src].astype(np.int64)
@@ -102,12 +107,12 @@ class HostTier:
         self._add_shared(int((refs > 1).sum()))
         self.free(np.repeat(np.asarray(src, np.int64), refs))
 
-    def reserve_offloaded(self, block_ids):
+    def reserve_offloaded(self, block_ids: Sequence[int]) -> None:
         """Take these offloaded cached blocks out of the host tier's LRU, so nothing drops them (a step's prefix
         hits on them, about to be reloaded)."""
         self.host_evictable.remove(list(block_ids))
 
-    def reload(self, host_ids, holders):
+    def reload(self, host_ids: np.ndarray, holders: np.ndarray) -> np.ndarray:
         """Bring reserved offloaded blocks back to the device: a new device block each, with ``holders`` references
         and the name; the host-tier blocks go free. Records the copies; returns the device ids (int64)."""
         host_ids = np.asarray(host_ids, np.int64)
@@ -137,7 +142,7 @@ class SwapTables:
     reads its host-tier blocks through the same pointers.
     """
 
-    def swap_out(self, seqs):
+    def swap_out(self, seqs: "Handles") -> np.ndarray:
         """Move the device blocks of ``seqs`` (live, not swapped out, each once) to the host tier.
 
         A block moves when every sequence holding it is swapped out once this is done, and
@@ -149,18 +154,18 @@ class SwapTables:
         rows = self._swap_rows(seqs, "swap_out", False)
         return self._recorded(lambda: self._swap_out(rows))
 
-    def swap_in(self, seqs):
+    def swap_in(self, seqs: "Handles") -> np.ndarray:
         """Move every host-tier block of ``seqs`` (swapped out, each once) back to the device; the pairs to copy
         first, in order, as for :meth:`swap_out`. All or nothing: PoolExhaustedError when the device is short."""
         rows = self._swap_rows(seqs, "swap_in", True)
         return self._recorded(lambda: self._swap_in(rows))
 
-    def can_swap_out(self, seqs):
+    def can_swap_out(self, seqs: "Handles") -> bool:
         """Whether :meth:`swap_out` of ``seqs`` would succeed now: the host tier holds the blocks it moves."""
         rows = self._swap_rows(seqs, "swap_out", False)
         return self._out_blocks(rows, self.swapped_sequences).size <= self.allocator.num_host_available
 
-    def can_swap_in(self, seqs):
+    def can_swap_in(self, seqs: "Handles") -> bool:
         """Whether :meth:`swap_in` of ``seqs`` would succeed now: the device has room for their host-tier blocks."""
         rows = self._swap_rows(seqs, "swap_in", True)
         return self.allocator.can_allocate(self._in_blocks(rows).size)
