@@ -249,7 +249,8 @@ class PagedKVCache(PlaneViews):
     num_layers, num_kv_heads : int
         Layers, and KV heads per layer.
     head_dim : int
-        One that prefill attends (``supported.PREFILL_HEAD_DIMS``: 64, 128, 256); FP8: 64 or 128.
+        One that prefill attends (``supported.PREFILL_HEAD_DIMS``: 64, 128, 256), since prompts fill a cache;
+        decode alone attends 80 and 96 too, over planes of one's own. FP8: 64 or 128.
     block_size : int
         Tokens a block holds (``supported.BLOCK_SIZES``).
     dtype : str or numpy.dtype
