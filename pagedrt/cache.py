@@ -364,7 +364,7 @@ class PagedKVCache(PlaneViews):
         self._planes = [self._plane_view(layer, kv) for layer in range(spec.num_layers) for kv in KV]
         self._scales = None if scales is None else self.pool.xp.asarray(scales)
         self._mask = None  # device copy of allocator.usable_mask(), rebuilt after grow/trim
-        self._mask_version = None
+        self._mask_version: Optional[int] = None
 
     # --- shape ------------------------------------------------------------------------
 
