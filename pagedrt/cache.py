@@ -6,24 +6,25 @@ allocator and tables (:mod:`pagedrt.blocks`), growth ahead of demand
 layout (:mod:`pagedrt.layout`) and snapshots (:mod:`pagedrt.snapshot`).
 """
 
-import functools
-import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
+from .cache_options import check_sizes, growth_keywords, kv_scales_of
 from .errors import ConcurrentUseError, PoolClosedError, UnsupportedConfigError
+from .exclusive import exclusive
 from .growth import Growth
 from .layout import KV, Layout, Translation, is_int, translate
 from .memory import Pool, select_backend
 from .memory.backends import Backend
+from .planes import PlaneViews, TableViews, plane_view
 from .protocols import Counts, Handles
 from .snapshot import build_snapshot, write_snapshot
 from .spec import Array, KVSpec
 from .step import Step, StepMetadata
-from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_SEQ_LEN, MAX_SEQS, MAX_TABLE_ENTRIES, PREFILL_HEAD_DIMS, check
+from .supported import MAX_BLOCKS, MAX_SEQ_LEN, MAX_SEQS, PREFILL_HEAD_DIMS, check
 
 
 def _check_positive(name, value, limit=None):
@@ -35,207 +36,7 @@ def _check_positive(name, value, limit=None):
     return int(value)
 
 
-def _check_sizes(layout, max_seqs, max_blocks_per_seq):
-    """Refuse, before anything is allocated, a cache the bookkeeping cannot describe or the host not hold."""
-    if layout.max_blocks > MAX_BLOCKS:
-        raise UnsupportedConfigError(
-            f"the cache would hold {layout.max_blocks} blocks but block ids are int32: at most {MAX_BLOCKS}")
-    if layout.pool_bytes > MAX_POOL_BYTES:
-        raise UnsupportedConfigError(
-            f"the cache would reserve {layout.pool_bytes} bytes of address space; one reservation takes at most "
-            f"{MAX_POOL_BYTES}")
-    entries = max_seqs * max_blocks_per_seq
-    if entries > MAX_TABLE_ENTRIES:
-        raise UnsupportedConfigError(
-            f"a block table of {max_seqs} sequences x {max_blocks_per_seq} blocks has {entries} entries; at most "
-            f"{MAX_TABLE_ENTRIES}: lower max_seqs or max_seq_len")
-    block_size = layout.block_size
-    host = 4 * entries + (48 + 4 * block_size) * max_seqs + 15 * layout.max_blocks  # tables, per row, per block
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return
-    if host > memory // 2:
-        raise UnsupportedConfigError(
-            f"the cache's host bookkeeping would take {host} bytes, more than half of this host's {memory}: "
-            f"lower max_seqs, max_seq_len or the capacity")
-
-
-def _growth_keywords(growth: Union[None, bool, Dict[str, Any]], blocks_per_chunk: int) -> Optional[Dict[str, Any]]:
-    """``growth=`` as the keywords of :class:`~pagedrt.growth.Growth`, defaults filled in; None for no growth."""
-    if growth is None or growth is False:
-        return None
-    defaults = {"low_blocks": blocks_per_chunk, "high_blocks": 2 * blocks_per_chunk, "release_after": 64,
-                "background": True}
-    if growth is True:
-        return defaults
-    if not isinstance(growth, dict):
-        raise UnsupportedConfigError(f"growth={growth!r:.80} must be None, False, True or a dict of Growth keywords")
-    unknown = sorted(map(str, growth.keys() - defaults.keys()))
-    if unknown:
-        raise UnsupportedConfigError(f"growth has unknown keys {unknown}: it takes {sorted(defaults)}")
-    return defaults | growth
-
-
-def _exclusive(method):
-    """``method`` run inside the cache's lock, taken without waiting, on an open cache.
-
-    A second thread that calls in meanwhile gets ConcurrentUseError at once, before it
-    reads or changes anything: misuse is a named error, never two tables sharing a block.
-    The lock is taken as the first statement inside ``try`` and released only if taken.
-    It is reentrant (an ``RLock``), so an interrupt that still lands between taking and
-    releasing it (at the ``finally`` line) cannot lock out the thread that was using the
-    cache; other threads are refused, as while a call runs.
-    """
-    name = method.__name__
-
-    @functools.wraps(method)
-    def exclusive(self, *args, **kwargs):
-        locked = False
-        try:
-            locked = self._lock.acquire(False)
-            if not locked:
-                raise ConcurrentUseError(
-                    f"cache.{name}() was called while another thread was inside this cache: a PagedKVCache is not "
-                    f"thread-safe; call it from one thread, or hold a lock of your own around every call")
-            if self.pool.closed:  # the cache's close() closes the pool
-                raise PoolClosedError(f"cache.{name}(): this cache was closed; make a new one")
-            return method(self, *args, **kwargs)
-        finally:
-            if locked:
-                self._lock.release()
-    return exclusive
-
-
-def _kv_scales(spec, kv_scales):
-    """The checked float32 scales of an FP8 cache (all 1 by default), None for other caches; raises
-    UnsupportedConfigError for scales where there is no FP8, scales of the wrong shape and values that are not
-    positive, normal and finite."""
-    shape = spec.scales_shape
-    if shape is None:
-        if kv_scales is not None:
-            raise UnsupportedConfigError(f"kv_scales are for FP8 K/V only: this cache stores {spec.kv_dtype}")
-        return None
-    if kv_scales is None:
-        return np.ones(shape, np.float32)
-    try:
-        scales = np.array(kv_scales, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise UnsupportedConfigError(f"kv_scales must be float32 numbers [{', '.join(map(str, shape))}]") from None
-    if scales.shape != shape:
-        raise UnsupportedConfigError(f"kv_scales must have shape {shape} (layers, K then V, KV heads), got "
-                                     f"{scales.shape}")
-    if not (np.isfinite(scales).all() and (scales >= np.finfo(np.float32).tiny).all()):
-        raise UnsupportedConfigError("kv_scales must be positive, normal and finite: stored bytes mean value / scale")
-    return scales
-
-
-def plane_view(pool: Pool, layout: Layout, spec: KVSpec, layer: int, kv: str) -> Array:
-    """One plane of ``pool``, a strided view (no copy).
-
-    Parameters
-    ----------
-    pool : Pool
-        The pool the plane lies in.
-    layout : Layout
-        Where the plane lies in ``pool`` and its strides.
-    spec : KVSpec
-        What the plane stores (``spec.kv_numpy_dtype``).
-    layer : int
-        The layer, ``0 <= layer < layout.num_layers``.
-    kv : str
-        ``"k"`` or ``"v"``.
-
-    Returns
-    -------
-    Array
-        ``[max_blocks, num_kv_heads, block_size, head_dim]`` of ``spec.kv_numpy_dtype``, on the pool's device.
-    """
-    lay, e = layout, layout.itemsize
-    shape = (lay.max_blocks, lay.num_kv_heads, lay.block_size, lay.head_dim)
-    strides = (lay.block_stride_bytes, lay.block_size * lay.head_dim * e, lay.head_dim * e, e)
-    return pool.view(lay.plane_offset(layer, kv), shape, spec.kv_numpy_dtype, strides, allow_holes=True)
-
-
-class PlaneViews:
-    """What kernels read of a cache: each layer's K and V planes, and FP8 scales. A class using it holds
-    ``_planes`` (K and V of each layer in order), ``_scales`` (float32 [num_layers, 2, num_kv_heads] on its
-    device, or None), ``layout``, and ``_check_open(name)``."""
-
-    _planes: List[Array]
-    _scales: Optional[Array]
-    layout: Layout
-    _check_open: Callable[[str], None]
-
-    def k(self, layer: int) -> Array:
-        """Layer ``layer``'s K plane, a strided view (no copy).
-
-        Parameters
-        ----------
-        layer : int
-            ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        Array
-            ``[max_blocks, num_kv_heads, block_size, head_dim]`` of ``spec.kv_numpy_dtype`` (uint8 for FP8).
-
-        Raises
-        ------
-        PoolClosedError
-            After ``close()``.
-        UnsupportedConfigError
-            A layer that is not an int in range.
-        """
-        return self._plane(layer, 0)
-
-    def v(self, layer: int) -> Array:
-        """Layer ``layer``'s V plane: as :meth:`k`."""
-        return self._plane(layer, 1)
-
-    @property
-    def planes(self) -> List[Array]:
-        """Every plane, K and V of each layer in order (``2 * num_layers``; what ``kernels.copy_blocks``
-        takes): a fresh list of the views. PoolClosedError after ``close()``."""
-        self._check_open("planes")
-        return list(self._planes)
-
-    def k_scale(self, layer: int) -> Optional[Array]:
-        """Layer ``layer``'s K scales.
-
-        Parameters
-        ----------
-        layer : int
-            ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        Array or None
-            FP8 planes: float32 ``[num_kv_heads]`` on the planes' device (a view); other planes: None.
-
-        Raises
-        ------
-        PoolClosedError, UnsupportedConfigError
-            As :meth:`k`.
-        """
-        return self._scale(layer, 0)
-
-    def v_scale(self, layer: int) -> Optional[Array]:
-        """Layer ``layer``'s V scales: as :meth:`k_scale`."""
-        return self._scale(layer, 1)
-
-    def _scale(self, layer: int, kv: int) -> Optional[Array]:
-        self._plane(layer, kv)  # checks the cache is open and the layer
-        return None if self._scales is None else self._scales[layer, kv]
-
-    def _plane(self, layer: int, kv: int) -> Array:
-        self._check_open("k" if kv == 0 else "v")
-        if not is_int(layer) or not 0 <= layer < self.layout.num_layers:
-            self.layout.check(layer, "k", 0)
-        return self._planes[2 * layer + kv]
-
-
-class PagedKVCache(PlaneViews):
+class PagedKVCache(PlaneViews, TableViews):
     """K and V of ``num_layers`` layers in blocks of ``block_size`` tokens, over one growable pool.
 
     The pool reserves the capacity's address space and maps chunks only as sequences need blocks. A
@@ -319,7 +120,7 @@ class PagedKVCache(PlaneViews):
         self.spec = spec = KVSpec.build(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_dtype, placement)
         max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
         check("head_dim", spec.head_dim, PREFILL_HEAD_DIMS)  # what prefill attends, not decode alone
-        scales = _kv_scales(spec, kv_scales)
+        scales = kv_scales_of(spec, kv_scales)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
         block_bytes = spec.bytes_per_token * spec.block_size
@@ -348,8 +149,8 @@ class PagedKVCache(PlaneViews):
             max_step_tokens = max_seq_len + max_seqs
         max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
         self._lock = threading.RLock()
-        _check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, spec.block_size))
-        growth = _growth_keywords(growth, self.layout.blocks_per_chunk)
+        check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, spec.block_size))
+        growth = growth_keywords(growth, self.layout.blocks_per_chunk)
         self.pool = Pool(self.layout.pool_bytes, self.layout.chunk_bytes, backend)
         self.allocator = BlockAllocator(self.pool, self.layout.blocks_per_chunk, self.layout.num_planes,
                                         self.layout.host_chunks)
@@ -415,7 +216,7 @@ class PagedKVCache(PlaneViews):
 
     # --- sequences (delegated to the block tables) --------------------------------------
 
-    @_exclusive
+    @exclusive
     def add_sequence(self, prefix: Optional[Sequence[int]] = None) -> int:
         """A new sequence.
 
@@ -440,7 +241,7 @@ class PagedKVCache(PlaneViews):
         """
         return self.tables.add(prefix)
 
-    @_exclusive
+    @exclusive
     def append(self, seqs: Optional[Handles], counts: Counts = 1,
                token_ids: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Room for ``counts`` more tokens per sequence; all or nothing.
@@ -472,7 +273,7 @@ class PagedKVCache(PlaneViews):
         """
         return self.tables.append(seqs, counts, token_ids)
 
-    @_exclusive
+    @exclusive
     def step(self, seqs: Optional[Handles] = None, counts: Counts = 1, token_ids: Optional[Sequence[int]] = None, *,
              arrivals: Sequence[Sequence[int]] = (), arrival_tokens: Optional[Counts] = None, forks: Handles = (),
              frees: Handles = (), swap_out: Handles = (), swap_in: Handles = ()) -> Step:
@@ -531,7 +332,7 @@ class PagedKVCache(PlaneViews):
             self.growth.tick()
         return step
 
-    @_exclusive
+    @exclusive
     def swap_out(self, seqs: Handles) -> np.ndarray:
         """Move the device blocks of ``seqs`` to the host tier; they are left out of :meth:`step`'s default
         batch until :meth:`swap_in`. A block moves once every sequence holding it is swapped out (forks swap
@@ -558,7 +359,7 @@ class PagedKVCache(PlaneViews):
         """
         return self.tables.swap_out(seqs)
 
-    @_exclusive
+    @exclusive
     def swap_in(self, seqs: Handles) -> np.ndarray:
         """Move the host-tier blocks of ``seqs`` back to the device. All or nothing.
 
@@ -581,23 +382,23 @@ class PagedKVCache(PlaneViews):
         """
         return self.tables.swap_in(seqs)
 
-    @_exclusive
+    @exclusive
     def can_swap_out(self, seqs: Handles) -> bool:
         """Whether :meth:`swap_out` of ``seqs`` (handles) would succeed now; bad handles raise as it does."""
         return self.tables.can_swap_out(seqs)
 
-    @_exclusive
+    @exclusive
     def can_swap_in(self, seqs: Handles) -> bool:
         """Whether :meth:`swap_in` of ``seqs`` (handles) would succeed now; bad handles raise as it does."""
         return self.tables.can_swap_in(seqs)
 
     @property
-    @_exclusive
+    @exclusive
     def swapped(self) -> List[int]:
         """The handles of the sequences swapped out to the host tier, in handle order."""
         return [int(s) for s in self.tables.swapped_sequences]
 
-    @_exclusive
+    @exclusive
     def fork(self, seq: int) -> int:
         """A new sequence sharing every block of ``seq``; its first append copies a shared tail block.
 
@@ -618,7 +419,7 @@ class PagedKVCache(PlaneViews):
         """
         return self.tables.fork(seq)
 
-    @_exclusive
+    @exclusive
     def free(self, seqs: Handles) -> None:
         """Free sequences; their blocks go back when no fork holds them (named full blocks stay cached-free).
 
@@ -634,7 +435,7 @@ class PagedKVCache(PlaneViews):
         """
         self.tables.free(seqs)
 
-    @_exclusive
+    @exclusive
     def can_append(self, seqs: Optional[Handles], counts: Counts = 1) -> bool:
         """Whether ``append(seqs, counts)`` would succeed now: every row wide enough, and the available blocks
         cover the new blocks and the copy-on-write copies of shared tail blocks.
@@ -647,18 +448,18 @@ class PagedKVCache(PlaneViews):
         return self.tables.can_append(seqs, counts)
 
     @property
-    @_exclusive
+    @exclusive
     def num_available_blocks(self) -> int:
         """Blocks that appends can still get: the free ones and every block of chunks not mapped yet."""
         return self.allocator.num_available
 
     @property
-    @_exclusive
+    @exclusive
     def num_cached_blocks(self) -> int:
         """Blocks named in the prefix cache, held by sequences or cached-free (evictable)."""
         return len(self.allocator.index)
 
-    @_exclusive
+    @exclusive
     def prefix_stats(self) -> Dict[str, int]:
         """Prefix-cache counters: lookups, hit_blocks, hit_tokens, queried_tokens, cached_blocks, evictable,
         evictions; with a host tier, offloaded (cached blocks in it now), offloads, reloads and host_evictions
@@ -669,7 +470,7 @@ class PagedKVCache(PlaneViews):
                 "evictions": st.evictions, "offloaded": len(a.host_evictable), "offloads": st.offloads,
                 "reloads": st.reloads, "host_evictions": st.host_evictions}
 
-    @_exclusive
+    @exclusive
     def trim(self) -> List[int]:
         """Hand back every device chunk whose blocks are all free (a cached-free block is not free: its chunk
         stays mapped until allocation evicts it).
@@ -681,12 +482,12 @@ class PagedKVCache(PlaneViews):
         """
         return self.allocator.trim()
 
-    @_exclusive
+    @exclusive
     def length(self, seq: int) -> int:
         """The tokens live sequence ``seq`` holds; UnknownSequenceError for a handle not live."""
         return int(self.tables.lens[self.tables.row(seq)])
 
-    @_exclusive
+    @exclusive
     def lengths(self, seqs: Handles) -> np.ndarray:
         """The lengths of live sequences ``seqs`` (handles): a scheduler's view, without a device round trip.
 
@@ -703,67 +504,17 @@ class PagedKVCache(PlaneViews):
         return self.tables.lens[self.tables.rows(seqs)].astype(np.int64)
 
     @property
-    @_exclusive
+    @exclusive
     def sequences(self) -> List[int]:
         """The handles of the live sequences, in handle order."""
         return [int(s) for s in self.tables.sequences]
-
-    # --- what kernels read: PlaneViews' k, v, planes, k_scale, v_scale ----------------------------
-
-    @_exclusive
-    def block_tables(self, seqs: Optional[Handles] = None) -> Array:
-        """The device block table, uploaded first if the host's changed.
-
-        Parameters
-        ----------
-        seqs : handles, optional
-            Live sequences; None: every row.
-
-        Returns
-        -------
-        Array
-            int32 ``[max_seqs, max_blocks_per_seq]``, or ``[n, max_blocks_per_seq]`` for ``seqs`` in order:
-            consecutive handles give a view (no copy), others a gathered copy.
-
-        Raises
-        ------
-        UnknownSequenceError
-            A handle not live.
-        """
-        self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
-        return self._select(self.metadata.block_table, seqs)
-
-    @_exclusive
-    def seq_lens(self, seqs: Optional[Handles] = None) -> Array:
-        """The device lengths: int32 ``[max_seqs]``, or ``[n]`` for ``seqs`` in order (as
-        :meth:`block_tables`)."""
-        self.tables.tx.run(self.metadata.upload)  # drained changes logged again if it is cut short
-        return self._select(self.metadata.seq_lens, seqs)
-
-    def _select(self, array: Array, seqs: Optional[Handles]) -> Array:
-        if seqs is None:
-            return array
-        rows = self.tables.rows(seqs)
-        first = int(rows[0]) if rows.size else 0
-        if rows.size and int(rows[-1]) - first + 1 == rows.size and (np.diff(rows) == 1).all():
-            return array[first:first + rows.size]
-        return array[self.xp.asarray(rows)]
-
-    @_exclusive
-    def block_mask(self) -> Array:
-        """uint8 ``[max_blocks]`` on the device (both tiers' blocks): 1 where the block's chunk is mapped.
-        Kernels validate tables against it; the same array until chunks are mapped or released."""
-        if self._mask_version != self.allocator.version:
-            self._mask = self.xp.asarray(self.allocator.usable_mask().astype(np.uint8))
-            self._mask_version = self.allocator.version
-        return self._mask
 
     def _plane_view(self, layer: int, kv: str) -> Array:
         return plane_view(self.pool, self.layout, self.spec, layer, kv)
 
     # --- both layers at once ----------------------------------------------------------------
 
-    @_exclusive
+    @exclusive
     def translate(self, seq: int, pos: int, layer: int = 0, kv: str = "k", head: int = 0) -> Translation:
         """Token ``pos`` of ``seq`` -> logical block, slot, block id, pool offset, VA, chunk, page.
 
@@ -790,7 +541,7 @@ class PagedKVCache(PlaneViews):
         return translate(self.layout, self.pool.base, self.tables.table[row], int(self.tables.lens[row]),
                          row, pos, layer, kv, head, cached=self.allocator.index.cached)
 
-    @_exclusive
+    @exclusive
     def stats(self) -> Dict[str, int]:
         """Token and byte counts: what holds tokens against what is mapped.
 
@@ -820,12 +571,12 @@ class PagedKVCache(PlaneViews):
             "host_blocks": a.host_blocks, "host_held_blocks": a.num_host_held, "host_free_blocks": a.num_host_free,
         }
 
-    @_exclusive
+    @exclusive
     def snapshot(self) -> dict:
         """Both layers as a JSON-ready dict (schema in docs/SNAPSHOT.md)."""
         return build_snapshot(self.layout, self.pool, self.allocator, self.tables)
 
-    @_exclusive
+    @exclusive
     def write_snapshot(self, path: str) -> None:
         """Write :meth:`snapshot` to ``path`` (a file name) atomically: a temp file renamed over it."""
         write_snapshot(build_snapshot(self.layout, self.pool, self.allocator, self.tables), path)

@@ -11,7 +11,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .cache import PagedKVCache, PlaneViews, plane_view
+from .cache import PagedKVCache
+from .planes import PlaneViews, plane_view
 from .errors import PoolClosedError, ShardError, UnsupportedConfigError
 from .layout import KV, Layout, Translation, is_int, translate
 from .memory import Pool, select_backend
