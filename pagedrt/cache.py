@@ -24,16 +24,7 @@ from .protocols import Counts, Handles
 from .snapshot import build_snapshot, write_snapshot
 from .spec import Array, KVSpec
 from .step import Step, StepMetadata
-from .supported import MAX_BLOCKS, MAX_SEQ_LEN, MAX_SEQS, PREFILL_HEAD_DIMS, check
-
-
-def _check_positive(name, value, limit=None):
-    """``value`` as an int, if it is a positive int (at most ``limit``), else UnsupportedConfigError."""
-    if not is_int(value) or value <= 0:
-        raise UnsupportedConfigError(f"{name} must be a positive int, got {value!r:.80}")
-    if limit is not None and value > limit:
-        raise UnsupportedConfigError(f"{name}={value} is more than pagedrt supports: at most {limit}")
-    return int(value)
+from .supported import MAX_BLOCKS, MAX_SEQ_LEN, MAX_SEQS, PREFILL_HEAD_DIMS, check, check_positive
 
 
 class PagedKVCache(PlaneViews, TableViews):
@@ -118,21 +109,21 @@ class PagedKVCache(PlaneViews, TableViews):
                  growth: Union[None, bool, Dict[str, Any]] = None, host_tokens: Optional[int] = None,
                  host_bytes: Optional[int] = None, kv_dtype: Optional[str] = None, kv_scales: Any = None):
         self.spec = spec = KVSpec.build(num_layers, num_kv_heads, head_dim, block_size, dtype, kv_dtype, placement)
-        max_seqs = _check_positive("max_seqs", max_seqs, MAX_SEQS)
+        max_seqs = check_positive("max_seqs", max_seqs, MAX_SEQS)
         check("head_dim", spec.head_dim, PREFILL_HEAD_DIMS)  # what prefill attends, not decode alone
         scales = kv_scales_of(spec, kv_scales)
         if (max_tokens is None) == (max_bytes is None):
             raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
         block_bytes = spec.bytes_per_token * spec.block_size
         if max_bytes is None:
-            max_blocks = ceil_div(_check_positive("max_tokens", max_tokens), spec.block_size)
+            max_blocks = ceil_div(check_positive("max_tokens", max_tokens), spec.block_size)
         else:
-            max_blocks = max(_check_positive("max_bytes", max_bytes) // block_bytes, 1)
+            max_blocks = max(check_positive("max_bytes", max_bytes) // block_bytes, 1)
         if host_tokens is not None and host_bytes is not None:
             raise UnsupportedConfigError("give the host tier's capacity as at most one of host_tokens or host_bytes")
         host_blocks = (0 if host_tokens is None and host_bytes is None else
-                       ceil_div(_check_positive("host_tokens", host_tokens), spec.block_size) if host_bytes is None
-                       else max(_check_positive("host_bytes", host_bytes) // block_bytes, 1))
+                       ceil_div(check_positive("host_tokens", host_tokens), spec.block_size) if host_bytes is None
+                       else max(check_positive("host_bytes", host_bytes) // block_bytes, 1))
         if max_blocks + host_blocks > MAX_BLOCKS:
             raise UnsupportedConfigError(
                 f"a capacity of {max_blocks + host_blocks} blocks is more than block ids (int32) can name: at most "
@@ -144,10 +135,10 @@ class PagedKVCache(PlaneViews, TableViews):
         self.layout = Layout.plan(spec, backend.page_bytes, max_blocks, chunk_bytes, host_blocks)
         if max_seq_len is None:
             max_seq_len = min(self.layout.device_blocks * spec.block_size, 32768)
-        max_seq_len = _check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
+        max_seq_len = check_positive("max_seq_len", max_seq_len, MAX_SEQ_LEN)
         if max_step_tokens is None:
             max_step_tokens = max_seq_len + max_seqs
-        max_step_tokens = _check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
+        max_step_tokens = check_positive("max_step_tokens", max_step_tokens, MAX_SEQ_LEN + MAX_SEQS)
         self._lock = threading.RLock()
         check_sizes(self.layout, max_seqs, ceil_div(max_seq_len, spec.block_size))
         growth = growth_keywords(growth, self.layout.blocks_per_chunk)

@@ -323,7 +323,7 @@ def run_demo(config, progress=None):
     c = config
     backend = select_backend(c.backend)
     spec = KVSpec.build(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, placement=c.placement)
-    full = Layout.plan(spec, backend.page_bytes, -(-c.max_tokens // c.block_size))
+    full = Layout.plan(spec, backend.page_bytes, ceil_div(c.max_tokens, c.block_size))
     plane_bytes, step = full.pool_bytes // full.num_planes, full.chunk_step
     chunk = step * max(1, plane_bytes // (DEMO_CHUNKS * step))  # about DEMO_CHUNKS chunks: growth to watch
     cache = PagedKVCache(c.layers, c.kv_heads, c.head_dim, c.block_size, c.dtype, max_tokens=c.max_tokens,

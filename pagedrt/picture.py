@@ -20,6 +20,7 @@ from xml.sax.saxutils import escape
 import numpy as np
 
 from .errors import UnsupportedConfigError
+from .render import plural
 
 MAX_COLS, MAX_ROWS = 128, 128  # cells across, rows of chunks down: at most 16,384 cells before merging runs
 MAX_TABLE_ROWS, POINTERS = 32, 4  # block-table rows drawn; blocks of each row pointed at in the grid
@@ -177,14 +178,10 @@ def _title(snap, chunk_state):
     refs = np.array(blocks["ref_counts"], np.int64)
     cached = np.array(blocks["cached"], np.int64)
     states = np.bincount(chunk_state, minlength=len(CHUNK_STATES))
-    return (f"pagedrt pool: {_count(blocks['num_chunks'], 'chunk')} ({states[2]} mapped, {states[1]} released, "
-            f"{states[3]} on the host tier); {_count(blocks['max_blocks'], 'block')}: {blocks['held']} held "
+    return (f"pagedrt pool: {plural(blocks['num_chunks'], 'chunk')} ({states[2]} mapped, {states[1]} released, "
+            f"{states[3]} on the host tier); {plural(blocks['max_blocks'], 'block')}: {blocks['held']} held "
             f"({int((refs > 1).sum())} shared), {int((refs[cached] == 0).sum())} cached-free, {blocks['free']} free; "
-            f"{_count(len(snap['sequences']), 'sequence')}")
-
-
-def _count(n, noun):
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+            f"{plural(len(snap['sequences']), 'sequence')}")
 
 
 def _tables(snap, per_row, cell, cols):

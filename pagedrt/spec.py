@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import UnsupportedConfigError
 from .supported import (BLOCK_SIZES, DTYPES, FP8, FP8_DTYPES, FP8_HEAD_DIMS, HEAD_DIMS, KV_DTYPES, KV_ITEMSIZES,
-                        PLACEMENTS, check)
+                        PLACEMENTS, check, check_positive)
 
 DTypeLike = Union[str, np.dtype, type]
 Array = Any  # a numpy.ndarray (the host backend: the NumPy reference runs) or a cupy.ndarray (cupy imported lazily)
@@ -140,12 +140,6 @@ def plane_kv_dtype(plane_dtype: np.dtype) -> Optional[str]:
     return FP8 if plane_dtype == np.uint8 else None
 
 
-def _positive(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise UnsupportedConfigError(f"{name} must be a positive int, got {value!r:.80}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class KVSpec:
     """What a KV cache holds: its shape, model dtype, K/V dtype and placement, checked (:meth:`build`).
@@ -191,7 +185,7 @@ class KVSpec:
         placement : str
             One of :data:`~pagedrt.supported.PLACEMENTS`.
         """
-        num_layers, num_kv_heads = _positive("num_layers", num_layers), _positive("num_kv_heads", num_kv_heads)
+        num_layers, num_kv_heads = check_positive("num_layers", num_layers), check_positive("num_kv_heads", num_kv_heads)
         head_dim = check("head_dim", head_dim, HEAD_DIMS)
         block_size = check("block_size", block_size, BLOCK_SIZES)
         placement = check("placement", placement, PLACEMENTS)

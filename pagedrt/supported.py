@@ -40,3 +40,13 @@ def check(what, value, supported):
         raise UnsupportedConfigError(
             f"{what}={value!r} is not supported: use one of {', '.join(map(str, supported))}")
     return value if isinstance(value, str) else int(value)
+
+
+def check_positive(what, value, limit=None):
+    """``value`` as an int if it is a positive int (not a bool; at most ``limit`` when given), else raise
+    UnsupportedConfigError."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedConfigError(f"{what} must be a positive int, got {value!r:.80}")
+    if limit is not None and value > limit:
+        raise UnsupportedConfigError(f"{what}={value} is more than pagedrt supports: at most {limit}")
+    return int(value)

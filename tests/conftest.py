@@ -1,8 +1,11 @@
-"""Shared fixtures: the pool contract runs on every backend; CUDA cases skip without a GPU."""
+"""Shared fixtures: the pool contract runs on every backend; CUDA cases skip without a GPU; the tiny GGUF model
+(tests/tiny_gguf.py) written once a module."""
 
 import functools
 
 import pytest
+
+import tiny_gguf
 
 
 @functools.lru_cache(maxsize=1)
@@ -25,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
 def backend(request):
     """Each pool test runs once per backend."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model's file (float32); a test that asks for it skips without the gguf package."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    tiny_gguf.write(path)
+    return path

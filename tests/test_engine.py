@@ -20,13 +20,6 @@ COMMON = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    tiny_gguf.write(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def engine(tiny):
     with Engine(tiny, backend="host", max_seqs=16, kv_tokens=1 << 14) as e:
         yield e

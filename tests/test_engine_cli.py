@@ -7,8 +7,6 @@ import zipfile
 import pytest
 from click.testing import CliRunner
 
-import tiny_gguf
-
 pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf package: pip install 'pagedrt[model]'")
 
 from pagedrt.cli import main  # noqa: E402
@@ -16,13 +14,6 @@ from pagedrt.engine import fetch  # noqa: E402
 from pagedrt.errors import ModelFileError  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the woods."
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    tiny_gguf.write(path)
-    return path
 
 
 def generate(*args, code=0):

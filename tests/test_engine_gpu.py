@@ -7,16 +7,8 @@ import numpy as np
 import pytest
 
 from helpers import to_host
-import tiny_gguf
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    tiny_gguf.write(path)
-    return path
 
 
 def test_ops_match_references():

@@ -13,21 +13,12 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
-import tiny_gguf
-
 gguf = pytest.importorskip("gguf", reason="the engine reads GGUF with the gguf package: pip install 'pagedrt[model]'")
 
 from pagedrt.cli import main  # noqa: E402
 from pagedrt.engine import Engine, SamplingParams, loader  # noqa: E402
 from pagedrt.engine.tokenizer import Tokenizer, merge  # noqa: E402
 from pagedrt.errors import InvalidPromptError, ModelFileError, RequestError, UnsupportedModelError  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    tiny_gguf.write(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from pagedrt import PagedKVCache, kernels
+from pagedrt.blocks import Transaction
+from pagedrt.blocks.prefix import CachedFree
 from pagedrt.errors import (InvalidTokenCountError, InvalidTokenIdsError, PagedRTError, PoolExhaustedError,
                             UnknownSequenceError)
 from test_cache import check_allocator, frozen, small_cache
@@ -226,3 +228,38 @@ def test_bad_step_arguments_are_named_errors_and_change_nothing(kwargs, error, w
         with pytest.raises(error, match=words) as raised:
             c.step(**kwargs)
         assert isinstance(raised.value, PagedRTError) and frozen(c) == before
+
+
+def test_an_interrupt_at_any_opcode_of_an_eviction_from_the_lru_leaves_it_as_before():
+    """Between two bytecodes, as a signal handler's KeyboardInterrupt can land (SIGALRM found it): a block popped
+    from the LRU but not yet recorded for the undo would be lost from it."""
+    points = 0
+    for at in range(1, 10000):
+        tx = Transaction()
+        lru = CachedFree(tx)
+        lru.push([5, 1, 4, 2, 3])
+        seen = [0]
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not CachedFree.take_oldest.__code__:
+                return None
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                seen[0] += 1
+                if seen[0] == at:
+                    raise KeyboardInterrupt
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            taken = tx.run(lambda: lru.take_oldest(3))
+        except KeyboardInterrupt:
+            taken = None
+        finally:
+            sys.settrace(None)
+        if taken is not None:
+            assert taken == [5, 1, 4] and list(lru) == [2, 3]
+            break
+        points += 1
+        assert list(lru) == [5, 1, 4, 2, 3], at
+    assert points > 20

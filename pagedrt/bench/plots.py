@@ -58,7 +58,8 @@ def _bars(ax, cases, series, colours):
 
 
 def decode(rec, fig):
-    """% of the run's streaming ceiling per case, beside the peers' % of theirs (4.53 TB/s)."""
+    """% of the run's streaming ceiling per case, beside the peers' % of theirs (``peers.json``'s
+    ``decode_ceiling_tb_s``)."""
     rows = rec["rows"]
     fp8 = any(r.get("kv_dtype") == FP8 for r in rows)
     cases = [r["case"] for r in rows]

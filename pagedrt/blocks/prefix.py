@@ -139,7 +139,9 @@ class CachedFree(OrderedDict):
         taken = []
         self.tx.undo(partial(self._put_back, taken))
         for _ in range(n):
-            taken.append(self.popitem(last=False)[0])
+            block = next(iter(self))
+            taken.append(block)  # recorded before it goes: an interrupt between the two loses nothing
+            del self[block]
         return taken
 
     def remove(self, blocks):

@@ -17,10 +17,10 @@ backend calls alone; :meth:`Pool.commit` (the caller's thread) adopts them, or
 :meth:`Pool.discard` undoes them. ``map`` and ``grow`` are the three steps in a
 row, and refuse claimed places, as ``release`` does; :meth:`Pool.close` waits for a
 preparation under way and releases prepared chunks with the rest. Only the claims
-are shared between threads, under a small lock. Every operation either completes or leaves the pool exactly as it was,
-with one exception that keeps the bookkeeping true: a chunk that the backend
-cannot unmap while undoing a failed map stays mapped and is adopted (it then
-appears in :meth:`Pool.mappings` as mapped, which it is).
+are shared between threads, under a small lock. Every operation either completes or
+leaves the pool exactly as it was, with one exception that keeps the bookkeeping
+true: a chunk that the backend cannot unmap while undoing a failed map stays mapped
+and is adopted (it then appears in :meth:`Pool.mappings` as mapped, which it is).
 
 Every pool of the process is registered (weakly): :func:`find_pool` answers which
 pool's reserved range holds an address, and :attr:`Pool.version` with
@@ -56,6 +56,7 @@ confuses an old pool's view with new memory.
 import os
 import threading
 import weakref
+
 import numpy as np
 
 from .backends import select_backend
