@@ -1,10 +1,5 @@
-"""PagedKVCache: every layer's K and V over one pool, its sequences, and what kernels read.
-
-The facade over the layers below: the pool (:mod:`pagedrt.memory`), the block
-allocator and tables (:mod:`pagedrt.blocks`), growth ahead of demand
-(:mod:`pagedrt.growth`), the step's device metadata (:mod:`pagedrt.step`), the
-layout (:mod:`pagedrt.layout`) and snapshots (:mod:`pagedrt.snapshot`).
-"""
+"""PagedKVCache: every layer's K and V over one pool, its sequences, and what kernels read; the facade over the
+pool, the software layer, growth, the step's device metadata, the layout and snapshots."""
 
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -86,20 +81,11 @@ class PagedKVCache(PlaneViews, TableViews):
 
     Attributes
     ----------
-    spec : KVSpec
-        What the cache holds.
-    layout : Layout
-        Where every block of every plane lies.
-    pool : Pool
-        The reserved range and its mapped chunks.
-    allocator : BlockAllocator
-        Blocks and chunks, and the prefix cache's index.
-    tables : BlockTables
-        The sequences' block tables and lengths, on the host.
-    metadata : StepMetadata
-        The device side of the tables, and each step's arrays.
-    growth : Growth or None
-        Growth ahead of demand; :meth:`step` ends with its ``tick()``.
+    spec, layout, pool, allocator, tables, metadata, growth
+        The parts under the facade (:class:`~pagedrt.spec.KVSpec`, :class:`~pagedrt.layout.Layout`,
+        :class:`~pagedrt.memory.Pool`, :class:`~pagedrt.blocks.BlockAllocator`,
+        :class:`~pagedrt.blocks.BlockTables`, :class:`~pagedrt.step.StepMetadata`, the
+        :class:`~pagedrt.growth.Growth` or None); a caller needs none of them beyond ``spec``.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any = "float16",

@@ -1,25 +1,14 @@
 """Per-sequence block tables (host bookkeeping): rows, lengths, token ids; append with copy-on-write, fork, free.
 
-:class:`BlockTables` keeps, per sequence, its length and its row of the dense
-block table (logical block -> block id). A sequence's handle is its row. It logs
-which table entries and lengths change; :mod:`pagedrt.step` drains that log to
-keep the device's copies current. Everything here is NumPy on the host, and all
-per-step work is vectorised: no per-token or per-sequence Python loops (the prefix
-cache hashes each newly filled block and each looked-up block once, in a loop over
-blocks).
+:class:`BlockTables` keeps, per sequence, its length and its row of the dense block table (logical block -> block
+id); a handle is its row. Changed entries and lengths go into a log that :mod:`pagedrt.step` drains. All per-step
+work is vectorised NumPy (blocks are hashed one by one only when they fill or are looked up).
 
-Appends may carry the new tokens' ids. Per sequence the tables keep how many of its
-leading tokens have known ids, the ids of its partly filled last block and the name
-of its last full block; when a block whose ids are all known fills, it is named and
-registered in the prefix index (:mod:`pagedrt.blocks.prefix`). :meth:`BlockTables.add`
-with a prompt starts the sequence holding the longest chain of cached blocks the
-prompt begins with.
-
-Copy-on-write lives in :meth:`BlockTables._shared_tails`: an append that writes into a
-partly filled last block another sequence holds first gets a private copy. Swapping
-sequences between the tiers is :class:`~pagedrt.blocks.tiers.SwapTables`'s; a whole step
-is :mod:`pagedrt.blocks.steps`'. Every public call is one transaction
-(:mod:`pagedrt.blocks.transaction`): all or nothing, whatever it raises.
+Appends may carry token ids: per sequence the tables keep how many leading ids are known, the ids of the partly
+filled last block and the name of the last full block, and a block whose ids are all known is named when it fills
+(:mod:`pagedrt.blocks.prefix`). Copy-on-write lives in :meth:`BlockTables._shared_tails`. Swapping is
+:class:`~pagedrt.blocks.tiers.SwapTables`'s, a whole step :mod:`pagedrt.blocks.steps`'. Every public call is one
+transaction (:mod:`pagedrt.blocks.transaction`): all or nothing, whatever it raises.
 """
 
 from functools import partial

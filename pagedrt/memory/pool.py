@@ -1,56 +1,22 @@
 """The pool: one reserved virtual range, with physical chunks mapped into it on demand.
 
-The range is cut into ``max_bytes // chunk_bytes`` chunk places. :meth:`Pool.grow`
-maps new chunks at the frontier, :meth:`Pool.map` maps given places (never mapped
-or released), :meth:`Pool.release` unmaps a chunk and frees its physical memory,
-leaving a hole. The range never moves, so every pointer into it stays valid.
+The range is cut into ``max_bytes // chunk_bytes`` chunk places. :meth:`Pool.grow` maps chunks at the frontier,
+:meth:`Pool.map` at given places, :meth:`Pool.release` unmaps a chunk and frees its memory, leaving a hole; the
+range never moves. The bookkeeping, checks and rollback live here; a backend (``vmm`` for CUDA, ``host`` for the
+operating system's virtual memory) supplies the primitive calls.
 
-The bookkeeping, argument checks and rollback live here; a backend (``vmm`` for
-CUDA, ``host`` for the operating system's virtual memory) supplies the primitive
-calls.
+Mapping is three steps, so that the backend's calls can run on another thread: :meth:`Pool.claim` (the pool's
+thread) takes places for a :class:`Prepared`, :meth:`Pool.prepare` (any thread) makes, maps and enables its chunks,
+:meth:`Pool.commit` adopts them or :meth:`Pool.discard` undoes them; ``map`` and ``grow`` take the three in a row.
+Every operation completes or leaves the pool as it was (an interrupt included), except that a chunk the backend
+cannot unmap while undoing a failed map stays mapped and is adopted.
 
-Mapping comes in three steps, so that the backend's calls can run on another
-thread while the bookkeeping stays on the pool's own: :meth:`Pool.claim` (the
-caller's thread) takes unmapped places for a :class:`Prepared`; :meth:`Pool.prepare`
-(any thread, one at a time per claim) makes, maps and enables their chunks with
-backend calls alone; :meth:`Pool.commit` (the caller's thread) adopts them, or
-:meth:`Pool.discard` undoes them. ``map`` and ``grow`` are the three steps in a
-row, and refuse claimed places, as ``release`` does; :meth:`Pool.close` waits for a
-preparation under way and releases prepared chunks with the rest. Only the claims
-are shared between threads, under a small lock. Every operation either completes or
-leaves the pool exactly as it was, with one exception that keeps the bookkeeping
-true: a chunk that the backend cannot unmap while undoing a failed map stays mapped
-and is adopted (it then appears in :meth:`Pool.mappings` as mapped, which it is).
-
-Every pool of the process is registered (weakly): :func:`find_pool` answers which
-pool's reserved range holds an address, and :attr:`Pool.version` with
-:meth:`Pool.mapped_mask` say which chunks are mapped, so that kernels can refuse
-memory that is not.
-
-Every chunk has a location: ``"device"`` (GPU memory; the host backend's memfds stand in
-for it) or ``"host"`` (pinned host memory, ``cuMemCreate`` at a host NUMA node, mapped
-into the same range and enabled for the device, so kernels read it through the same
-pointers; on the host backend, more memfds labelled host). ``map`` and ``claim`` take
-it; ``grow`` maps device chunks. :meth:`Pool.mappings` says where each chunk lives.
-
-Other GPUs: :meth:`Pool.grant_access` lets another device read and write the pool through
-the same addresses (CUDA peer access, ``cuMemSetAccess`` for that device): every chunk
-mapped now and every chunk mapped later; :attr:`Pool.access_devices` and
-:meth:`Pool.mappings` say which devices may. The host backend has no other device and
-refuses it.
-
-Other processes: :meth:`Pool.export_chunks` gives a POSIX file descriptor for each of some
-mapped device chunks (CUDA), which another process receives over a Unix socket and maps
-into a range of its own (:mod:`pagedrt.memory.ipc`): both then read and write the same memory.
-
-What views see after :meth:`Pool.close` and in holes depends on the backend
-(docs/ARCHITECTURE.md, "The pool"): on the host, a closed range is scratch memory
-(reads give zeros, writes go nowhere) until the pool and its last view are gone,
-and holes read as zeros; on CUDA, close releases every chunk and holes stay
-unmapped, so a view must not be used after close or over a hole. On both, the
-range itself stays reserved until the pool object is gone, so no other allocation
-can take its addresses while a view of it may live, and :func:`find_pool` never
-confuses an old pool's view with new memory.
+Every pool is registered weakly: :func:`find_pool` answers which pool holds an address, and :attr:`Pool.version`
+with :meth:`Pool.mapped_mask` say which chunks are mapped, so that kernels refuse memory that is not. A chunk's
+location is ``"device"`` or ``"host"`` (pinned host memory read through the same pointers);
+:meth:`Pool.grant_access` lets another GPU use the pool and :meth:`Pool.export_chunks` another process
+(:mod:`pagedrt.memory.ipc`). What views see in holes and after :meth:`Pool.close` is in docs/ARCHITECTURE.md
+("The pool (hardware layer)").
 """
 
 import os
