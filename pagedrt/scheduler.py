@@ -160,7 +160,7 @@ class Scheduler:
         self.waiting = deque()   # requests, in order
         self.running = {}        # handle -> Sequence, in arrival order
         self._forks = []         # (parent, child's target, child's sample): forked next step
-        self._firsts = set()     # first blocks of the prompts that arrived in earlier steps
+        self._firsts = {}        # first blocks of the last max_seqs prompts that arrived in earlier steps (ordered)
 
     @property
     def idle(self) -> bool:
@@ -290,7 +290,11 @@ class Scheduler:
             plan.arrival_tokens.append(chunk)
             firsts.add(first)
             plan.need, plan.rows, plan.budget = plan.need + blocks, plan.rows + request.n, plan.budget - chunk
-        self._firsts |= firsts
+        for first in firsts:  # the newest last; bounded, so a server that is never idle does not grow it
+            self._firsts.pop(first, None)
+            self._firsts[first] = None
+        while len(self._firsts) > c.max_seqs:
+            del self._firsts[next(iter(self._firsts))]
 
     def update(self, plan: ScheduledStep, step) -> list:
         """Take in a step made: the freed go, the children and the arrivals (``plan.arrived``) join, prompt

@@ -99,3 +99,24 @@ def test_blocks_are_kept_for_the_samples_of_a_prompt_still_prefilling():
         scheduler = Scheduler(SchedulerConfig(4, BS, 8), cache)
         done, steps = run(scheduler, cache, [many, one], 8)  # running out of blocks would raise
         assert done == {id(many): 2, id(one): 1} and steps > 20 + 39
+
+
+def test_the_first_blocks_remembered_stay_bounded_while_the_scheduler_is_never_idle():
+    """A server that is never idle (a long request runs throughout) admits many distinct prompts: the first blocks
+    it remembers from earlier steps stay at most max_seqs, and every request still ends."""
+    with make_cache(2, 64, 16) as cache:
+        scheduler = Scheduler(SchedulerConfig(2, BS, 16), cache)
+        requests = [Request(np.arange(1, BS + 2), 80)]
+        requests += [Request(np.arange(BS + 1) + 100 * (i + 1), 1) for i in range(30)]
+        for r in requests:
+            scheduler.add(r)
+        remembered = 0
+        while not scheduler.idle:
+            plan = scheduler.schedule()
+            scheduler.update(plan, cache.step(**plan.cache_args(np.zeros(int(plan.decoding.sum()), np.int64))))
+            for seq in list(scheduler.running.values()):
+                if seq.status is Status.DECODE and int(cache.lengths([seq.handle])[0]) >= seq.target:
+                    scheduler.finish(seq)
+            remembered = max(remembered, len(scheduler._firsts))
+            assert len(scheduler._firsts) <= 2
+        assert remembered == 2 and not scheduler.waiting
