@@ -53,7 +53,7 @@ def test_ops_match_references():
     ops.silu_mul(cp.asarray(gu), od)
     np.testing.assert_allclose(to_host(od).astype(np.float32), oh.astype(np.float32), rtol=2e-3, atol=2e-3)
 
-    a, b = f16(n, hidden), f16(hidden, ffn)
+    a, b = f16(n, hidden), f16(ffn, hidden)  # b: a weight [out, in]
     for dtype in (np.float16, np.float32):
         oh, od = np.empty((n, ffn), dtype), cp.empty((n, ffn), dtype)
         ops.gemm(a, b, oh)

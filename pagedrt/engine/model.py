@@ -9,7 +9,7 @@ paged attention through the step's block tables (``attention.DecodePlan`` when e
 row has one new token, else ``attention.PrefillPlan``: prompts, prompt chunks after
 cached tokens, mixed batches), the output projection, then RMSNorm and SwiGLU (one
 GEMM for gate and up). The residual stream is float32; weights and activations are the
-cache's dtype on a GPU, float32 on the host (where q, k and v are cast to the cache's
+cache's dtype on a GPU, float64 on the host (where q, k and v are cast to the cache's
 dtype for the attention references). Over an FP8 cache (``cache.spec.is_fp8``) the
 write quantises and the attention dequantises with the layer's scales
 (``cache.k_scale(layer)``, ``cache.v_scale(layer)``); q, k and v stay in the model's dtype.
@@ -47,11 +47,12 @@ class LlamaModel:
         host = self.xp is np
         spec = cache.spec  # what the cache holds: q, k, v in spec.dtype; the planes in spec.kv_dtype
         self.qkv_dtype = spec.dtype  # q, k, v and the attention output: what the write and attention take
-        self.act_dtype = np.dtype(np.float32) if host else spec.dtype  # the activations' (weights' too)
+        self.act_dtype = np.dtype(np.float64) if host else spec.dtype  # the activations' (weights' too)
         w = model.weights
         put = lambda a, dtype: self.xp.asarray(np.ascontiguousarray(a, dtype))  # noqa: E731
         act, f32 = self.act_dtype, np.float32
-        self.embedding, self.output = put(w.embedding, act), put(w.output, act)
+        self.embedding = put(w.embedding, act)
+        self.output = self.embedding if w.output is w.embedding else put(w.output, act)  # [vocab, hidden]
         self.output_norm = put(w.output_norm, f32)
         self.layers = [{"attn_norm": put(x["attn_norm"], f32), "ffn_norm": put(x["ffn_norm"], f32),
                         "qkv": put(x["qkv"], act), "o": put(x["o"], act), "gate_up": put(x["gate_up"], act),

@@ -13,7 +13,8 @@ tests compare the kernels with.
 - :func:`rope_split`: rotary embeddings on q and k, each token at its position in its sequence (found from the
   step's query offsets and KV lengths, on the device), q, k and v split into contiguous arrays.
 - :func:`silu_mul`: SwiGLU's ``silu(gate) * up``.
-- :func:`gemm`: ``a @ b`` into ``out`` (cuBLAS ``GemmEx``, float32 accumulation; the output may be float32).
+- :func:`gemm`: ``a @ w.T`` into ``out``, ``w`` a weight ``[out, in]`` (cuBLAS ``GemmEx``, float32 accumulation;
+  the output may be float32).
 """
 
 import functools
@@ -31,7 +32,7 @@ FILE = "engine.cu"
 THREADS = 256
 KERNELS = ("embed", "add_rms_norm", "rope_split", "silu_mul")
 CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType
-CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N = 68, -1, 0
+CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T = 68, -1, 0, 1
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's workspace (Hopper's recommendation)
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read by cuBLAS from the host
 
@@ -149,23 +150,25 @@ def _check(call, status):
         raise CudaError(call, f"cublasStatus_t {status}", "see cublas_api.h")
 
 
-def gemm(a, b, out):
-    """``out = a @ b``: a [m, k], b [k, n], out [m, n], all C-contiguous. On the device a and b share a dtype and
-    out has it or float32; cuBLAS accumulates in float32. On the host, float32 (or float64 if out is)."""
-    if _host(a, b, out):
+def gemm(a, w, out):
+    """``out = a @ w.T``: a [m, k], w [n, k] (a weight, ``[out, in]``), out [m, n], all C-contiguous. On the device
+    a and w share a dtype and out has it or float32; cuBLAS accumulates in float32. On the host, float32 (or float64
+    if out is)."""
+    if _host(a, w, out):
         compute = np.float64 if out.dtype == np.float64 else np.float32
-        np.matmul(a.astype(compute, copy=False), b.astype(compute, copy=False), out=out, casting="unsafe")
+        np.matmul(a.astype(compute, copy=False), w.astype(compute, copy=False).T, out=out, casting="unsafe")
         return out
     import cupy
     m, k = a.shape
-    n = b.shape[1]
+    n = w.shape[0]
     if m:
         lib, handle, workspace = _cublas(cupy.cuda.Device().id)
         _check("cublasSetStream", lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr))
         _check("cublasSetWorkspace", lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, workspace.nbytes))
-        # Row-major out = a @ b is column-major out^T = b^T @ a^T: b is cuBLAS's first matrix.
+        # Row-major out = a @ w.T is column-major out^T = w @ a^T, and row-major w [n, k] is column-major w^T:
+        # cuBLAS's first matrix is w, transposed.
         _check("cublasGemmEx", lib.cublasGemmEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, b.data.ptr, CUDA_R[dtype_name(b.dtype)], n,
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, w.data.ptr, CUDA_R[dtype_name(w.dtype)], k,
             a.data.ptr, CUDA_R[dtype_name(a.dtype)], k, _ZERO.ctypes.data, out.data.ptr,
             CUDA_R[dtype_name(out.dtype)], n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
     return out
