@@ -19,6 +19,9 @@ fixed buffers, so a graph captured over one step reads each later step's): the f
 decode step of a batch size runs eagerly, the second of that size in a row makes its
 plans, runs and captures them, and later ones replay. A graph's plans were checked
 when it was captured; replays trust the tables and slots ``cache.step()`` wrote since.
+A decode step of at most ``fused.MAX_ROWS`` rows runs as one launch instead
+(:class:`~pagedrt.engine.fused.FusedDecode`, the same arithmetic), unless the model was made with
+``fused=False`` or :func:`~pagedrt.engine.fused.unsupported` names a reason (an FP8 cache, say).
 """
 
 import contextlib
@@ -29,6 +32,7 @@ import numpy as np
 
 from .. import attention, kernels
 from ..errors import UnsupportedModelError
+from . import fused as fused_step
 from . import ops
 
 MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used dropped first
@@ -37,7 +41,7 @@ MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used d
 class LlamaModel:
     """The weights of a :class:`~pagedrt.engine.loader.GGUFModel` on the cache's device, and its forward pass."""
 
-    def __init__(self, model, cache, *, graphs=True):
+    def __init__(self, model, cache, *, graphs=True, fused=True):
         c = self.config = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.kv_heads, c.head_dim):
             raise UnsupportedModelError(
@@ -62,6 +66,8 @@ class LlamaModel:
         self.stream = contextlib.nullcontext() if host else self.xp.cuda.Stream(non_blocking=True)
         self._graphs = None if host or not graphs else OrderedDict()  # batch size -> _Graph
         self._last_decode = 0  # the batch size of the last decode step
+        use_fused = fused and not host and fused_step.unsupported(c, spec) is None
+        self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
 
     @property
     def weight_bytes(self):
@@ -128,6 +134,9 @@ class LlamaModel:
         times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and write plans."""
         c, cache = self.config, self.cache
         n, eps = step.num_tokens, c.rms_eps
+        if self.fused is not None and n == len(step.seqs) <= fused_step.MAX_ROWS:
+            yield "fused_step", partial(self.fused.run, step, ids, b["logits"])
+            return
         attn = b["attn"].reshape(n, c.q_heads * c.head_dim)  # hidden, but for a tensor-parallel shard
         yield "embed", partial(ops.embed, ids, self.embedding, b["residual"])
         delta = None
