@@ -1,4 +1,4 @@
-// Rotary embeddings fused with the K/V write: one launch a layer where rope_split and write_kv took two.
+// Rotary embeddings fused with the K/V write: one launch a layer, and no k and v buffers between the two.
 //
 // qkv:       [num_tokens, (q_heads + 2 kv_heads) * HEAD_DIM], contiguous: q's heads, k's, then v's.
 // q:         [num_tokens, q_heads, HEAD_DIM], contiguous: q rotated (what attention reads).
@@ -6,10 +6,10 @@
 //            block*block_stride + (h*BLOCK_SIZE + slot_in_block)*HEAD_DIM; k rotated, v as it is.
 // slots:     [num_tokens] int64; a negative slot is padding: its k and v are skipped (its q is written).
 // Token t of batch row b (qo_indptr[b] <= t < qo_indptr[b + 1]) sits at position seq_lens[b] - (qo_indptr[b + 1]
-// - t); q's and k's pairs (x[2i], x[2i+1]) (GGUF's Llama layout) turn by pos * inv_freq[i], computed in float as
-// rope_split did (sincosf of the float32 product), rounded to T. P = e4m3: k and v then go through quantise16
-// (write.cu: divided by the KV head's scale, k_scales and v_scales float32 [kv_heads]), so the planes hold the
-// bytes rope_split and write_kv_fp8 stored.
+// - t); q's and k's pairs (x[2i], x[2i+1]) (GGUF's Llama layout) turn by pos * inv_freq[i] in float (sincosf
+// of the float32 product), rounded to T. P = e4m3: k, so rounded, and v then go through write_kv_fp8's
+// quantise16 (divided by the KV head's scale, k_scales and v_scales float32 [kv_heads]): the planes hold the
+// bytes that rotating into a k buffer of T and write_kv_fp8 would store.
 //
 // Grid (num_tokens, chunks): a thread block takes THREADS of one token's vectors, a thread one 16-byte vector of
 // what it stores (FP8: 16 values, so 16 bytes of the planes and two vectors of q); the block's threads first put
