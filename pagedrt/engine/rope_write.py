@@ -112,7 +112,8 @@ class RopeWritePlan:
         self._steps = (slot_mapping, qo_indptr, seq_lens, inv_freq)
         self._device, self._launch = None if xp is np else q.device.id, None
         if xp is not np and n:
-            grid = (n, -(-(q_heads + 2 * kv_heads) * (d // (16 if cfg.fp8 else 16 // q.itemsize)) // THREADS))
+            vectors = (q_heads + 2 * kv_heads) * d // (16 if cfg.fp8 else 16 // q.itemsize)  # a token's, one a thread
+            grid = (n, -(-vectors // THREADS))
             self._launch = (source.function(FILE, kernel_name(cfg)), grid, (THREADS,),
                             (np.int64(pk.block_stride), ptr(slot_mapping), ptr(qo_indptr), ptr(seq_lens),
                              np.int32(batch), ptr(inv_freq), np.int32(q_heads), np.int32(kv_heads)))
