@@ -3,8 +3,8 @@
 :meth:`LlamaModel.forward` takes a :class:`~pagedrt.step.Step` (from ``cache.step()``)
 and the step's new token ids, and returns the logits of each batch row's last token.
 Per layer: RMSNorm, one GEMM for Q, K and V, rotary embeddings (each token at its
-position, found on the device from the step's query offsets and KV lengths), the new
-K/V written into the cache through the step's slot mapping (``kernels.WritePlan``),
+position, found on the device from the step's query offsets and KV lengths) fused with
+the new K/V's write into the cache through the step's slot mapping (:class:`RopeWritePlan`),
 paged attention through the step's block tables (``attention.DecodePlan`` when every
 row has one new token, else ``attention.PrefillPlan``: prompts, prompt chunks after
 cached tokens, mixed batches), the output projection, then RMSNorm and SwiGLU (one
@@ -34,6 +34,7 @@ from .. import attention, kernels
 from ..errors import UnsupportedModelError
 from . import fused as fused_step
 from . import ops
+from .rope_write import RopeWritePlan
 
 MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used dropped first
 
@@ -109,20 +110,21 @@ class LlamaModel:
         d = c.head_dim
         shapes = {"residual": ((n, c.hidden), np.float32), "h": ((n, c.hidden), act),
                   "qkv": ((n, (c.q_heads + 2 * c.kv_heads) * d), act), "q": ((n, c.q_heads, d), kv),
-                  "k": ((n, c.kv_heads, d), kv), "v": ((n, c.kv_heads, d), kv), "attn": ((n, c.q_heads, d), kv),
+                  "attn": ((n, c.q_heads, d), kv),
                   "delta": ((n, c.hidden), act), "gate_up": ((n, 2 * c.ffn), act), "mlp": ((n, c.ffn), act),
                   "last": ((batch, c.hidden), act), "logits": ((batch, c.vocab_size), np.float32)}
         return {name: xp.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
     def plans(self, step, buffers, decode):
-        """The step's attention plan and K/V write plan (checked once, run per layer)."""
+        """The step's attention plan and rotary + K/V write plan (checked once, run per layer)."""
         q, k0 = buffers["q"], self.cache.k(0)
         if decode:
             plan = attention.DecodePlan(q, k0, step.block_tables, step.seq_lens)
         else:
             plan = attention.PrefillPlan(q, k0, step.block_tables, step.seq_lens, step.qo_indptr,
                                          query_lens=step.query_lens)
-        return plan, kernels.WritePlan(buffers["k"], k0, step.slot_mapping)
+        return plan, RopeWritePlan(buffers["qkv"], q, k0, step.slot_mapping, step.qo_indptr, step.seq_lens,
+                                   self.inv_freq)
 
     def _run(self, step, ids, b, plan, writer):
         """Every layer of one step; allocates nothing (a CUDA graph can capture it)."""
@@ -131,7 +133,7 @@ class LlamaModel:
 
     def launches(self, step, ids, b, plan, writer):
         """The step's launches in order, as (kind, call) pairs: what :meth:`forward` runs, and what the benchmark
-        times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and write plans."""
+        times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and rotary + write plans."""
         c, cache = self.config, self.cache
         n, eps = step.num_tokens, c.rms_eps
         if self.fused is not None and n == len(step.seqs) <= fused_step.MAX_ROWS:
@@ -146,9 +148,7 @@ class LlamaModel:
                       else {})
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
             yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
-            yield "rope", partial(ops.rope_split, b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens,
-                                  self.inv_freq)
-            yield "write_kv", partial(writer.run, b["k"], b["v"], k, v, **scales)
+            yield "rope_write", partial(writer.run, b["qkv"], b["q"], k, v, **scales)
             yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"], **scales)
             yield "gemm_o", partial(ops.gemm, attn, w["o"], b["delta"])
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], b["delta"], w["ffn_norm"], b["h"], eps)

@@ -10,8 +10,7 @@ tests compare the kernels with.
 - :func:`embed`: the token embedding's rows of ``ids`` into the float32 residual stream.
 - :func:`add_rms_norm`: the residual stream plus a layer's output (written back), RMS-normalised and scaled;
   ``rows`` (the step's query offsets) selects each batch row's last token.
-- :func:`rope_split`: rotary embeddings on q and k, each token at its position in its sequence (found from the
-  step's query offsets and KV lengths, on the device), q, k and v split into contiguous arrays.
+- rotary embeddings: :mod:`.rope_write` (fused with the K/V write).
 - :func:`silu_mul`: SwiGLU's ``silu(gate) * up``.
 - :func:`gemm`: ``a @ w.T`` into ``out``, ``w`` a weight ``[out, in]`` (cuBLAS ``GemmEx``, float32 accumulation;
   the output may be float32).
@@ -30,7 +29,7 @@ from ..spec import dtype_name
 
 FILE = "engine.cu"
 THREADS = 256
-KERNELS = ("embed", "add_rms_norm", "rope_split", "silu_mul")
+KERNELS = ("embed", "add_rms_norm", "silu_mul")
 CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType
 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T = 68, -1, 0, 1
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's workspace (Hopper's recommendation)
@@ -78,39 +77,6 @@ def add_rms_norm(residual, delta, weight, out, eps, rows=None):
             (out.shape[0],), (THREADS,), (ptr(residual), NULL if delta is None else ptr(delta), ptr(weight), ptr(out),
                                           NULL if rows is None else ptr(rows), np.int32(out.shape[1]), np.float32(eps)))
     return out
-
-
-def positions(qo_indptr, seq_lens, num_tokens):
-    """Each new token's position in its sequence (NumPy, int64): seq_lens[b] - (qo_indptr[b + 1] - t)."""
-    qo = np.asarray(qo_indptr, np.int64)
-    t = np.arange(num_tokens)
-    b = np.searchsorted(qo, t, side="right") - 1
-    return np.asarray(seq_lens, np.int64)[b] - (qo[b + 1] - t)
-
-
-def rope_split(qkv, q, k, v, qo_indptr, seq_lens, inv_freq):
-    """Rotate q's and k's heads of ``qkv`` [n, (q_heads + 2 kv_heads) * d] pairwise ((x[2i], x[2i+1]) by angle
-    ``pos * inv_freq[i]``, in float32 as the kernel computes it) and write them, and v, into q [n, q_heads, d],
-    k and v [n, kv_heads, d]. inv_freq: float32 [d / 2]."""
-    n, q_heads, d = q.shape
-    kv_heads = k.shape[1]
-    if _host(qkv, q, k, v, qo_indptr, seq_lens, inv_freq):
-        pos = positions(qo_indptr, seq_lens, n).astype(np.float32)
-        angle = (pos[:, None] * inv_freq[None, :]).astype(np.float64)  # float32 product, as the kernel's
-        cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-        heads = qkv.reshape(n, q_heads + 2 * kv_heads, d // 2, 2).astype(np.float64)
-        x0, x1 = heads[:, :q_heads + kv_heads, :, 0], heads[:, :q_heads + kv_heads, :, 1]
-        rotated = np.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(n, q_heads + kv_heads, d)
-        q[...] = rotated[:, :q_heads]
-        k[...] = rotated[:, q_heads:]
-        v[...] = qkv.reshape(n, q_heads + 2 * kv_heads, d)[:, q_heads + kv_heads:]
-        return q, k, v
-    if n:
-        _kernel("rope_split", q.dtype)(
-            (n,), (THREADS,), (ptr(qkv), ptr(q), ptr(k), ptr(v), ptr(qo_indptr), ptr(seq_lens),
-                               np.int32(seq_lens.shape[0]), ptr(inv_freq), np.int32(q_heads), np.int32(kv_heads),
-                               np.int32(d)))
-    return q, k, v
 
 
 def silu_mul(gate_up, out):
