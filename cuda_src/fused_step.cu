@@ -32,7 +32,6 @@ namespace fused {
 constexpr int THREADS = 256, WARPS = THREADS / 32, TILE = 64;
 constexpr int MAX_GROUP_DIMS = 2048;  // query heads a KV head x head_dim, at most
 constexpr int MAX_SPLITS = 16;        // attention splits of a (row, KV head), at most
-constexpr int VPL = 6;  // a GEMV chunk's 16-byte vectors a lane where a phase's width is not the hidden size
 enum Weight { ATTN_NORM, QKV, O, FFN_NORM, GATE_UP, DOWN, K_PLANE, V_PLANE, PER_LAYER };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -79,115 +78,125 @@ __device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& target) {
     __syncthreads();
 }
 
-// A GEMV phase: `count` units of NR weight rows each, unit u's rows at w + (u * unit_rows + r * step) * k
-// (k elements of T, a multiple of 8). Warp g of the grid takes units g, g + warps, ...; a unit's row is read
-// in chunks of CHUNK elements, VPL 16-byte vectors a lane, and the warp loads its next chunk while it
-// computes this one: the first chunk is loaded before the barrier that opens the phase (`first`), so its
-// weights arrive while the grid waits.
+// A GEMV phase: out[row][b] = dot(W row, xs row b) for `rows` weight rows of k elements (k a multiple of 32),
+// on tensor cores: a tile is 16 rows by the batch's 8 columns (rows past the batch are computed and ignored),
+// mma.m16n8k16 over the k dimension. Block u % grid takes tile u; its warp w takes the k-steps (32 elements)
+// w, w + 8, ...: lane (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at k0 + 8t and the same
+// 16 bytes of xs row g, which are the A and B fragments of two mmas once k is renumbered inside the step (the
+// sum does not depend on the order). The warps' partial tiles are summed in shared memory in warp order.
+// A warp holds STEPS k-steps a chunk and loads its next chunk while it computes this one; the first chunk is
+// loaded before the barrier that opens the phase, so its weights arrive while the grid waits.
+// Gate/up tiles (`split` = ffn) are 8 gate rows j.. and the 8 up rows ffn + j.., so one tile holds both.
 struct Gemv {
     const void* w;
-    long long unit_rows, step;
-    int k, count;
+    int k, rows, split;
+    __device__ int tiles() const { return split ? (split + 7) / 8 : (rows + 15) / 16; }
+    // The weight row of tile u's row r (0..15), or -1 past the end.
+    __device__ int row(int u, int r) const {
+        if (split) {
+            const int j = u * 8 + (r & 7);
+            return j < split ? j + (r < 8 ? 0 : split) : -1;
+        }
+        const int i = u * 16 + r;
+        return i < rows ? i : -1;
+    }
 };
 
-template <typename T, int NR, int V>
-struct Chunk {
-    static constexpr int CHUNK = V * 32 * 8;  // elements of a row a chunk
-    uint4 w[NR][V];
+constexpr int STEPS = 3, PAD = 8;
 
-    // Chunk c of unit u (zeros past the row's end).
+template <typename T>
+struct Chunk {
+    uint4 a[STEPS][2];
+
+    // Chunk c of tile u: this warp's k-steps warp + 8 (c * STEPS + i) (zeros past k or the rows).
     __device__ __forceinline__ void load(const Gemv& g, int u, int c) {
         const T* base = reinterpret_cast<const T*>(g.w);
-        const int lane = threadIdx.x % 32, vectors = g.k / 8;
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, steps = g.k / 32;
+        const int r0 = g.row(u, lane / 4), r1 = g.row(u, lane / 4 + 8);
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-            const uint4* row = reinterpret_cast<const uint4*>(base + (u * g.unit_rows + r * g.step) * g.k);
-#pragma unroll
-            for (int v = 0; v < V; ++v) {
-                const int i = c * (CHUNK / 8) + v * 32 + lane;
-                w[r][v] = i < vectors ? __ldg(row + i) : make_uint4(0u, 0u, 0u, 0u);
-            }
+        for (int i = 0; i < STEPS; ++i) {
+            const int step = warp + WARPS * (c * STEPS + i), col = step * 32 + 8 * (lane % 4);
+            const bool in = step < steps;
+            a[i][0] = in && r0 >= 0 ? __ldg(reinterpret_cast<const uint4*>(base + (long long)r0 * g.k + col))
+                                    : make_uint4(0u, 0u, 0u, 0u);
+            a[i][1] = in && r1 >= 0 ? __ldg(reinterpret_cast<const uint4*>(base + (long long)r1 * g.k + col))
+                                    : make_uint4(0u, 0u, 0u, 0u);
         }
     }
 
-    // acc[r][b] += this chunk's part of dot(row r, xs row b).
-    template <int ROWS>
-    __device__ __forceinline__ void dot(const T* xs, int k, int c, int batch, float (&acc)[NR][ROWS]) const {
-        const int lane = threadIdx.x % 32, vectors = k / 8;
+    // c += this chunk's part of the tile; xs: rows of `stride` elements, `batch` of them.
+    __device__ __forceinline__ void mma(const T* xs, int stride, int k, int c, int batch, float (&acc)[4]) const {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, steps = k / 32, n = lane / 4;
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-            const int i = c * (CHUNK / 8) + v * 32 + lane;
-            if (i >= vectors) break;
-            float wf[NR][8];
-#pragma unroll
-            for (int r = 0; r < NR; ++r) unpack<T>(w[r][v], wf[r]);
-#pragma unroll
-            for (int b = 0; b < ROWS; ++b) {
-                if (b >= batch) break;
-                float xf[8];
-                unpack<T>(reinterpret_cast<const uint4*>(xs + b * k)[i], xf);
-#pragma unroll
-                for (int r = 0; r < NR; ++r)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[r][b] = fmaf(wf[r][e], xf[e], acc[r][b]);
-            }
+        for (int i = 0; i < STEPS; ++i) {
+            const int step = warp + WARPS * (c * STEPS + i);
+            if (step >= steps) break;
+            const uint4 x = n < batch ? *reinterpret_cast<const uint4*>(xs + n * stride + step * 32 + 8 * (lane % 4))
+                                      : make_uint4(0u, 0u, 0u, 0u);
+            mma_16816<T>(acc, a[i][0].x, a[i][1].x, a[i][0].y, a[i][1].y, x.x, x.y);
+            mma_16816<T>(acc, a[i][0].z, a[i][1].z, a[i][0].w, a[i][1].w, x.z, x.w);
         }
     }
 };
 
-__device__ __forceinline__ int grid_warp() { return blockIdx.x * WARPS + threadIdx.x / 32; }
-
-// Load this warp's first chunk of phase g (before the barrier that opens it).
-template <typename T, int NR, int V>
-__device__ __forceinline__ void first_chunk(const Gemv& g, Chunk<T, NR, V>& first) {
-    if (grid_warp() < g.count) first.load(g, grid_warp(), 0);
+// Load this block's first chunk of phase g (before the barrier that opens it).
+template <typename T>
+__device__ __forceinline__ void first_chunk(const Gemv& g, Chunk<T>& first) {
+    if ((int)blockIdx.x < g.tiles()) first.load(g, blockIdx.x, 0);
 }
 
-// Prefetch into L2 the rows this warp takes in phase g, from its (skip + 1)-th unit on.
-template <typename T, int NR>
-__device__ __forceinline__ void prefetch_units(const Gemv& g, int skip) {
-    const int warps = gridDim.x * WARPS, lines = (g.k * (int)sizeof(T) + 127) / 128, lane = threadIdx.x % 32;
+// Prefetch into L2 the rows this block computes in phase g, from its (skip + 1)-th tile on.
+template <typename T>
+__device__ __forceinline__ void prefetch_tiles(const Gemv& g, int skip) {
+    const int lines = (g.k * (int)sizeof(T) + 127) / 128;
     const T* base = reinterpret_cast<const T*>(g.w);
-    for (int u = grid_warp() + skip * warps; u < g.count; u += warps)
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-            for (int line = lane; line < lines; line += 32)
-                prefetch_l2(reinterpret_cast<const char*>(base + (u * g.unit_rows + r * g.step) * g.k) + line * 128);
+    for (int u = blockIdx.x + skip * gridDim.x; u < g.tiles(); u += gridDim.x)
+        for (int i = threadIdx.x; i < 16 * lines; i += THREADS) {
+            const int r = g.row(u, i / lines);
+            if (r >= 0) prefetch_l2(reinterpret_cast<const char*>(base + (long long)r * g.k) + (i % lines) * 128);
+        }
 }
 
-// Run phase g over xs (ROWS rows of g.k values of T in shared memory): epilogue(u, acc) once per unit, with
-// acc[r][b] the whole dot product of the unit's row r and xs row b in every lane.
-template <typename T, int ROWS, int NR, int V, typename Epilogue>
-__device__ __forceinline__ void gemv(const Gemv& g, Chunk<T, NR, V>& cur, const T* xs, int batch, Epilogue epilogue) {
-    const int warps = gridDim.x * WARPS, chunks = (g.k + Chunk<T, NR, V>::CHUNK - 1) / Chunk<T, NR, V>::CHUNK;
-    float acc[NR][ROWS];
-#pragma unroll
-    for (int r = 0; r < NR; ++r)
-#pragma unroll
-        for (int b = 0; b < ROWS; ++b) acc[r][b] = 0.0f;
-    for (int u = grid_warp(), c = 0; u < g.count;) {
+// Run phase g over xs (rows of `stride` elements): epilogue(u, out) once per tile, by the whole block, with
+// out[r * 8 + b] the dot product of the tile's row r and xs row b (shared memory). `sums`: 8 x 128 floats of
+// shared memory for the warps' tiles, then the tile's 128.
+template <typename T, typename Epilogue>
+__device__ __forceinline__ void gemv(const Gemv& g, Chunk<T>& cur, const T* xs, int stride, int batch, float* sums,
+                                     Epilogue epilogue) {
+    const int chunks = (g.k / 32 + WARPS * STEPS - 1) / (WARPS * STEPS), tiles = g.tiles();
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float* out = sums + WARPS * 128;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int u = blockIdx.x, c = 0; u < tiles;) {
         int next_u = u, next_c = c + 1;
-        if (next_c == chunks) next_c = 0, next_u += warps;
-        Chunk<T, NR, V> next;
-        if (next_u < g.count) next.load(g, next_u, next_c);
-        cur.template dot<ROWS>(xs, g.k, c, batch, acc);
+        if (next_c == chunks) next_c = 0, next_u += gridDim.x;
+        Chunk<T> next;
+        if (next_u < tiles) next.load(g, next_u, next_c);
+        cur.mma(xs, stride, g.k, c, batch, acc);
         if (c == chunks - 1) {
+            // acc: rows lane / 4 and lane / 4 + 8, columns 2 (lane % 4) and + 1
+            float* mine = sums + warp * 128;
+            const int r = lane / 4, col = 2 * (lane % 4);
+            mine[r * 8 + col] = acc[0], mine[r * 8 + col + 1] = acc[1];
+            mine[(r + 8) * 8 + col] = acc[2], mine[(r + 8) * 8 + col + 1] = acc[3];
+            __syncthreads();
+            if (threadIdx.x < 128) {
+                float total = 0.0f;
 #pragma unroll
-            for (int r = 0; r < NR; ++r)
-#pragma unroll
-                for (int b = 0; b < ROWS; ++b) acc[r][b] = warp_sum(acc[r][b]);
-            epilogue(u, acc);
-#pragma unroll
-            for (int r = 0; r < NR; ++r)
-#pragma unroll
-                for (int b = 0; b < ROWS; ++b) acc[r][b] = 0.0f;
+                for (int w = 0; w < WARPS; ++w) total += sums[w * 128 + threadIdx.x];
+                out[threadIdx.x] = total;
+            }
+            __syncthreads();
+            epilogue(u, out);
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
         }
         cur = next;
         u = next_u, c = next_c;
     }
 }
 
-// xs[b] = residual[b] / sqrt(mean(residual[b]^2) + eps) * weight, as T, for every row b < batch.
+// xs[b] = residual[b] / sqrt(mean(residual[b]^2) + eps) * weight, as T, for every row b < batch (xs rows
+// hidden + PAD apart: the padding spreads a GEMV's reads of 8 rows over the banks).
 // PER: values a thread holds of a row (hidden <= PER * THREADS).
 template <typename T, int ROWS, int PER>
 __device__ void load_normed(const float* residual, const float* __restrict__ weight, T* xs, float* reduce,
@@ -222,18 +231,19 @@ __device__ void load_normed(const float* residual, const float* __restrict__ wei
 #pragma unroll
         for (int v = 0; v < PER; ++v) {
             const int j = threadIdx.x + v * THREADS;
-            if (j < hidden) xs[b * hidden + j] = from_float<T>(x[b][v] * scale * weight[j]);
+            if (j < hidden) xs[b * (hidden + PAD) + j] = from_float<T>(x[b][v] * scale * weight[j]);
         }
     }
     __syncthreads();
 }
 
-// xs[b] = src[b] (k values of T a row) for every row b < batch.
+// xs[b] = src[b] (k values of T a row, xs rows k + PAD apart) for every row b < batch.
 template <typename T>
 __device__ void load_rows(const T* src, T* xs, int batch, int k) {
-    const int vectors = batch * k / 8;
-    for (int i = threadIdx.x; i < vectors; i += THREADS)
-        reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+    const int per_row = k / 8;
+    for (int i = threadIdx.x; i < batch * per_row; i += THREADS)
+        *reinterpret_cast<uint4*>(xs + (i / per_row) * (k + PAD) + (i % per_row) * 8) =
+            __ldcg(reinterpret_cast<const uint4*>(src) + i);
     __syncthreads();
 }
 
@@ -434,61 +444,59 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     int ffn, int q_heads, int kv_heads, int splits, float eps, float scale_log2) {
     using namespace fused;
     extern __shared__ uint4 smem_raw[];
-    float* reduce = reinterpret_cast<float*>(smem_raw);  // load_normed's partial sums; xs follows
-    T* xs = reinterpret_cast<T*>(reduce + WARPS * ROWS);
+    float* reduce = reinterpret_cast<float*>(smem_raw);  // load_normed's partial sums
+    float* sums = reduce + WARPS * ROWS;                 // the GEMV's warp tiles and the block's tile
+    T* xs = reinterpret_cast<T*>(sums + (WARPS + 1) * 128);
     const Step s{layers, ids, tables, table_stride, seq_lens, slots, block_stride, block_size, batch, hidden, ffn,
                  q_heads, kv_heads, splits};
     unsigned* bar = counters;
     unsigned* merges = counters + 1;
     unsigned target = 0;
     const int qkv_rows = (q_heads + 2 * kv_heads) * HEAD_DIM, attn_width = q_heads * HEAD_DIM;
-    const int lane = threadIdx.x % 32;
-    constexpr int LOGIT_ROWS = VH <= 3 ? 4 : 2;
-    auto qkv_phase = [&](int layer) { return Gemv{(const void*)layers[layer * PER_LAYER + QKV], 2, 1, hidden, qkv_rows / 2}; };
-    Chunk<T, 2, VH> cur_h;  // a phase of rows of the hidden size (qkv, gate_up)
-    Chunk<T, 2, VPL> cur;   // o and down
+    const int tid = threadIdx.x;
+    auto qkv_phase = [&](int layer) { return Gemv{(const void*)layers[layer * PER_LAYER + QKV], hidden, qkv_rows, 0}; };
+    Chunk<T> cur;
 
-    for (int i = blockIdx.x * THREADS + threadIdx.x; i < batch * hidden; i += gridDim.x * THREADS)
+    for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);
-    first_chunk(qkv_phase(0), cur_h);
+    first_chunk(qkv_phase(0), cur);
     grid_sync(bar, target);
 
     for (int layer = 0; layer < num_layers; ++layer) {
         const unsigned long long* w = layers + layer * PER_LAYER;
         T* k_plane = reinterpret_cast<T*>(w[K_PLANE]);
         T* v_plane = reinterpret_cast<T*>(w[V_PLANE]);
-        const Gemv o_phase{(const void*)w[O], 2, 1, attn_width, hidden / 2};
-        const Gemv gate_up_phase{(const void*)w[GATE_UP], 1, ffn, hidden, ffn};
-        const Gemv down_phase{(const void*)w[DOWN], 2, 1, ffn, hidden / 2};
+        const Gemv o_phase{(const void*)w[O], attn_width, hidden, 0};
+        const Gemv gate_up_phase{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn};
+        const Gemv down_phase{(const void*)w[DOWN], ffn, hidden, 0};
 
-        // qkv: norm, a pair of rows a unit, rotary embeddings, q out and k, v into the planes.
-        load_normed<T, ROWS, VH>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch, hidden, eps);
-        gemv<T, ROWS, 2>(qkv_phase(layer), cur_h, xs, batch, [&](int u, float (&acc)[2][ROWS]) {
-            const int head = 2 * u / HEAD_DIM, i = u % (HEAD_DIM / 2);
-#pragma unroll
-            for (int b = 0; b < ROWS; ++b) {
-                if (lane != b || b >= batch) continue;
-                float x0 = round_to<T>(acc[0][b]), x1 = round_to<T>(acc[1][b]);
-                if (head < q_heads + kv_heads) {
-                    float sn, cs;
-                    sincosf((float)(seq_lens[b] - 1) * inv_freq[i], &sn, &cs);
-                    const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
-                    x0 = y0, x1 = y1;
-                }
-                T* dst;
-                if (head < q_heads) {
-                    dst = q + ((long long)b * q_heads + head) * HEAD_DIM;
-                } else {
-                    const long long slot = slots[b];
-                    if (slot < 0) continue;
-                    const bool is_k = head < q_heads + kv_heads;
-                    const int kh = head - q_heads - (is_k ? 0 : kv_heads);
-                    dst = (is_k ? k_plane : v_plane) + (slot / block_size) * block_stride +
-                          ((long long)kh * block_size + slot % block_size) * HEAD_DIM;
-                }
-                dst[2 * i] = from_float<T>(x0);
-                dst[2 * i + 1] = from_float<T>(x1);
+        // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes.
+        load_normed<T, ROWS, VH>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch, hidden,
+                                 eps);
+        gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
+            const int pair = tid / 8, b = tid % 8, col = u * 16 + 2 * pair;
+            if (tid >= 64 || b >= batch || col >= qkv_rows) return;
+            const int head = col / HEAD_DIM, i = (col % HEAD_DIM) / 2;
+            float x0 = round_to<T>(out[2 * pair * 8 + b]), x1 = round_to<T>(out[(2 * pair + 1) * 8 + b]);
+            if (head < q_heads + kv_heads) {
+                float sn, cs;
+                sincosf((float)(seq_lens[b] - 1) * inv_freq[i], &sn, &cs);
+                const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
+                x0 = y0, x1 = y1;
             }
+            T* dst;
+            if (head < q_heads) {
+                dst = q + ((long long)b * q_heads + head) * HEAD_DIM;
+            } else {
+                const long long slot = slots[b];
+                if (slot < 0) return;
+                const bool is_k = head < q_heads + kv_heads;
+                const int kh = head - q_heads - (is_k ? 0 : kv_heads);
+                dst = (is_k ? k_plane : v_plane) + (slot / block_size) * block_stride +
+                      ((long long)kh * block_size + slot % block_size) * HEAD_DIM;
+            }
+            dst[2 * i] = from_float<T>(x0);
+            dst[2 * i + 1] = from_float<T>(x1);
         });
         for (int item = blockIdx.x; item < batch * kv_heads * splits; item += gridDim.x)
             prefetch_item<T, HEAD_DIM>(s, k_plane, v_plane, item);
@@ -501,75 +509,50 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         first_chunk(o_phase, cur);
         grid_sync(bar, target);
 
-        // o: residual += W_o . attn
+        // o: residual += W_o . attn (one add to each element in the phase: the same sum every run)
+        auto add_to_residual = [&](int u, const float* out) {
+            const int r = tid / 8, b = tid % 8, col = u * 16 + r;
+            if (tid < 128 && b < batch && col < hidden)
+                atomicAdd(residual + (long long)b * hidden + col, round_to<T>(out[r * 8 + b]));
+        };
         load_rows<T>(attn, xs, batch, attn_width);
-        gemv<T, ROWS, 2>(o_phase, cur, xs, batch, [&](int u, float (&acc)[2][ROWS]) {
-#pragma unroll
-            for (int b = 0; b < ROWS; ++b)
-                if (lane == b && b < batch) {
-                    float* r = residual + (long long)b * hidden + 2 * u;
-                    atomicAdd(r, round_to<T>(acc[0][b]));
-                    atomicAdd(r + 1, round_to<T>(acc[1][b]));
-                }
-        });
-        first_chunk(gate_up_phase, cur_h);
-        prefetch_units<T, 2>(gate_up_phase, 1);
+        gemv(o_phase, cur, xs, attn_width + PAD, batch, sums, add_to_residual);
+        first_chunk(gate_up_phase, cur);
+        prefetch_tiles<T>(gate_up_phase, 1);
         grid_sync(bar, target);
 
-        // gate_up: norm, rows j and ffn + j a unit, SiLU(gate) * up
-        load_normed<T, ROWS, VH>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch, hidden, eps);
-        gemv<T, ROWS, 2>(gate_up_phase, cur_h, xs, batch, [&](int u, float (&acc)[2][ROWS]) {
-#pragma unroll
-            for (int b = 0; b < ROWS; ++b)
-                if (lane == b && b < batch) {
-                    const float g = round_to<T>(acc[0][b]), up = round_to<T>(acc[1][b]);
-                    mlp[(long long)b * ffn + u] = from_float<T>(g / (1.0f + __expf(-g)) * up);
-                }
+        // gate_up: norm, SiLU(gate) * up
+        load_normed<T, ROWS, VH>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch, hidden,
+                                 eps);
+        gemv(gate_up_phase, cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
+            const int j = tid / 8, b = tid % 8, col = u * 8 + j;
+            if (tid >= 64 || b >= batch || col >= ffn) return;
+            const float g = round_to<T>(out[j * 8 + b]), up = round_to<T>(out[(j + 8) * 8 + b]);
+            mlp[(long long)b * ffn + col] = from_float<T>(g / (1.0f + __expf(-g)) * up);
         });
         first_chunk(down_phase, cur);
         grid_sync(bar, target);
 
         // down: residual += W_down . mlp
         load_rows<T>(mlp, xs, batch, ffn);
-        gemv<T, ROWS, 2>(down_phase, cur, xs, batch, [&](int u, float (&acc)[2][ROWS]) {
-#pragma unroll
-            for (int b = 0; b < ROWS; ++b)
-                if (lane == b && b < batch) {
-                    float* r = residual + (long long)b * hidden + 2 * u;
-                    atomicAdd(r, round_to<T>(acc[0][b]));
-                    atomicAdd(r + 1, round_to<T>(acc[1][b]));
-                }
-        });
-        if (layer + 1 < num_layers)
-            first_chunk(qkv_phase(layer + 1), cur_h);
-        else
-            prefetch_units<T, LOGIT_ROWS>(Gemv{(const void*)output, LOGIT_ROWS, 1, hidden, vocab / LOGIT_ROWS}, 0);
+        gemv(down_phase, cur, xs, ffn + PAD, batch, sums, add_to_residual);
+        const Gemv logits_phase{(const void*)output, hidden, vocab, 0};
+        if (layer + 1 < num_layers) {
+            first_chunk(qkv_phase(layer + 1), cur);
+        } else {
+            first_chunk(logits_phase, cur);
+            prefetch_tiles<T>(logits_phase, 1);
+        }
         grid_sync(bar, target);
     }
 
-    // logits = W_out . norm(residual), float32: LOGIT_ROWS rows a unit, then the vocab % LOGIT_ROWS last rows
-    const Gemv logits_phase{(const void*)output, LOGIT_ROWS, 1, hidden, vocab / LOGIT_ROWS};
-    Chunk<T, LOGIT_ROWS, VH> rows;
-    first_chunk(logits_phase, rows);
+    // logits = W_out . norm(residual), float32
     load_normed<T, ROWS, VH>(residual, output_norm, xs, reduce, batch, hidden, eps);
-    gemv<T, ROWS, LOGIT_ROWS>(logits_phase, rows, xs, batch, [&](int u, float (&acc)[LOGIT_ROWS][ROWS]) {
-#pragma unroll
-        for (int b = 0; b < ROWS; ++b)
-            if (lane == b && b < batch)
-#pragma unroll
-                for (int r = 0; r < LOGIT_ROWS; ++r) logits[(long long)b * vocab + LOGIT_ROWS * u + r] = acc[r][b];
-    });
-    const int tail = vocab % LOGIT_ROWS;
-    if (tail) {
-        const Gemv tail_phase{(const void*)(output + (long long)(vocab - tail) * hidden), 1, 1, hidden, tail};
-        Chunk<T, 1, VH> row;
-        first_chunk(tail_phase, row);
-        gemv<T, ROWS, 1>(tail_phase, row, xs, batch, [&](int u, float (&acc)[1][ROWS]) {
-#pragma unroll
-            for (int b = 0; b < ROWS; ++b)
-                if (lane == b && b < batch) logits[(long long)b * vocab + vocab - tail + u] = acc[0][b];
-        });
-    }
+    gemv(Gemv{(const void*)output, hidden, vocab, 0}, cur, xs, hidden + PAD, batch, sums,
+         [&](int u, const float* out) {
+             const int r = tid / 8, b = tid % 8, row = u * 16 + r;
+             if (tid < 128 && b < batch && row < vocab) logits[(long long)b * vocab + row] = out[r * 8 + b];
+         });
 }
 
 }  // namespace pagedrt

@@ -8,7 +8,7 @@ r"""Run every kernel once on small data, for compute-sanitizer.
 errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), the fused rotary embeddings + write (padding slots too; FP8 planes on 8.9 or
-later), decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
+later), the one-launch decode step of a small model against the layered step, decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
 both again over FP8 K/V (compute capability 8.9 or later; prefill too, causal and not), the contiguous
 baseline, prefill (causal and not, over a ragged batch with a one-token row; on compute capability 9.0 both
 the sm_90a kernel and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
@@ -124,6 +124,7 @@ def run():
     same = lambda: np.array_equal(cupy.asnumpy(k), host_k) and np.array_equal(cupy.asnumpy(v), host_v)  # noqa: E731
     expect("write_kv (with padding slots)", same())
     rope_writes(expect, rng, slots, num_blocks, fp8_cfg is not None)
+    fused_steps(expect, rng)
 
     ref = reference.paged_decode(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
     for geometry_name in planner.GEOMETRIES:
@@ -222,6 +223,37 @@ def rope_writes(expect, rng, slots, num_blocks, fp8):
 
 
 WIDE = (("float16", 24), ("float16", 40), ("float32", 13))  # two and four m16 tiles of heads; CUDA-core chunks
+
+
+def fused_steps(expect, rng):
+    """The one-launch decode step (pagedrt.engine.fused) of a 2-layer random model against the layered step, over
+    three sequences of LENS tokens."""
+    import cupy
+    from pagedrt.engine.config import ModelConfig
+    from pagedrt.engine.loader import GGUFModel, Weights
+    from pagedrt.engine.model import LlamaModel
+    c = ModelConfig(name="sanitize", num_layers=2, hidden=384, ffn=256, q_heads=6, kv_heads=2, head_dim=64,
+                    vocab_size=301, context_length=1024, rope_theta=10000.0, rope_scale=1.0, rms_eps=1e-5)
+    mat = lambda o, i: (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)  # noqa: E731
+    layers = [{"attn_norm": np.ones(c.hidden, np.float32), "ffn_norm": np.ones(c.hidden, np.float32),
+               "qkv": mat((c.q_heads + 2 * c.kv_heads) * c.head_dim, c.hidden), "o": mat(c.hidden, c.hidden),
+               "gate_up": mat(2 * c.ffn, c.hidden), "down": mat(c.hidden, c.ffn)} for _ in range(c.num_layers)]
+    embedding = mat(c.vocab_size, c.hidden)
+    gguf = GGUFModel("sanitize", c, None, Weights(embedding, embedding, np.ones(c.hidden, np.float32), layers))
+    prompts = [rng.integers(0, c.vocab_size, n) for n in LENS]
+    tokens = np.array([1, 2, 3])
+    logits = []
+    for fused in (True, False):
+        with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, BLOCK, "float16", max_tokens=1024, max_seqs=4,
+                          backend="cuda") as cache:
+            model = LlamaModel(gguf, cache, graphs=False, fused=fused)
+            with model.stream:
+                model.forward(cache.step([], arrivals=prompts), cupy.asarray(np.concatenate(prompts)))
+                out = model.forward(cache.step(None, 1, tokens), cupy.asarray(tokens))
+                logits.append(cupy.asnumpy(out))
+            cupy.cuda.get_current_stream().synchronize()
+            del model
+    expect("the fused decode step against the layered one", rel_error(logits[0], logits[1]) <= 2e-2)
 
 
 def wide_groups(expect, rng, fp8):

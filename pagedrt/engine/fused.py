@@ -24,6 +24,7 @@ from ..spec import dtype_name
 
 FILE = "fused_step.cu"
 THREADS, WARPS, TILE, MAX_GROUP_DIMS, MAX_SPLITS = 256, 8, 64, 2048, 16  # as cuda_src/fused_step.cu's
+PAD = 8  # elements between the GEMV's shared-memory rows
 VECTORS = (2, 3, 4, 6)  # the kernel's VH: a lane's 16-byte vectors of a hidden-size row (one chunk)
 MAX_HIDDEN = VECTORS[-1] * 32 * 8
 ROWS = (1, 2, 4, 8)  # the kernel's instances: a batch runs on the smallest that holds it
@@ -52,7 +53,7 @@ def smem_bytes(config, rows: int) -> int:
     the attention's tiles, whichever is larger."""
     c = config
     widest = max(c.hidden, c.ffn, c.q_heads * c.head_dim)
-    gemv = WARPS * rows * 4 + rows * widest * 2
+    gemv = WARPS * rows * 4 + (WARPS + 1) * 128 * 4 + rows * (widest + PAD) * 2
     group = c.q_heads // c.kv_heads
     attention = group * (2 * c.head_dim + TILE + 3) * 4
     return max(gemv, attention)
@@ -65,7 +66,8 @@ def unsupported(config, spec) -> Optional[str]:
     reasons = [(spec.is_fp8, "the cache is FP8"),
                (spec.dtype.name not in ("float16", "bfloat16"), f"activations are {spec.dtype.name}"),
                (c.head_dim not in HEAD_DIMS, f"head_dim {c.head_dim} is not one of {HEAD_DIMS}"),
-               (any(x % 8 for x in (c.hidden, c.ffn)), "hidden or ffn is not a multiple of 8"),
+               (any(x % 32 for x in (c.hidden, c.ffn, c.q_heads * c.head_dim)),
+                "hidden, ffn or the attention's width is not a multiple of 32"),
                (c.hidden > MAX_HIDDEN, f"hidden {c.hidden} is over {MAX_HIDDEN}"),
                (group * c.head_dim > MAX_GROUP_DIMS, f"a group of {group} query heads of {c.head_dim}"),
                (smem_bytes(c, MAX_ROWS) > SMEM_LIMIT, "its rows do not fit in shared memory")]
