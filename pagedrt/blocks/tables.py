@@ -258,6 +258,20 @@ class BlockTables(SwapTables):
             self._record_tokens(rows, before, np.broadcast_to(step, rows.shape).astype(np.int64), token_ids)
         return result
 
+    def name(self, seqs: "Handles", counts: "Counts", token_ids: Sequence[int]) -> None:
+        """Give the ids of the last ``counts`` tokens appended to each of ``seqs`` without ids (a caller that
+        learns them after the step, as an engine that samples on the device): the blocks they fill are named as
+        :meth:`append`'s ids would have named them. A sequence whose earlier ids are not all known names nothing.
+        Bad arguments raise as :meth:`append`'s, changing nothing."""
+        rows, step = self._request(seqs, counts)
+        step = np.broadcast_to(step, rows.shape).astype(np.int64)
+        old = self.lens[rows].astype(np.int64) - step
+        if (old < 0).any():
+            raise InvalidTokenCountError(f"{int(step[old < 0][0])} tokens named but the sequence holds fewer")
+        ids = prefix.check_token_ids(token_ids, int(step.sum()), "token_ids")
+        if ids.size:
+            self.tx.run(lambda: self._record_tokens(rows, old, step, ids))
+
     def step(self, seqs: Optional["Handles"], counts: "Counts", token_ids: Optional[Sequence[int]],
              arrivals: Optional[Sequence[Sequence[int]]], arrival_tokens: Optional["Counts"],
              forks: Optional["Handles"], frees: Optional["Handles"], max_tokens: int,
