@@ -441,7 +441,8 @@ class Engine:
         r.drawn[mine] += 1
         where = np.full(r.last.size, -1, np.int64)
         where[mine] = own
-        return Flight(device, host, event, handles.size, mine, own, r.epoch[mine].copy(), forks, where)
+        return Flight(device, host, event, handles.size, mine, own, r.epoch[mine].copy(), forks, where,
+                      bool(plan.decoding.all()) and not plan.arrivals)
 
     def _drain(self):
         """Read the last step's tokens, if the host has not yet."""
@@ -461,6 +462,8 @@ class Engine:
         for request, at, n in flight.forks:
             request.firsts = tokens[at + 1:at + n]
         self._record(flight.handles[keep], tokens[flight.index[keep]])
+        if flight.decoding:
+            self.stats.decode_tokens += int(keep.sum())
         self._record_children()
 
     def _record(self, handles, tokens):
@@ -500,15 +503,14 @@ class Engine:
             s.prefill_steps += 1
             s.prefill_seconds += seconds
             s.prompt_tokens += prompt_tokens
-        elif decode_tokens:
+        elif decode_tokens:  # its tokens are counted as they are read (a sequence's extra step's are not)
             s.decode_steps += 1
             s.decode_seconds += seconds
-            s.decode_tokens += decode_tokens
 
     def warm_up(self):
-        """Run a prompt step and two decode steps of one short sequence through the model, then free it: the
-        kernels of one sequence are compiled or loaded (on first use, by CuPy) and its decode step captured as a
-        graph before the steps that are timed. Other batch sizes may still compile kernels of their own."""
+        """Run a prompt step and two decode steps of one short sequence through the model and the greedy
+        sampler, then free it: the kernels of one sequence are compiled or loaded (on first use, by CuPy) and its
+        decode step captured as a graph before the steps that are timed. Other batch sizes may still compile kernels of their own."""
         ids = np.zeros(4, np.int64)
         with self.model.stream:
             step = self.cache.step([], arrivals=[ids[:2]])  # two prompt tokens: the prefill path
@@ -516,7 +518,8 @@ class Engine:
             seq = step.arrived.tolist()
             for token in (ids[2:3], ids[3:4]):  # an eager decode step, then one captured
                 step = self.cache.step(seq, 1, token)
-                self.model.forward(step, self.cache.xp.asarray(token))
+                logits = self.model.forward(step, self.cache.xp.asarray(token))
+            sampler.sample(logits, [0], [0.0], [1.0], [0.0])  # the greedy sampler's kernel
             self.cache.step([], frees=seq)
 
     def close(self):

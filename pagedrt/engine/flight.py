@@ -66,7 +66,7 @@ class Flight:
     ``event``: where they arrive and when. Draw ``index[i]`` is the next token of sequence ``handles[i]``
     (decoding rows and prompts that ended), which was in its ``epoch[i]`` then; ``forks``: (request, first draw,
     n) per prompt that ended, its draws after the first being its children's first tokens. ``where``: int64
-    [rows], the draw of each handle's next token, -1 for none.
+    [rows], the draw of each handle's next token, -1 for none. ``decoding``: whether every row decoded.
     """
 
     device: object
@@ -78,6 +78,7 @@ class Flight:
     epoch: np.ndarray
     forks: list
     where: np.ndarray
+    decoding: bool
 
     def tokens(self) -> np.ndarray:
         """The draws, int64 [count], a host copy: waits for the step to end."""
