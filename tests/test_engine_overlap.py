@@ -151,3 +151,16 @@ def test_the_sampler_writes_its_tokens_into_the_buffer_given():
     alone = sampler.sample(logits, rows, temperature, np.full(3, 0.9), draws)
     sampler.sample(logits, rows, temperature, np.full(3, 0.9), draws, out)
     assert out[:3].tolist() == alone.tolist() and out[0] == np.argmax(logits[4])
+
+
+def test_the_bench_puts_the_peers_figures_of_the_same_batch_and_context_beside_ours():
+    from pagedrt.bench.generate import peer_rows
+    peers = [{"case": "1x547", "peer": "torch+fi graph", "step_ms": 0.5},
+             {"case": "256x547", "peer": "torch+fi graph", "step_ms": 2.0},
+             {"case": "256x2067", "peer": "torch.compile gpt-fast", "step_ms": 4.0},
+             {"case": "1x547", "peer": "torch.compile gpt-fast", "error": "RuntimeError: no"}]
+    rows = [{"batch": 1, "context": 547, "step_ms": 1.0}, {"batch": 256, "context": 2067, "step_ms": 3.0}]
+    beside = peer_rows(peers, rows)
+    assert [(r["batch"], r["context"], r["peer"]) for r in beside] == [(1, 547, "torch+fi graph"),
+                                                                      (256, 2067, "torch.compile gpt-fast")]
+    assert [r["ratio"] for r in beside] == [2.0, 0.75]

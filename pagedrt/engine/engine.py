@@ -510,7 +510,8 @@ class Engine:
     def warm_up(self):
         """Run a prompt step and two decode steps of one short sequence through the model and the greedy
         sampler, then free it: the kernels of one sequence are compiled or loaded (on first use, by CuPy) and its
-        decode step captured as a graph before the steps that are timed. Other batch sizes may still compile kernels of their own."""
+        decode step captured as a graph before the steps that are timed. Other batch sizes may still compile
+        kernels of their own."""
         ids = np.zeros(4, np.int64)
         with self.model.stream:
             step = self.cache.step([], arrivals=[ids[:2]])  # two prompt tokens: the prefill path
