@@ -357,9 +357,10 @@ class Engine:
             self.stats.cached_tokens += request.cached_tokens
         self._flight = None
         if step.num_tokens:
-            batch = step
-            if step.num_tokens == len(step.seqs) and self._padding is not None:
-                batch = self._padding.pad(step, self._padding.size(step.num_tokens))
+            batch, size = step, step.num_tokens
+            if size == len(step.seqs) and self._padding is not None:
+                size = self._padding.size(size)
+                batch = self._padding.pad(step, size) if size > step.num_tokens else step
             inputs = self._inputs(batch.num_tokens, plan, ids, src, late, prev)
             self._flight = self._draw(plan, decode, ended, self.model.forward(batch, inputs))
         if prev is not None:
