@@ -326,6 +326,22 @@ class BlockTables(SwapTables):
         self.tx.set(self.known, rows, old + counts)
         shift, mask = self._shift, self.block_size - 1
         within = old & mask
+        if (counts == 1).all():  # a decode step's token a row: into the tail, whose block it may fill
+            self.tx.set(self.tail, (rows, within), token_ids[starts])
+            block_rows = rows[within == mask]
+            blocks, filled = self.table[block_rows, old[within == mask] >> shift], self.tail[block_rows]
+        else:
+            block_rows, blocks, filled = self._record_runs(rows, old, counts, starts, token_ids)
+        index, chain, device = self.allocator.index, self.chain, self.allocator.device_blocks
+        for row, block, tokens in zip(block_rows.tolist(), blocks.tolist(), filled):
+            self._set_chain(row, prefix.chain_hash(chain[row], tokens))
+            if block < device:  # a swapped-out sequence's host-tier block stays unnamed: only offloads name those
+                index.register(block, chain[row], tokens)
+
+    def _record_runs(self, rows, old, counts, starts, token_ids):
+        """:meth:`_record_tokens`'s tails for any counts; returns the blocks filled: (rows, block ids, ids)."""
+        shift, mask = self._shift, self.block_size - 1
+        within = old & mask
         run = within + counts  # the row's partly filled block's ids, then the new ones
         run_start = np.cumsum(run) - run
         r = ranks(run)
@@ -335,17 +351,11 @@ class BlockTables(SwapTables):
         full, rest = run >> shift, run & mask
         self.tx.set(self.tail, (np.repeat(rows, rest), ranks(rest)),
                     ids[np.repeat(run_start + (full << shift), rest) + ranks(rest)])
-        if not full.any():
-            return
         k = ranks(full)
         block_rows = np.repeat(rows, full)
         blocks = self.table[block_rows, np.repeat(old >> shift, full) + k]
         filled = ids[(np.repeat(run_start, full) + (k << shift))[:, None] + np.arange(self.block_size)]
-        index, chain, device = self.allocator.index, self.chain, self.allocator.device_blocks
-        for row, block, tokens in zip(block_rows.tolist(), blocks.tolist(), filled):
-            self._set_chain(row, prefix.chain_hash(chain[row], tokens))
-            if block < device:  # a swapped-out sequence's host-tier block stays unnamed: only offloads name those
-                index.register(block, chain[row], tokens)
+        return block_rows, blocks, filled
 
     def can_append(self, seqs: Optional["Handles"], counts: "Counts") -> bool:
         """Whether ``append(seqs, counts)`` would succeed now.
