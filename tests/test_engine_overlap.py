@@ -164,3 +164,19 @@ def test_the_bench_puts_the_peers_figures_of_the_same_batch_and_context_beside_o
     assert [(r["batch"], r["context"], r["peer"]) for r in beside] == [(1, 547, "torch+fi graph"),
                                                                       (256, 2067, "torch.compile gpt-fast")]
     assert [r["ratio"] for r in beside] == [2.0, 0.75]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 17])
+def test_samples_that_end_at_their_first_tokens_end_alike_in_both_loops(tiny, max_tokens):
+    """Forks whose first token is their last (drawn by the parent's step, read after the fork), seeded samples and
+    a request arriving while the others end: the same results, and the cache empty after."""
+    prompts = [COMMON + "woods.", "The dog", "Paging the cache"]
+    params = [SamplingParams(max_tokens=max_tokens, n=3), SamplingParams(max_tokens=max_tokens, n=2, temperature=1.0,
+                                                                          seed=9), SamplingParams(max_tokens=3)]
+    runs = []
+    for overlap in (False, True):
+        with Engine(tiny, backend="host", max_seqs=4, kv_tokens=1 << 12, overlap=overlap) as e:
+            runs.append(outputs(e.generate(prompts, params)))
+            assert e.scheduler.idle and e.cache.stats()["sequences"] == 0
+    assert runs[0] == runs[1]
+    assert [len(t) for r, _, _ in runs[1] for t in r] == [max_tokens] * 5 + [3]
