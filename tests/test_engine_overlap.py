@@ -2,6 +2,8 @@
 cache's ids given after the step (``cache.name_tokens``), padded decode batches, and the device sampler's output;
 on the host backend (the GPU's own checks are tests/test_engine_overlap_gpu.py)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -136,6 +138,58 @@ def test_a_batch_pads_to_the_smallest_size_that_holds_it(max_seqs, data):
     assert len(sizes) <= max_seqs.bit_length() + 1
     assert pad >= batch and pad in sizes and all(s < batch for s in sizes if s < pad)
     assert pad < 2 * batch or pad == 1
+
+
+class FixedBuffers:
+    """A stand-in cache whose ``metadata.buffers`` hold a host step's arrays as a CUDA cache's fixed buffers do:
+    slot -1, block -1, length 0 and the token count as query offset past the step."""
+
+    def __init__(self, step, rows, width, slots):
+        n, b = step.num_tokens, len(step.seqs)
+        buffers = dict(slot_mapping=np.full(slots, -1, np.int64), block_tables=np.full((rows, width), -1, np.int32),
+                       seq_lens=np.zeros(rows, np.int32), qo_indptr=np.full(rows + 1, n, np.int32))
+        buffers["slot_mapping"][:n], buffers["block_tables"][:b] = step.slot_mapping, step.block_tables
+        buffers["seq_lens"][:b], buffers["qo_indptr"][:b + 1] = step.seq_lens, step.qo_indptr
+        self.xp, self.metadata = np, SimpleNamespace(buffers=buffers)
+
+
+def test_a_padded_decode_step_computes_the_real_rows_and_writes_nothing_else(tiny):
+    """Five rows padded to eight (host references, which check every length and table entry): the real rows'
+    logits and K/V are the unpadded step's, and the block the padding rows read is left as it was."""
+    from pagedrt.engine import loader
+    from pagedrt.engine.model import LlamaModel
+    gguf = loader.load(tiny)
+    c = gguf.config
+    prompts = list(np.random.default_rng(4).integers(0, c.vocab_size, (5, 20)))
+    caches = [PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=4096, max_seqs=8,
+                           backend="host") for _ in range(2)]
+    try:
+        models = [LlamaModel(gguf, cache, graphs=False) for cache in caches]
+        for model, cache in zip(models, caches):
+            step = cache.step([], arrivals=prompts)
+            tokens = model.forward(step, np.concatenate(prompts)).argmax(axis=1)
+        for _ in range(3):
+            plain, padded = caches[0].step(None, 1, tokens), caches[1].step(None, 1, tokens)
+            fixed = FixedBuffers(padded, 8, caches[1].max_blocks_per_seq, 64)
+            padded = padding.Padding(fixed, 8).pad(padded, 8)
+            assert padded.num_tokens == len(padded.seqs) == 8 and (padded.slot_mapping[5:] == -1).all()
+            first = int(caches[1].tables.blocks(int(padded.seqs[0]))[0])
+            before = [caches[1].k(layer)[first].copy() for layer in range(c.num_layers)]
+            logits = models[1].forward(padded, np.concatenate([tokens, np.zeros(3, np.int64)]))
+            expected = models[0].forward(plain, tokens)
+            np.testing.assert_allclose(logits[:5], expected, rtol=0, atol=1e-4)
+            assert all(np.array_equal(caches[1].k(layer)[first], b) for layer, b in enumerate(before))
+            for seq in plain.seqs.tolist():  # every real row's K and V as the unpadded step wrote them
+                blocks = [cache.tables.blocks(seq) for cache in caches]
+                for layer in range(c.num_layers):
+                    for plane in ("k", "v"):
+                        a, b = (getattr(cache, plane)(layer)[ids].astype(np.float32) for cache, ids in zip(caches,
+                                                                                                         blocks))
+                        np.testing.assert_allclose(b, a, rtol=0, atol=1e-3)
+            tokens = expected.argmax(axis=1)
+    finally:
+        for cache in caches:
+            cache.close()
 
 
 def test_the_sampler_writes_its_tokens_into_the_buffer_given():
