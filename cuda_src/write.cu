@@ -41,12 +41,12 @@ __global__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, T* __
     }
 }
 
-// 16 values of T (two 16-byte vectors at src) divided by scale, as 16 e4m3 bytes.
+// 16 values of T (two 16-byte vectors, lo's first) divided by scale, as 16 e4m3 bytes.
 template <typename T>
-__device__ __forceinline__ uint4 quantise16(const T* src, float scale) {
+__device__ __forceinline__ uint4 quantise16(const uint4& lo16, const uint4& hi16, float scale) {
     float x[16];
-    unpack<T>(*reinterpret_cast<const uint4*>(src), x);
-    unpack<T>(*reinterpret_cast<const uint4*>(src + 8), x + 8);
+    unpack<T>(lo16, x);
+    unpack<T>(hi16, x + 8);
     unsigned w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -77,8 +77,10 @@ __global__ void write_kv_fp8(const T* __restrict__ k, const T* __restrict__ v, e
         const long long dst = (slot / BLOCK_SIZE) * block_stride +
                               ((long long)head * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + vec * 16;
         const long long src = row * HEAD_DIM + vec * 16;
-        *reinterpret_cast<uint4*>(k_cache + dst) = quantise16(k + src, __ldg(k_scales + head));
-        *reinterpret_cast<uint4*>(v_cache + dst) = quantise16(v + src, __ldg(v_scales + head));
+        const uint4* k16 = reinterpret_cast<const uint4*>(k + src);
+        const uint4* v16 = reinterpret_cast<const uint4*>(v + src);
+        *reinterpret_cast<uint4*>(k_cache + dst) = quantise16<T>(k16[0], k16[1], __ldg(k_scales + head));
+        *reinterpret_cast<uint4*>(v_cache + dst) = quantise16<T>(v16[0], v16[1], __ldg(v_scales + head));
     }
 }
 

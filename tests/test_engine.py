@@ -39,9 +39,9 @@ def test_loader_reads_the_configuration_and_fuses_the_weights(tiny):
     assert (c.num_layers, c.hidden, c.q_heads, c.kv_heads, c.head_dim, c.ffn) == (
         s["layers"], s["hidden"], s["q_heads"], s["kv_heads"], 64, s["ffn"])
     layer = m.weights.layers[0]
-    assert layer["qkv"].shape == (c.hidden, (c.q_heads + 2 * c.kv_heads) * c.head_dim)
-    assert layer["gate_up"].shape == (c.hidden, 2 * c.ffn) and layer["down"].shape == (c.ffn, c.hidden)
-    assert np.array_equal(m.weights.output, m.weights.embedding.T)  # tied: no output.weight in the file
+    assert layer["qkv"].shape == ((c.q_heads + 2 * c.kv_heads) * c.head_dim, c.hidden)
+    assert layer["gate_up"].shape == (2 * c.ffn, c.hidden) and layer["down"].shape == (c.hidden, c.ffn)
+    assert m.weights.output is m.weights.embedding  # tied: no output.weight in the file
     assert m.vocab.eos in m.vocab.stop and m.vocab.chat_template
 
 
@@ -56,8 +56,8 @@ def test_quantized_weights_dequantise_as_gguf_says(tmp_path):
     block = q.data[0, :20]  # Q4_1: fp16 scale d, fp16 minimum m, 16 bytes of two 4-bit values each
     d, low = (float(x) for x in block[:4].view(np.float16))
     nibbles = np.concatenate([block[4:] & 0x0F, block[4:] >> 4]).astype(np.float32)
-    np.testing.assert_allclose(m.weights.layers[1]["qkv"][:32, 0], d * nibbles + low, rtol=1e-6)
-    np.testing.assert_array_equal(dequantize(q.data, q.tensor_type)[:, :], m.weights.layers[1]["qkv"][:, :192].T)
+    np.testing.assert_allclose(m.weights.layers[1]["qkv"][0, :32], d * nibbles + low, rtol=1e-6)
+    np.testing.assert_array_equal(dequantize(q.data, q.tensor_type)[:, :], m.weights.layers[1]["qkv"][:192])
 
 
 def test_missing_truncated_and_foreign_files_are_named_errors(tiny, tmp_path):

@@ -26,7 +26,7 @@ def generate(*args, code=0):
 def test_generate_streams_and_reports_speed(tiny):
     result = generate(PROMPT, "--model", tiny, "--max-tokens", "8")
     assert "30 layers" not in result.output and "2 layers, 3 query / 1 KV heads x 64" in result.stderr
-    assert "weights and activations float32, K/V stored as float16, on the host backend" in result.stderr
+    assert "weights and activations float64, K/V stored as float16, on the host backend" in result.stderr
     assert "chat     the prompt is a user's message" in result.stderr
     assert "chat " not in generate(PROMPT, "--model", tiny, "--max-tokens", "2", "--raw").stderr
     assert result.stdout.strip()  # the streamed text
@@ -36,7 +36,7 @@ def test_generate_streams_and_reports_speed(tiny):
 
 def test_generate_over_an_fp8_kv_cache(tiny):
     result = generate(PROMPT, "--model", tiny, "--max-tokens", "8", "--kv-dtype", "float8_e4m3")
-    assert "float32, K/V stored as float8_e4m3, on the host backend" in result.stderr
+    assert "float64, K/V stored as float8_e4m3, on the host backend" in result.stderr
     assert result.stdout.strip() and "decode   7 tokens" in result.stderr
     generate(PROMPT, "--model", tiny, "--kv-dtype", "float8", code=2)  # not a choice: click's usage error
 

@@ -75,15 +75,15 @@ def test_shard_weights_cut_heads_and_the_swiglu_width(model):
     d = c.head_dim
     assert (config.q_heads, config.kv_heads, config.ffn) == (3, 1, 128)
     layer = w.layers[0]
-    q = np.concatenate([p.layers[0]["qkv"][:, :3 * d] for p in parts], axis=1)
-    k = np.concatenate([p.layers[0]["qkv"][:, 3 * d:4 * d] for p in parts], axis=1)
-    v = np.concatenate([p.layers[0]["qkv"][:, 4 * d:] for p in parts], axis=1)
-    assert np.array_equal(np.concatenate([q, k, v], axis=1), layer["qkv"])
-    assert np.array_equal(np.concatenate([p.layers[0]["o"] for p in parts]), layer["o"])
-    assert np.array_equal(np.concatenate([p.layers[0]["down"] for p in parts]), layer["down"])
-    gate = np.concatenate([p.layers[0]["gate_up"][:, :128] for p in parts], axis=1)
-    up = np.concatenate([p.layers[0]["gate_up"][:, 128:] for p in parts], axis=1)
-    assert np.array_equal(np.concatenate([gate, up], axis=1), layer["gate_up"])
+    q = np.concatenate([p.layers[0]["qkv"][:3 * d] for p in parts])  # weights are [out, in]: heads are rows
+    k = np.concatenate([p.layers[0]["qkv"][3 * d:4 * d] for p in parts])
+    v = np.concatenate([p.layers[0]["qkv"][4 * d:] for p in parts])
+    assert np.array_equal(np.concatenate([q, k, v]), layer["qkv"])
+    assert np.array_equal(np.concatenate([p.layers[0]["o"] for p in parts], axis=1), layer["o"])
+    assert np.array_equal(np.concatenate([p.layers[0]["down"] for p in parts], axis=1), layer["down"])
+    gate = np.concatenate([p.layers[0]["gate_up"][:128] for p in parts])
+    up = np.concatenate([p.layers[0]["gate_up"][128:] for p in parts])
+    assert np.array_equal(np.concatenate([gate, up]), layer["gate_up"])
     with pytest.raises(ShardError, match="multiple of 4"):
         shard_weights(w, c, 4)
 

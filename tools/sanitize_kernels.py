@@ -7,23 +7,21 @@ r"""Run every kernel once on small data, for compute-sanitizer.
 ``cuGetProcAddress``, and the ones this driver lacks come back as invalid-value API
 errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
-Write (with padding slots), decode unsplit and split with the last segment's merge
-(with empty segments), each in both geometries, both again over FP8 K/V (compute capability 8.9
-or later; prefill too, causal and not), the contiguous baseline, prefill (causal and
-not, over a ragged batch with a one-token row; on compute capability 9.0 both the sm_90a kernel
-and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
+Write (with padding slots), the fused rotary embeddings + write (padding slots too; FP8 planes on 8.9 or
+later), decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
+both again over FP8 K/V (compute capability 8.9 or later; prefill too, causal and not), the contiguous
+baseline, prefill (causal and not, over a ragged batch with a one-token row; on compute capability 9.0 both
+the sm_90a kernel and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
 block copy, and validation (a good table, then a bad one refused), on the base configuration; decode at groups
 wider than 8 (24 and 40 on tensor cores, 13 on CUDA cores, 40 over FP8 K/V; 24 and 40 also on the sm_90a
-prefill kernel, split and not, on compute capability 9.0), and a write and a split decode
-under programmatic dependent launch (compute capability 9.0). Then the
-refusals of blocks whose memory is not mapped, on a ``PagedKVCache(backend="cuda")``:
-decode, write and copy naming the planes' last block (in a chunk never mapped), a slot
-given twice and the planes of a closed cache, each refused, with good launches after
-them (the CUDA context survived). CuPy's memory pool is switched off, so every array
-is its own exact-size allocation and a read one element past it is an error memcheck
-reports. Each result is also checked against its reference; exits non-zero on a
-mismatch. Everything the script and the launchers hold on the device is released
-before it exits, so the leak check finds nothing:
+prefill kernel, split and not, on compute capability 9.0), and a write and a split decode under programmatic
+dependent launch (compute capability 9.0). Then the refusals of blocks whose memory is not mapped, on a
+``PagedKVCache(backend="cuda")``: decode, write and copy naming the planes' last block (in a chunk never
+mapped), a slot given twice and the planes of a closed cache, each refused, with good launches after them (the
+CUDA context survived). CuPy's memory pool is switched off, so every array is its own exact-size allocation
+and a read one element past it is an error memcheck reports. Each result is also checked against its
+reference; exits non-zero on a mismatch. Everything the script and the launchers hold on the device is
+released before it exits, so the leak check finds nothing:
 
     compute-sanitizer --tool memcheck --report-api-errors no --leak-check full --show-backtrace device \
         python3 tools/sanitize_kernels.py
@@ -47,6 +45,7 @@ from pagedrt import source  # noqa: E402
 from pagedrt.attention import contiguous_decode, paged_decode, paged_prefill, reference  # noqa: E402
 from pagedrt.attention import decode, planner, prefill, prefill_sm90  # noqa: E402
 from pagedrt.cache import PagedKVCache  # noqa: E402
+from pagedrt.engine import rope_write  # noqa: E402
 from pagedrt.errors import BlockTableError, PoolClosedError  # noqa: E402
 from pagedrt.kernels import copy_blocks, copy_blocks_reference, release_buffers  # noqa: E402
 from pagedrt.kernels import write_kv, write_kv_reference  # noqa: E402
@@ -86,9 +85,9 @@ def run():
     for part in (decode.instances([base]), decode.instances([base], paged=(True,), indexed=(True,)),
                  decode.instances([configs.Config(d, DIM, BLOCK, g) for d, g in WIDE], paged=(True,)),
                  prefill.instances([base], None if hopper else capability), write.instances([base]), copy.instances(),
-                 validate.instances(), *(() if fp8_cfg is None else (
+                 validate.instances(), rope_write.instances([base]), *(() if fp8_cfg is None else (
                      decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, configs.FP8)],
-                                      paged=(True,)), write.instances([fp8_cfg]),
+                                      paged=(True,)), write.instances([fp8_cfg]), rope_write.instances([fp8_cfg]),
                      prefill.instances([fp8_cfg], capability="80"),
                      decode.instances([fp8_cfg], paged=(True,), indexed=(True,))))):
         for file, names in part.items():
@@ -124,6 +123,7 @@ def run():
     write_kv_reference(k_new, v_new, host_k, host_v, slots)
     same = lambda: np.array_equal(cupy.asnumpy(k), host_k) and np.array_equal(cupy.asnumpy(v), host_v)  # noqa: E731
     expect("write_kv (with padding slots)", same())
+    rope_writes(expect, rng, slots, num_blocks, fp8_cfg is not None)
 
     ref = reference.paged_decode(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
     for geometry_name in planner.GEOMETRIES:
@@ -196,6 +196,29 @@ def run():
         expect("validation refuses a bad block id", True)
     cupy.cuda.Device().synchronize()
     return failures
+
+
+def rope_writes(expect, rng, slots, num_blocks, fp8):
+    """The fused rotary embeddings + K/V write of len(slots) tokens (padding among them) into fp16 planes and,
+    with ``fp8``, e4m3 ones, against its host reference."""
+    import cupy
+    n, q_heads = len(slots), KV_HEADS * GROUP
+    qkv = rng.standard_normal((n, (q_heads + 2 * KV_HEADS) * DIM)).astype(np.float16)
+    inv_freq = (10000.0 ** -(np.arange(0, DIM, 2) / DIM)).astype(np.float32)
+    step = (slots, np.array([0, n], np.int32), np.array([n + 5], np.int32), inv_freq)
+    for kv_dtype in (np.float16, np.uint8) if fp8 else (np.float16,):
+        host = [np.zeros((num_blocks, KV_HEADS, BLOCK, DIM), kv_dtype) for _ in "kv"]
+        scales = [rng.uniform(0.02, 0.04, KV_HEADS).astype(np.float32) for _ in "kv"]
+        extra = dict(k_scale=scales[0], v_scale=scales[1]) if kv_dtype == np.uint8 else {}
+        host_q = np.zeros((n, q_heads, DIM), np.float16)
+        dev, dev_q = [cupy.asarray(p) for p in host], cupy.asarray(host_q)
+        rope_write.RopeWritePlan(qkv, host_q, host[0], *step).run(qkv, host_q, *host, **extra)
+        plan = rope_write.RopeWritePlan(cupy.asarray(qkv), dev_q, dev[0], *(cupy.asarray(a) for a in step))
+        plan.run(cupy.asarray(qkv), dev_q, *dev, **{key: cupy.asarray(a) for key, a in extra.items()})
+        planes_ok = all((np.mean(cupy.asnumpy(d) != h) < 0.01) if kv_dtype == np.uint8
+                        else rel_error(cupy.asnumpy(d), h) <= 1e-3 for d, h in zip(dev, host))
+        expect(f"rope_write into {np.dtype(kv_dtype).name} planes (with padding slots)",
+               rel_error(cupy.asnumpy(dev_q), host_q) <= 1e-3 and planes_ok)
 
 
 WIDE = (("float16", 24), ("float16", 40), ("float32", 13))  # two and four m16 tiles of heads; CUDA-core chunks

@@ -78,13 +78,13 @@ def synthetic_model(seed=0):
     from ..engine.loader import GGUFModel, Weights
     c = ModelConfig(**SMOLLM2)
     rng = np.random.default_rng(seed)
-    mat = lambda i, o: (rng.standard_normal((i, o), np.float32) / np.sqrt(i)).astype(np.float32)  # noqa: E731
+    mat = lambda i, o: (rng.standard_normal((o, i), np.float32) / np.sqrt(i)).astype(np.float32)  # noqa: E731
     qkv = (c.q_heads + 2 * c.kv_heads) * c.head_dim
     layers = [{"attn_norm": np.ones(c.hidden, np.float32), "ffn_norm": np.ones(c.hidden, np.float32),
                "qkv": mat(c.hidden, qkv), "o": mat(c.hidden, c.hidden), "gate_up": mat(c.hidden, 2 * c.ffn),
                "down": mat(c.ffn, c.hidden)} for _ in range(c.num_layers)]
-    embedding = mat(c.vocab_size, c.hidden)
-    weights = Weights(embedding, np.ascontiguousarray(embedding.T), np.ones(c.hidden, np.float32), layers)
+    embedding = mat(c.hidden, c.vocab_size)  # [vocab, hidden], tied
+    weights = Weights(embedding, embedding, np.ones(c.hidden, np.float32), layers)
     return GGUFModel("synthetic", c, None, weights)
 
 

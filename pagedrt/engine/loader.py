@@ -3,8 +3,8 @@
 The ``gguf`` package (llama.cpp's own reader, NumPy only) maps the file and parses
 its metadata; :func:`gguf.quants.dequantize` turns every tensor type it knows
 (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants) into float32 rows. A weight
-``[out, in]`` (GGUF's ``ne`` = [in, out]) is returned transposed, ``[in, out]``
-C-contiguous, so a layer is ``x @ w``; the attention's Q, K and V are
+is returned as GGUF stores it, ``[out, in]`` (``ne`` = [in, out]) C-contiguous, so a
+layer is ``x @ w.T`` and each output's weights are one contiguous row; the attention's Q, K and V are
 concatenated into one matrix and the feed-forward's gate and up into another, so
 each is one GEMM. GGUF's Llama Q and K weights are permuted by its converter so
 that rotary embeddings rotate adjacent pairs (llama.cpp's "normal" RoPE), which
@@ -56,9 +56,10 @@ class Weights:
     """A model's weights as float32 NumPy arrays: per layer a dict, and the globals."""
 
     embedding: np.ndarray  # [vocab, hidden]
-    output: np.ndarray     # [hidden, vocab] (the embedding transposed when tied)
+    output: np.ndarray     # [vocab, hidden] (the embedding itself when tied)
     output_norm: np.ndarray
-    layers: list           # dicts: attn_norm, qkv [hidden, q+2kv], o, ffn_norm, gate_up [hidden, 2 ffn], down
+    layers: list           # dicts, weights [out, in]: attn_norm, qkv [q+2kv, hidden], o [hidden, hidden],
+    #                        ffn_norm, gate_up [2 ffn, hidden], down [hidden, ffn]
 
 
 @dataclass
@@ -179,13 +180,12 @@ def load(path):
     for i in range(c.num_layers):
         w = {kind: get(f"blk.{i}.{kind}.weight", kind) for kind in LAYER_TENSORS}
         layers.append({"attn_norm": w["attn_norm"], "ffn_norm": w["ffn_norm"],
-                       "qkv": np.ascontiguousarray(np.concatenate([w["attn_q"], w["attn_k"], w["attn_v"]]).T),
-                       "o": np.ascontiguousarray(w["attn_output"].T),
-                       "gate_up": np.ascontiguousarray(np.concatenate([w["ffn_gate"], w["ffn_up"]]).T),
-                       "down": np.ascontiguousarray(w["ffn_down"].T)})
+                       "qkv": np.concatenate([w["attn_q"], w["attn_k"], w["attn_v"]]),
+                       "o": w["attn_output"], "gate_up": np.concatenate([w["ffn_gate"], w["ffn_up"]]),
+                       "down": w["ffn_down"]})
     embedding = get("token_embd.weight", "token_embd")
     output = get("output.weight", "output") if "output.weight" in tensors else embedding
-    weights = Weights(embedding=embedding, output=np.ascontiguousarray(output.T),
+    weights = Weights(embedding=embedding, output=output,
                       output_norm=get("output_norm.weight", "output_norm"), layers=layers)
     unknown = sorted(set(tensors) - used)
     if unknown:

@@ -3,13 +3,13 @@
 :meth:`LlamaModel.forward` takes a :class:`~pagedrt.step.Step` (from ``cache.step()``)
 and the step's new token ids, and returns the logits of each batch row's last token.
 Per layer: RMSNorm, one GEMM for Q, K and V, rotary embeddings (each token at its
-position, found on the device from the step's query offsets and KV lengths), the new
-K/V written into the cache through the step's slot mapping (``kernels.WritePlan``),
+position, found on the device from the step's query offsets and KV lengths) fused with
+the new K/V's write into the cache through the step's slot mapping (:class:`RopeWritePlan`),
 paged attention through the step's block tables (``attention.DecodePlan`` when every
 row has one new token, else ``attention.PrefillPlan``: prompts, prompt chunks after
 cached tokens, mixed batches), the output projection, then RMSNorm and SwiGLU (one
 GEMM for gate and up). The residual stream is float32; weights and activations are the
-cache's dtype on a GPU, float32 on the host (where q, k and v are cast to the cache's
+cache's dtype on a GPU, float64 on the host (where q, k and v are cast to the cache's
 dtype for the attention references). Over an FP8 cache (``cache.spec.is_fp8``) the
 write quantises and the attention dequantises with the layer's scales
 (``cache.k_scale(layer)``, ``cache.v_scale(layer)``); q, k and v stay in the model's dtype.
@@ -19,6 +19,9 @@ fixed buffers, so a graph captured over one step reads each later step's): the f
 decode step of a batch size runs eagerly, the second of that size in a row makes its
 plans, runs and captures them, and later ones replay. A graph's plans were checked
 when it was captured; replays trust the tables and slots ``cache.step()`` wrote since.
+A decode step of at most ``fused.MAX_ROWS`` rows runs as one launch instead
+(:class:`~pagedrt.engine.fused.FusedDecode`, the same arithmetic), unless the model was made with
+``fused=False`` or :func:`~pagedrt.engine.fused.unsupported` names a reason (an FP8 cache, say).
 """
 
 import contextlib
@@ -29,7 +32,9 @@ import numpy as np
 
 from .. import attention, kernels
 from ..errors import UnsupportedModelError
+from . import fused as fused_step
 from . import ops
+from .rope_write import RopeWritePlan
 
 MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used dropped first
 
@@ -37,7 +42,7 @@ MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used d
 class LlamaModel:
     """The weights of a :class:`~pagedrt.engine.loader.GGUFModel` on the cache's device, and its forward pass."""
 
-    def __init__(self, model, cache, *, graphs=True):
+    def __init__(self, model, cache, *, graphs=True, fused=True):
         c = self.config = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.kv_heads, c.head_dim):
             raise UnsupportedModelError(
@@ -47,11 +52,12 @@ class LlamaModel:
         host = self.xp is np
         spec = cache.spec  # what the cache holds: q, k, v in spec.dtype; the planes in spec.kv_dtype
         self.qkv_dtype = spec.dtype  # q, k, v and the attention output: what the write and attention take
-        self.act_dtype = np.dtype(np.float32) if host else spec.dtype  # the activations' (weights' too)
+        self.act_dtype = np.dtype(np.float64) if host else spec.dtype  # the activations' (weights' too)
         w = model.weights
         put = lambda a, dtype: self.xp.asarray(np.ascontiguousarray(a, dtype))  # noqa: E731
         act, f32 = self.act_dtype, np.float32
-        self.embedding, self.output = put(w.embedding, act), put(w.output, act)
+        self.embedding = put(w.embedding, act)
+        self.output = self.embedding if w.output is w.embedding else put(w.output, act)  # [vocab, hidden]
         self.output_norm = put(w.output_norm, f32)
         self.layers = [{"attn_norm": put(x["attn_norm"], f32), "ffn_norm": put(x["ffn_norm"], f32),
                         "qkv": put(x["qkv"], act), "o": put(x["o"], act), "gate_up": put(x["gate_up"], act),
@@ -61,6 +67,8 @@ class LlamaModel:
         self.stream = contextlib.nullcontext() if host else self.xp.cuda.Stream(non_blocking=True)
         self._graphs = None if host or not graphs else OrderedDict()  # batch size -> _Graph
         self._last_decode = 0  # the batch size of the last decode step
+        use_fused = fused and not host and fused_step.unsupported(c, spec) is None
+        self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
 
     @property
     def weight_bytes(self):
@@ -102,20 +110,21 @@ class LlamaModel:
         d = c.head_dim
         shapes = {"residual": ((n, c.hidden), np.float32), "h": ((n, c.hidden), act),
                   "qkv": ((n, (c.q_heads + 2 * c.kv_heads) * d), act), "q": ((n, c.q_heads, d), kv),
-                  "k": ((n, c.kv_heads, d), kv), "v": ((n, c.kv_heads, d), kv), "attn": ((n, c.q_heads, d), kv),
+                  "attn": ((n, c.q_heads, d), kv),
                   "delta": ((n, c.hidden), act), "gate_up": ((n, 2 * c.ffn), act), "mlp": ((n, c.ffn), act),
                   "last": ((batch, c.hidden), act), "logits": ((batch, c.vocab_size), np.float32)}
         return {name: xp.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
     def plans(self, step, buffers, decode):
-        """The step's attention plan and K/V write plan (checked once, run per layer)."""
+        """The step's attention plan and rotary + K/V write plan (checked once, run per layer)."""
         q, k0 = buffers["q"], self.cache.k(0)
         if decode:
             plan = attention.DecodePlan(q, k0, step.block_tables, step.seq_lens)
         else:
             plan = attention.PrefillPlan(q, k0, step.block_tables, step.seq_lens, step.qo_indptr,
                                          query_lens=step.query_lens)
-        return plan, kernels.WritePlan(buffers["k"], k0, step.slot_mapping)
+        return plan, RopeWritePlan(buffers["qkv"], q, k0, step.slot_mapping, step.qo_indptr, step.seq_lens,
+                                   self.inv_freq)
 
     def _run(self, step, ids, b, plan, writer):
         """Every layer of one step; allocates nothing (a CUDA graph can capture it)."""
@@ -124,9 +133,12 @@ class LlamaModel:
 
     def launches(self, step, ids, b, plan, writer):
         """The step's launches in order, as (kind, call) pairs: what :meth:`forward` runs, and what the benchmark
-        times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and write plans."""
+        times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and rotary + write plans."""
         c, cache = self.config, self.cache
         n, eps = step.num_tokens, c.rms_eps
+        if self.fused is not None and n == len(step.seqs) <= fused_step.MAX_ROWS:
+            yield "fused_step", partial(self.fused.run, step, ids, b["logits"])
+            return
         attn = b["attn"].reshape(n, c.q_heads * c.head_dim)  # hidden, but for a tensor-parallel shard
         yield "embed", partial(ops.embed, ids, self.embedding, b["residual"])
         delta = None
@@ -136,9 +148,7 @@ class LlamaModel:
                       else {})
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
             yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
-            yield "rope", partial(ops.rope_split, b["qkv"], b["q"], b["k"], b["v"], step.qo_indptr, step.seq_lens,
-                                  self.inv_freq)
-            yield "write_kv", partial(writer.run, b["k"], b["v"], k, v, **scales)
+            yield "rope_write", partial(writer.run, b["qkv"], b["q"], k, v, **scales)
             yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"], **scales)
             yield "gemm_o", partial(ops.gemm, attn, w["o"], b["delta"])
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], b["delta"], w["ffn_norm"], b["h"], eps)

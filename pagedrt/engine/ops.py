@@ -10,10 +10,10 @@ tests compare the kernels with.
 - :func:`embed`: the token embedding's rows of ``ids`` into the float32 residual stream.
 - :func:`add_rms_norm`: the residual stream plus a layer's output (written back), RMS-normalised and scaled;
   ``rows`` (the step's query offsets) selects each batch row's last token.
-- :func:`rope_split`: rotary embeddings on q and k, each token at its position in its sequence (found from the
-  step's query offsets and KV lengths, on the device), q, k and v split into contiguous arrays.
+- rotary embeddings: :mod:`.rope_write` (fused with the K/V write).
 - :func:`silu_mul`: SwiGLU's ``silu(gate) * up``.
-- :func:`gemm`: ``a @ b`` into ``out`` (cuBLAS ``GemmEx``, float32 accumulation; the output may be float32).
+- :func:`gemm`: ``a @ w.T`` into ``out``, ``w`` a weight ``[out, in]`` (cuBLAS ``GemmEx``, float32 accumulation;
+  the output may be float32).
 """
 
 import functools
@@ -29,9 +29,9 @@ from ..spec import dtype_name
 
 FILE = "engine.cu"
 THREADS = 256
-KERNELS = ("embed", "add_rms_norm", "rope_split", "silu_mul")
+KERNELS = ("embed", "add_rms_norm", "silu_mul")
 CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType
-CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N = 68, -1, 0
+CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T = 68, -1, 0, 1
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's workspace (Hopper's recommendation)
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read by cuBLAS from the host
 
@@ -79,39 +79,6 @@ def add_rms_norm(residual, delta, weight, out, eps, rows=None):
     return out
 
 
-def positions(qo_indptr, seq_lens, num_tokens):
-    """Each new token's position in its sequence (NumPy, int64): seq_lens[b] - (qo_indptr[b + 1] - t)."""
-    qo = np.asarray(qo_indptr, np.int64)
-    t = np.arange(num_tokens)
-    b = np.searchsorted(qo, t, side="right") - 1
-    return np.asarray(seq_lens, np.int64)[b] - (qo[b + 1] - t)
-
-
-def rope_split(qkv, q, k, v, qo_indptr, seq_lens, inv_freq):
-    """Rotate q's and k's heads of ``qkv`` [n, (q_heads + 2 kv_heads) * d] pairwise ((x[2i], x[2i+1]) by angle
-    ``pos * inv_freq[i]``, in float32 as the kernel computes it) and write them, and v, into q [n, q_heads, d],
-    k and v [n, kv_heads, d]. inv_freq: float32 [d / 2]."""
-    n, q_heads, d = q.shape
-    kv_heads = k.shape[1]
-    if _host(qkv, q, k, v, qo_indptr, seq_lens, inv_freq):
-        pos = positions(qo_indptr, seq_lens, n).astype(np.float32)
-        angle = (pos[:, None] * inv_freq[None, :]).astype(np.float64)  # float32 product, as the kernel's
-        cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-        heads = qkv.reshape(n, q_heads + 2 * kv_heads, d // 2, 2).astype(np.float64)
-        x0, x1 = heads[:, :q_heads + kv_heads, :, 0], heads[:, :q_heads + kv_heads, :, 1]
-        rotated = np.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(n, q_heads + kv_heads, d)
-        q[...] = rotated[:, :q_heads]
-        k[...] = rotated[:, q_heads:]
-        v[...] = qkv.reshape(n, q_heads + 2 * kv_heads, d)[:, q_heads + kv_heads:]
-        return q, k, v
-    if n:
-        _kernel("rope_split", q.dtype)(
-            (n,), (THREADS,), (ptr(qkv), ptr(q), ptr(k), ptr(v), ptr(qo_indptr), ptr(seq_lens),
-                               np.int32(seq_lens.shape[0]), ptr(inv_freq), np.int32(q_heads), np.int32(kv_heads),
-                               np.int32(d)))
-    return q, k, v
-
-
 def silu_mul(gate_up, out):
     """``out = silu(gate) * up`` where gate_up [n, 2 ffn] is gate then up; out [n, ffn]."""
     if _host(gate_up, out):
@@ -149,23 +116,25 @@ def _check(call, status):
         raise CudaError(call, f"cublasStatus_t {status}", "see cublas_api.h")
 
 
-def gemm(a, b, out):
-    """``out = a @ b``: a [m, k], b [k, n], out [m, n], all C-contiguous. On the device a and b share a dtype and
-    out has it or float32; cuBLAS accumulates in float32. On the host, float32 (or float64 if out is)."""
-    if _host(a, b, out):
+def gemm(a, w, out):
+    """``out = a @ w.T``: a [m, k], w [n, k] (a weight, ``[out, in]``), out [m, n], all C-contiguous. On the device
+    a and w share a dtype and out has it or float32; cuBLAS accumulates in float32. On the host, float32 (or float64
+    if out is)."""
+    if _host(a, w, out):
         compute = np.float64 if out.dtype == np.float64 else np.float32
-        np.matmul(a.astype(compute, copy=False), b.astype(compute, copy=False), out=out, casting="unsafe")
+        np.matmul(a.astype(compute, copy=False), w.astype(compute, copy=False).T, out=out, casting="unsafe")
         return out
     import cupy
     m, k = a.shape
-    n = b.shape[1]
+    n = w.shape[0]
     if m:
         lib, handle, workspace = _cublas(cupy.cuda.Device().id)
         _check("cublasSetStream", lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr))
         _check("cublasSetWorkspace", lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, workspace.nbytes))
-        # Row-major out = a @ b is column-major out^T = b^T @ a^T: b is cuBLAS's first matrix.
+        # Row-major out = a @ w.T is column-major out^T = w @ a^T, and row-major w [n, k] is column-major w^T:
+        # cuBLAS's first matrix is w, transposed.
         _check("cublasGemmEx", lib.cublasGemmEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, b.data.ptr, CUDA_R[dtype_name(b.dtype)], n,
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, w.data.ptr, CUDA_R[dtype_name(w.dtype)], k,
             a.data.ptr, CUDA_R[dtype_name(a.dtype)], k, _ZERO.ctypes.data, out.data.ptr,
             CUDA_R[dtype_name(out.dtype)], n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT))
     return out

@@ -1,10 +1,10 @@
 """The model runner tensor-parallel over a :class:`~pagedrt.shard.ShardedKVCache`: Megatron's cut of a Llama layer.
 
 Each shard runs :class:`~pagedrt.engine.model.LlamaModel`'s launches on its device over its
-share of the weights (:func:`shard_weights`): the query, key and value columns of its heads
-(its KV heads and their query heads, as the cache's shard holds them), the output
-projection's rows of those query heads, the gate and up columns of its share of the SwiGLU
-width, and the down projection's rows of that share; norms, the embedding and the output
+share of the weights (:func:`shard_weights`; weights are ``[out, in]``): the query, key and
+value rows of its heads (its KV heads and their query heads, as the cache's shard holds
+them), the output projection's input columns of those query heads, the gate and up rows of
+its share of the SwiGLU width, and the down projection's input columns of that share; norms, the embedding and the output
 projection are whole on every shard. A layer's attention and MLP then need no exchange but
 one sum each: the output and down projections' partial results are all-reduced over the
 shards (:class:`AllReduce`) before the residual add, so every shard keeps the same residual
@@ -41,15 +41,13 @@ def shard_weights(weights, config, shards):
     for s in range(n):
         layers = []
         for w in weights.layers:
-            qkv = w["qkv"]
-            columns = np.concatenate([qkv[:, s * hq * d:(s + 1) * hq * d], qkv[:, q_end + s * hk * d:
-                                      q_end + (s + 1) * hk * d], qkv[:, k_end + s * hk * d:k_end + (s + 1) * hk * d]],
-                                     axis=1)
-            gate_up = np.concatenate([w["gate_up"][:, s * f:(s + 1) * f],
-                                      w["gate_up"][:, c.ffn + s * f:c.ffn + (s + 1) * f]], axis=1)
-            layers.append({"attn_norm": w["attn_norm"], "ffn_norm": w["ffn_norm"], "qkv": columns,
-                           "o": w["o"][s * hq * d:(s + 1) * hq * d], "gate_up": gate_up,
-                           "down": w["down"][s * f:(s + 1) * f]})
+            qkv = w["qkv"]  # [out, in]: a shard's heads are rows
+            rows = np.concatenate([qkv[s * hq * d:(s + 1) * hq * d], qkv[q_end + s * hk * d:q_end + (s + 1) * hk * d],
+                                   qkv[k_end + s * hk * d:k_end + (s + 1) * hk * d]])
+            gate_up = np.concatenate([w["gate_up"][s * f:(s + 1) * f], w["gate_up"][c.ffn + s * f:c.ffn + (s + 1) * f]])
+            layers.append({"attn_norm": w["attn_norm"], "ffn_norm": w["ffn_norm"], "qkv": rows,
+                           "o": w["o"][:, s * hq * d:(s + 1) * hq * d], "gate_up": gate_up,
+                           "down": w["down"][:, s * f:(s + 1) * f]})
         out.append(replace(weights, layers=layers))
     return out, replace(config, q_heads=hq, kv_heads=hk, ffn=f)
 

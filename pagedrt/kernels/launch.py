@@ -23,7 +23,7 @@ _programmatic = contextvars.ContextVar("pagedrt_programmatic_launch", default=Fa
 _CTYPES: Dict[np.dtype, Any] = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
            np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int32): ctypes.c_int32,
            np.dtype(np.float32): ctypes.c_float}
-_configs: Dict[tuple, Any] = {}  # (grid, block, shared_mem, stream, programmatic) -> CUlaunchConfig
+_configs: Dict[tuple, Any] = {}  # (grid, block, shared_mem, stream, programmatic, cooperative) -> CUlaunchConfig
 MIN_CAPABILITY = 90  # griddepcontrol and the launch attribute: compute capability 9.0 and later
 
 
@@ -91,8 +91,9 @@ def _dims(dims: Sequence[int]) -> Tuple[int, int, int]:
     return cast(Tuple[int, int, int], tuple(max(1, int(x)) for x in (tuple(dims) + (1, 1))[:3]))
 
 
-def _config(drv: Any, grid: tuple, block: tuple, shared_mem: int, stream: int, programmatic_serialization: bool) -> Any:
-    key = (grid, block, shared_mem, stream, programmatic_serialization)
+def _config(drv: Any, grid: tuple, block: tuple, shared_mem: int, stream: int, programmatic_serialization: bool,
+            cooperative: bool) -> Any:
+    key = (grid, block, shared_mem, stream, programmatic_serialization, cooperative)
     config = _configs.get(key)
     if config is None:
         config = drv.CUlaunchConfig()
@@ -100,19 +101,25 @@ def _config(drv: Any, grid: tuple, block: tuple, shared_mem: int, stream: int, p
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared_mem
         config.hStream = drv.CUstream(stream)
-        config.numAttrs = 0
+        attrs = []
         if programmatic_serialization:
             attr = drv.CUlaunchAttribute()
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
+            attrs.append(attr)
+        if cooperative:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attr.value.cooperative = 1
+            attrs.append(attr)
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
         _configs[key] = config
     return config
 
 
 def launch_ex(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[np.generic],
-              shared_mem: int = 0, *, programmatic_serialization: bool = True) -> None:
+              shared_mem: int = 0, *, programmatic_serialization: bool = True, cooperative: bool = False) -> None:
     """Launch ``kernel`` on the current stream with ``cuLaunchKernelEx``.
 
     Parameters
@@ -127,6 +134,9 @@ def launch_ex(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequ
         Dynamic shared memory in bytes.
     programmatic_serialization : bool
         Set ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``.
+    cooperative : bool
+        Set ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``: every block resident at once, or the launch fails (a grid-wide
+        barrier inside the kernel then cannot hang).
 
     Raises
     ------
@@ -137,7 +147,8 @@ def launch_ex(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequ
     from ..driver import call
     drv = _driver()
     stream = cupy.cuda.get_current_stream().ptr
-    config = _config(drv, _dims(grid), _dims(block), int(shared_mem), stream, programmatic_serialization)
+    config = _config(drv, _dims(grid), _dims(block), int(shared_mem), stream, programmatic_serialization,
+                     cooperative)
     params, _values = kernel_params(args)  # _values holds what params points at until the driver copied it
     call(drv, "cuLaunchKernelEx", config, drv.CUfunction(kernel.kernel.ptr), params, 0)
 

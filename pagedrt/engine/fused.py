@@ -1,0 +1,145 @@
+"""A whole decode step in one launch for small batches: ``cuda_src/fused_step.cu``'s ``decode_step``.
+
+At a batch of a few sequences every GEMM of a decode step is a matrix-vector product and every other op is
+tiny, so the layered step (about ten launches a layer) is bound by launches, not by memory. The fused step
+runs the same arithmetic (each rounding where the layered path rounds) as one cooperative launch whose phases
+are separated by grid-wide barriers; docs/ENGINE.md ("One launch a step") has the design and the figures.
+
+:class:`FusedDecode` is made once per model (when :func:`unsupported` says nothing against it) and owns the
+workspace every batch size shares; :meth:`FusedDecode.run` launches one step of ``batch <= MAX_ROWS`` rows.
+"""
+
+import functools
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import source
+from ..attention.plan_base import LOG2E
+from ..kernels.args import ptr
+from ..kernels.configs import CUDA_TYPES
+from ..kernels.launch import launch_ex
+from ..spec import dtype_name
+
+FILE = "fused_step.cu"
+THREADS, WARPS, TILE, MAX_GROUP_DIMS, MAX_SPLITS = 256, 8, 64, 2048, 16  # as cuda_src/fused_step.cu's
+VECTORS = (2, 3, 4, 6)  # the kernel's VH: a lane's 16-byte vectors of a hidden-size row (one chunk)
+MAX_HIDDEN = VECTORS[-1] * 32 * 8
+ROWS = (1, 2, 4, 8)  # the kernel's instances: a batch runs on the smallest that holds it
+MAX_ROWS = ROWS[-1]
+HEAD_DIMS = (64, 128)
+SMEM_LIMIT = 48 << 10  # dynamic shared memory without opting in
+PER_LAYER = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")  # then the K and V planes
+
+
+def instances(dtypes=("float16", "bfloat16"), vectors=(3,)):
+    """{file: name expressions} of the fused step's instances (``vectors``: the VH of SmolLM2's hidden size)."""
+    return {FILE: tuple(_name(d, h, r, v) for d in dtypes for h in HEAD_DIMS for r in ROWS for v in vectors)}
+
+
+def _name(dtype: str, head_dim: int, rows: int, vectors: int) -> str:
+    return f"pagedrt::decode_step<{CUDA_TYPES[dtype]}, {head_dim}, {rows}, {vectors}>"
+
+
+def vectors_for(hidden: int) -> int:
+    """The kernel's VH for a hidden size (at most MAX_HIDDEN): a lane's 16-byte vectors of a row."""
+    return next(v for v in VECTORS if v * 32 * 8 >= hidden)
+
+
+def smem_bytes(config, rows: int) -> int:
+    """Dynamic shared memory of the instance for ``rows``: the normalised or gathered rows of a GEMV phase, or
+    the attention's tiles, whichever is larger."""
+    c = config
+    widest = max(c.hidden, c.ffn, c.q_heads * c.head_dim)
+    gemv = WARPS * rows * 4 + rows * widest * 2
+    group = c.q_heads // c.kv_heads
+    attention = group * (2 * c.head_dim + TILE + 3) * 4
+    return max(gemv, attention)
+
+
+def unsupported(config, spec) -> Optional[str]:
+    """Why the fused step cannot run a model of ``config`` over a cache of ``spec``, or None when it can."""
+    c = config
+    group = c.q_heads // c.kv_heads
+    reasons = [(spec.is_fp8, "the cache is FP8"),
+               (spec.dtype.name not in ("float16", "bfloat16"), f"activations are {spec.dtype.name}"),
+               (c.head_dim not in HEAD_DIMS, f"head_dim {c.head_dim} is not one of {HEAD_DIMS}"),
+               (any(x % 8 for x in (c.hidden, c.ffn)), "hidden or ffn is not a multiple of 8"),
+               (c.hidden > MAX_HIDDEN, f"hidden {c.hidden} is over {MAX_HIDDEN}"),
+               (group * c.head_dim > MAX_GROUP_DIMS, f"a group of {group} query heads of {c.head_dim}"),
+               (smem_bytes(c, MAX_ROWS) > SMEM_LIMIT, "its rows do not fit in shared memory")]
+    return next((why for bad, why in reasons if bad), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(dtype: str, head_dim: int, rows: int, vectors: int) -> Any:
+    return source.function(FILE, _name(dtype, head_dim, rows, vectors))
+
+
+class FusedDecode:
+    """The fused decode step of one :class:`~pagedrt.engine.model.LlamaModel` over its cache.
+
+    Parameters
+    ----------
+    model : LlamaModel
+        Its weights (``[out, in]``, the cache's dtype), config and cache; :func:`unsupported` must be None.
+    """
+
+    def __init__(self, model: Any) -> None:
+        import cupy
+        c, cache = model.config, model.cache
+        self.config, self.dtype = c, dtype_name(model.act_dtype)
+        pointers = []
+        for layer, w in enumerate(model.layers):
+            pointers += [w[name].data.ptr for name in PER_LAYER]
+            pointers += [cache.k(layer).data.ptr, cache.v(layer).data.ptr]
+        self.layers = cupy.asarray(np.array(pointers, np.uint64))
+        k0 = cache.k(0)
+        self.block_stride = k0.strides[0] // k0.itemsize
+        self.model = model
+        device = cupy.cuda.Device()
+        self.grid = device.attributes["MultiProcessorCount"]
+        act = model.act_dtype
+        self.residual = cupy.empty((MAX_ROWS, c.hidden), np.float32)
+        self.q = cupy.empty((MAX_ROWS, c.q_heads * c.head_dim), act)
+        self.attn = cupy.empty_like(self.q)
+        self.mlp = cupy.empty((MAX_ROWS, c.ffn), act)
+        self.partial = cupy.empty(MAX_ROWS * c.q_heads * MAX_SPLITS * (c.head_dim + 2), np.float32)
+        self.counters = cupy.zeros(1 + MAX_ROWS * c.kv_heads, np.uint32)
+
+    def splits_for(self, batch: int) -> int:
+        """Attention splits of each (row, KV head) at ``batch`` rows: about one work item a block."""
+        return max(1, min(MAX_SPLITS, self.grid // (batch * self.config.kv_heads)))
+
+    def run(self, step: Any, ids: Any, logits: Any) -> Any:
+        """One decode step of ``len(step.seqs) <= MAX_ROWS`` rows, one new token each: K/V written at the step's
+        slots, ``logits`` (float32 [batch, vocab]) of the new tokens.
+
+        Parameters
+        ----------
+        step : Step
+            From ``cache.step()``: its block tables, KV lengths (the new token counted) and slot mapping.
+        ids : cupy.ndarray
+            int64 [batch], the new tokens.
+        logits : cupy.ndarray
+            float32 [batch, vocab], written.
+        """
+        import cupy
+        c, m = self.config, self.model
+        batch = len(step.seqs)
+        rows = next(r for r in ROWS if r >= batch)
+        splits = self.splits_for(batch)
+        tables = step.block_tables
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memsetAsync(self.counters.data.ptr, 0, self.counters.nbytes, stream.ptr)
+        args = (ptr(self.layers), np.int32(c.num_layers), ptr(m.embedding), ptr(m.output_norm), ptr(m.output),
+                np.int32(c.vocab_size), ptr(m.inv_freq), ptr(ids), ptr(tables), np.int64(tables.strides[0] // 4),
+                ptr(step.seq_lens), ptr(step.slot_mapping), np.int64(self.block_stride),
+                np.int32(self.model.cache.block_size), ptr(self.residual), ptr(self.q), ptr(self.attn),
+                ptr(self.mlp), ptr(self.partial), ptr(self.counters), ptr(logits), np.int32(batch),
+                np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads), np.int32(splits),
+                np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
+        launch_ex(_kernel(self.dtype, c.head_dim, rows, vectors_for(c.hidden)), (self.grid,), (THREADS,), args, smem_bytes(c, rows),
+                  programmatic_serialization=False, cooperative=True)
+        return logits
