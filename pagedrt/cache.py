@@ -310,6 +310,12 @@ class PagedKVCache(PlaneViews, TableViews):
         return step
 
     @exclusive
+    def name_tokens(self, seqs: Handles, counts: Counts, token_ids: Sequence[int]) -> None:
+        """The ids of the last ``counts`` tokens a :meth:`step` without ids appended to ``seqs``: the blocks they
+        fill are named in the prefix cache then (:meth:`BlockTables.name <pagedrt.blocks.BlockTables.name>`)."""
+        self.tables.name(seqs, counts, token_ids)
+
+    @exclusive
     def swap_out(self, seqs: Handles) -> np.ndarray:
         """Move the device blocks of ``seqs`` to the host tier; they are left out of :meth:`step`'s default
         batch until :meth:`swap_in`. A block moves once every sequence holding it is swapped out (forks swap

@@ -453,14 +453,18 @@ def generate(prompt, n, max_tokens, temperature, top_p, seed, batch_file, model,
             _report(engine.stats)
             return
         stream = _Stream(engine.tokenizer) if n == 1 else None
+        start = time.perf_counter()
         result = engine.generate([prompt], params, chat=not raw, snapshot=snapshot_path,
                                  on_token=stream and stream.token)[0]
+        seconds = time.perf_counter() - start
         if stream:
             stream.close()
         else:
             for i, (text, reason) in enumerate(zip(result.texts, result.finish_reasons)):
                 click.echo(f"--- sample {i + 1} of {n} ({reason}) ---\n{text}")
         _report(engine.stats)
+        click.echo(f"total    {engine.stats.generated_tokens} tokens generated in {seconds:.2f} s: "
+                   f"{engine.stats.generated_tokens / seconds:,.1f} tokens/s end to end", err=True)
 
 
 def _gpus(devices, backend):

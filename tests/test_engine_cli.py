@@ -31,6 +31,7 @@ def test_generate_streams_and_reports_speed(tiny):
     assert "chat " not in generate(PROMPT, "--model", tiny, "--max-tokens", "2", "--raw").stderr
     assert result.stdout.strip()  # the streamed text
     assert "prompt " in result.stderr and "tokens/s" in result.stderr and "decode   7 tokens" in result.stderr
+    assert "total    8 tokens generated in " in result.stderr and "tokens/s end to end" in result.stderr
 
 
 def test_generate_over_an_fp8_kv_cache(tiny):

@@ -2,26 +2,36 @@
 where the time goes.
 
     python3 -m pagedrt.bench.generate [--model PATH | --synthetic] [--batches 1,256] [--context 512] [--steps 32]
+                                      [--peers generate_peers.json]
 
 Per batch size: every sequence's prompt of ``--context`` random tokens is prefilled
 (``cache.step`` arrivals, ``PrefillPlan``), then greedy decode steps run as the
-engine runs them (``cache.step`` -> the model's forward, a CUDA graph per batch
-size -> argmax -> the tokens to the host). Reported per batch size:
+engine's overlapped loop runs them (``cache.step`` -> the model's forward, a CUDA
+graph per batch size -> argmax on the device into the next step's ids -> the tokens
+copied back asynchronously, read a step later). Reported per batch size:
 
 - ``step ms``: the GPU time of one decode step (its graph replayed, CUDA events, median);
-- ``e2e ms`` and ``tok/s``: wall time of a whole step with the host's part (scheduling, ``cache.step``, the
-  upload, sampling and the tokens' copy back), and the batch's tokens per second at that pace;
+- ``loop ms``: wall time of a step of that loop (the host's least: ``cache.step``, the forward's launches, the
+  sampler, the copy back);
+- ``e2e ms`` and ``tok/s``: wall time of a decode step of :class:`~pagedrt.engine.Engine` (scheduler, cache
+  step, forward, sampling, bookkeeping, steps overlapped) generating for the batch's prompts, and the batch's
+  tokens per second at that pace; ``plain ms``: the same with each step waiting for its tokens
+  (``overlap=False``). Only with a model file (the engine needs its vocabulary): with ``--synthetic`` they are
+  ``-`` and tok/s is the loop's;
 - ``floor ms``: the larger of the memory floor (weight bytes + the step's K/V bytes at the read-only streaming
   ceiling) and the compute floor (the GEMMs' FLOPs at the dense fp16 rate), both ceilings measured in this run
   (``mem ms``, ``gemm ms``); ``x floor`` = step / floor.
 
 Then a breakdown of the decode step: each kind of launch (a GEMM, attention, the K/V write, the norms ...) of
-all layers captured alone as a graph and timed the same way, against the whole step.
+all layers captured alone as a graph and timed the same way, against the whole step; and, given ``--peers``
+(the JSON ``shared/peers/peer_generate.py --out DIR`` writes, run beside this), the peers' step times of the
+same batch and context beside ours.
 
 ``--synthetic`` (the default when the model file is absent) uses random weights of SmolLM2-135M's shape: a
 decode step's time depends on the shapes, not on the values.
 """
 
+import json
 import time
 
 import numpy as np
@@ -33,7 +43,9 @@ COLUMNS = (
     harness.Column("batch", "batch", width=5),
     harness.Column("context", "context", width=7),
     harness.Column("step_ms", "step ms", "{:.3f}"),
+    harness.Column("loop_ms", "loop ms", "{:.3f}"),
     harness.Column("e2e_ms", "e2e ms", "{:.3f}"),
+    harness.Column("plain_ms", "plain ms", "{:.3f}", 9),
     harness.Column("tokens_s", "tok/s", "{:,.0f}", 9),
     harness.Column("mem_ms", "mem ms", "{:.3f}"),
     harness.Column("gemm_ms", "gemm ms", "{:.3f}"),
@@ -46,6 +58,14 @@ KIND_COLUMNS = (
     harness.Column("launches", "launches", width=8),
     harness.Column("us", "us", "{:.1f}"),
     harness.Column("pct", "% step", "{:.1f}", 6),
+)
+PEER_COLUMNS = (
+    harness.Column("batch", "batch", width=5),
+    harness.Column("context", "context", width=7),
+    harness.Column("peer", "peer", width=24, left=True),
+    harness.Column("step_ms", "step ms", "{:.3f}"),
+    harness.Column("ours_ms", "ours ms", "{:.3f}"),
+    harness.Column("ratio", "ours/peer", "{:.2f}", 9),
 )
 SMOLLM2 = dict(name="SmolLM2-135M shape, random weights", num_layers=30, hidden=576, ffn=1536, q_heads=9,
                kv_heads=3, head_dim=64, vocab_size=49152, context_length=8192, rope_theta=100000.0, rope_scale=1.0,
@@ -84,15 +104,18 @@ def gemm_flops(c, batch):
 
 
 def run(cp, timer, gguf, batch, context, steps, ceilings):
+    from ..engine import sampler
+    from ..engine.flight import TokenBuffers
     from ..engine.model import LlamaModel
     c = gguf.config
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, c.vocab_size, (batch, context))
     per_step = max(1, 8192 // context)  # prompts prefilled per step
+    greedy = (np.arange(batch), np.zeros(batch), np.ones(batch), np.zeros(batch))
     with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=batch * (context + steps + 32),
                       max_seqs=batch, max_seq_len=context + steps + 32, max_step_tokens=per_step * context + batch,
                       backend="cuda") as cache:
-        model = LlamaModel(gguf, cache)
+        model, tokens = LlamaModel(gguf, cache), TokenBuffers(batch)
         with model.stream:
             last = []
             for lo in range(0, batch, per_step):
@@ -100,13 +123,17 @@ def run(cp, timer, gguf, batch, context, steps, ceilings):
                 step = cache.step([], arrivals=list(chunk))
                 logits = model.forward(step, cp.asarray(chunk.reshape(-1)))
                 last.append(cp.argmax(logits, axis=1).get())
-            tokens = np.concatenate(last)
+            ids, landing = cp.asarray(np.concatenate(last)), None
 
-            def decode():
-                nonlocal tokens
-                step = cache.step(None, 1, tokens)
-                logits = model.forward(step, cp.asarray(tokens))
-                tokens = cp.argmax(logits, axis=1).get()
+            def decode():  # the engine's steady decode step: ids on the device, tokens read a step late
+                nonlocal ids, landing
+                step = cache.step(None, 1)
+                logits = model.forward(step, ids)
+                ids = sampler.sample(logits, *greedy, tokens.next(logits))
+                if landing is not None:
+                    landing[1].synchronize()
+                    landing[0][:batch].copy()
+                landing = tokens.send(batch)
                 return step
 
             for _ in range(3):  # eager, captured, replayed
@@ -115,7 +142,7 @@ def run(cp, timer, gguf, batch, context, steps, ceilings):
             start = time.perf_counter()
             for _ in range(steps):
                 step = decode()
-            e2e = (time.perf_counter() - start) / steps
+            loop = (time.perf_counter() - start) / steps
             graph = model.graph(batch)
             step_us = timer.gpu_us(lambda: graph.graph.launch(graph.stream), 50)
             kinds = breakdown(cp, timer, model, step, graph)
@@ -124,12 +151,46 @@ def run(cp, timer, gguf, batch, context, steps, ceilings):
     mem_s = (model.weight_bytes + kv_bytes) / ceilings["stream"]
     gemm_s = gemm_flops(c, batch) / ceilings["dense"]
     floor = max(mem_s, gemm_s)
-    row = {"batch": batch, "context": int(lengths.mean()), "step_ms": step_us / 1e3, "e2e_ms": e2e * 1e3,
-           "tokens_s": batch / e2e, "mem_ms": mem_s * 1e3, "gemm_ms": gemm_s * 1e3, "floor_ms": floor * 1e3,
+    row = {"batch": batch, "context": int(lengths.mean()), "step_ms": step_us / 1e3, "loop_ms": loop * 1e3,
+           "mem_ms": mem_s * 1e3, "gemm_ms": gemm_s * 1e3, "floor_ms": floor * 1e3,
            "x_floor": step_us * 1e-6 / floor, "weight_bytes": model.weight_bytes, "kv_bytes": kv_bytes}
     for k in kinds:
         k["batch"], k["pct"] = batch, 100 * k["us"] / step_us
     return row, kinds
+
+
+def engine_rows(path, rows, context, steps):
+    """Each row's ``e2e_ms`` and ``plain_ms``: wall time (ms) of a decode step of an
+    :class:`~pagedrt.engine.Engine` (overlapped, then not) generating ``steps`` greedy tokens for ``batch``
+    prompts of ``context`` random tokens (no stop token), after a run that compiles and captures."""
+    from ..engine import Engine, SamplingParams
+    from ..engine.engine import Stats
+    most = max(row["batch"] for row in rows)
+    for key, overlap in (("e2e_ms", True), ("plain_ms", False)):
+        with Engine(path, backend="cuda", max_seqs=most, kv_tokens=most * (context + steps + 32),
+                    step_tokens=most * context, overlap=overlap) as engine:  # every prompt in the first step
+            engine.stop_tokens = np.empty(0, np.int64)
+            engine.warm_up()
+            for row in rows:
+                for seed in (0, 1):
+                    prompts = list(np.random.default_rng(seed).integers(0, engine.config.vocab_size,
+                                                                        (row["batch"], context)))
+                    engine.stats = Stats()
+                    engine.generate(prompts, SamplingParams(max_tokens=steps))
+                row[key] = engine.stats.decode_seconds / engine.stats.decode_steps * 1e3
+
+
+def peer_rows(peers, rows):
+    """The peers' results (``peer_generate.py``'s JSON records) of each row's batch and context (within 10%),
+    beside our GPU step."""
+    out = []
+    for row in rows:
+        for p in peers:
+            batch, context = map(int, p["case"].split("x"))
+            if batch == row["batch"] and abs(context - row["context"]) <= 0.1 * row["context"] and "step_ms" in p:
+                out.append({"batch": batch, "context": context, "peer": p["peer"], "step_ms": p["step_ms"],
+                            "ours_ms": row["step_ms"], "ratio": row["step_ms"] / p["step_ms"]})
+    return out
 
 
 def breakdown(cp, timer, model, step, graph):
@@ -155,6 +216,7 @@ def parser():
     ap.add_argument("--batches", default="1,256", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed end to end")
+    ap.add_argument("--peers", help="generate_peers.json of shared/peers/peer_generate.py, run beside this")
     return ap
 
 
@@ -173,14 +235,22 @@ def main(argv=None):
     print(harness.header(info, ceilings))
     print(f"dense fp16 GEMM {ceilings['dense'] / 1e12:.0f} TFLOP/s (8192^3, cuBLAS); model: "
           f"{path or gguf.config.name}; fp16, block 16, greedy")
+    peers = json.loads(open(args.peers).read()) if args.peers else []
     rows, kinds = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         row, k = run(cp, timer, gguf, batch, args.context, args.steps, ceilings)
+        cp.get_default_memory_pool().free_all_blocks()
         rows.append(row)
         kinds += k
-        cp.get_default_memory_pool().free_all_blocks()
+    if path is not None:
+        engine_rows(path, rows, args.context, args.steps)
+    for row in rows:
+        row["tokens_s"] = row["batch"] / (row.get("e2e_ms", row["loop_ms"]) * 1e-3)
     table = harness.format_table(COLUMNS, rows) + "\n\n" + harness.format_table(KIND_COLUMNS, kinds)
-    harness.publish("generate", args.out, info, rows + kinds, table, args.plot, ceilings=ceilings,
+    beside = peer_rows(peers, rows)
+    if beside:
+        table += "\n\n" + harness.format_table(PEER_COLUMNS, beside)
+    harness.publish("generate", args.out, info, rows + kinds + beside, table, args.plot, ceilings=ceilings,
                     model=str(path or gguf.config.name))
 
 

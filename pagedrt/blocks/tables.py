@@ -4,9 +4,9 @@
 id); a handle is its row. Changed entries and lengths go into a log that :mod:`pagedrt.step` drains. All per-step
 work is vectorised NumPy (blocks are hashed one by one only when they fill or are looked up).
 
-Appends may carry token ids: per sequence the tables keep how many leading ids are known, the ids of the partly
-filled last block and the name of the last full block, and a block whose ids are all known is named when it fills
-(:mod:`pagedrt.blocks.prefix`). Copy-on-write lives in :meth:`BlockTables._shared_tails`. Swapping is
+Appends may carry token ids, or :meth:`BlockTables.name` give them after: per sequence the tables keep how many
+leading ids are known, the ids of the partly filled last block and the name of the last full block, and a block
+whose ids are all known is named when it fills (:mod:`pagedrt.blocks.prefix`). Copy-on-write lives in :meth:`BlockTables._shared_tails`. Swapping is
 :class:`~pagedrt.blocks.tiers.SwapTables`'s, a whole step :mod:`pagedrt.blocks.steps`'. Every public call is one
 transaction (:mod:`pagedrt.blocks.transaction`): all or nothing, whatever it raises.
 """
@@ -258,6 +258,19 @@ class BlockTables(SwapTables):
             self._record_tokens(rows, before, np.broadcast_to(step, rows.shape).astype(np.int64), token_ids)
         return result
 
+    def name(self, seqs: "Handles", counts: "Counts", token_ids: Sequence[int]) -> None:
+        """The ids of the last ``counts`` tokens appended to ``seqs`` without ids, learnt after the step: the blocks
+        they fill are named as :meth:`append`'s ids would have (none past an id never given). Bad arguments raise
+        as :meth:`append`'s, changing nothing."""
+        rows, step = self._request(seqs, counts)
+        step = np.broadcast_to(step, rows.shape).astype(np.int64)
+        old = self.lens[rows].astype(np.int64) - step
+        if (old < 0).any():
+            raise InvalidTokenCountError(f"{int(step[old < 0][0])} tokens named but the sequence holds fewer")
+        ids = prefix.check_token_ids(token_ids, int(step.sum()), "token_ids")
+        if ids.size:
+            self.tx.run(lambda: self._record_tokens(rows, old, step, ids))
+
     def step(self, seqs: Optional["Handles"], counts: "Counts", token_ids: Optional[Sequence[int]],
              arrivals: Optional[Sequence[Sequence[int]]], arrival_tokens: Optional["Counts"],
              forks: Optional["Handles"], frees: Optional["Handles"], max_tokens: int,
@@ -312,21 +325,24 @@ class BlockTables(SwapTables):
         self.tx.set(self.known, rows, old + counts)
         shift, mask = self._shift, self.block_size - 1
         within = old & mask
-        run = within + counts  # the row's partly filled block's ids, then the new ones
-        run_start = np.cumsum(run) - run
-        r = ranks(run)
-        from_tail = r < np.repeat(within, run)
-        at = np.where(from_tail, 0, np.repeat(starts - within, run) + r)
-        ids = np.where(from_tail, self.tail[np.repeat(rows, run), r & mask], token_ids[at])
-        full, rest = run >> shift, run & mask
-        self.tx.set(self.tail, (np.repeat(rows, rest), ranks(rest)),
-                    ids[np.repeat(run_start + (full << shift), rest) + ranks(rest)])
-        if not full.any():
-            return
-        k = ranks(full)
-        block_rows = np.repeat(rows, full)
-        blocks = self.table[block_rows, np.repeat(old >> shift, full) + k]
-        filled = ids[(np.repeat(run_start, full) + (k << shift))[:, None] + np.arange(self.block_size)]
+        if (counts == 1).all():  # a decode step's token a row: into the tail, whose block it may fill
+            self.tx.set(self.tail, (rows, within), token_ids[starts])
+            block_rows = rows[within == mask]
+            blocks, filled = self.table[block_rows, old[within == mask] >> shift], self.tail[block_rows]
+        else:
+            run = within + counts  # the row's partly filled block's ids, then the new ones
+            run_start = np.cumsum(run) - run
+            r = ranks(run)
+            from_tail = r < np.repeat(within, run)
+            at = np.where(from_tail, 0, np.repeat(starts - within, run) + r)
+            ids = np.where(from_tail, self.tail[np.repeat(rows, run), r & mask], token_ids[at])
+            full, rest = run >> shift, run & mask
+            self.tx.set(self.tail, (np.repeat(rows, rest), ranks(rest)),
+                        ids[np.repeat(run_start + (full << shift), rest) + ranks(rest)])
+            k = ranks(full)
+            block_rows = np.repeat(rows, full)
+            blocks = self.table[block_rows, np.repeat(old >> shift, full) + k]
+            filled = ids[(np.repeat(run_start, full) + (k << shift))[:, None] + np.arange(self.block_size)]
         index, chain, device = self.allocator.index, self.chain, self.allocator.device_blocks
         for row, block, tokens in zip(block_rows.tolist(), blocks.tolist(), filled):
             self._set_chain(row, prefix.chain_hash(chain[row], tokens))

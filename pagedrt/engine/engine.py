@@ -11,6 +11,13 @@ reads and writes per token (the token to append, the counts, sampling parameters
 mirrored in NumPy arrays indexed by the cache's handles (``_Rows``), so that a step samples and records its
 batch vectorised: a Python loop runs per event (an arrival, a fork, a finished sequence) or to list the batch's
 handles, never per generated token.
+
+Steps overlap (``overlap``): the host schedules, makes and queues step n+1 while step n runs, and reads step
+n's tokens after that (:mod:`.flight`). The tokens are sampled on the device, and step n+1's decode rows read
+their ids there; the host learns them one step late, so a sequence that stops or reaches its length limit at
+step n runs step n+1 too, whose token is discarded. The ids a step appends are given to the prefix cache when
+known (``cache.name_tokens``). A decode step is padded to a few batch sizes with captured graphs
+(:mod:`.padding`).
 """
 
 import os
@@ -26,7 +33,9 @@ from ..errors import InvalidTokenIdsError, RequestError
 from ..scheduler import Request, Scheduler, SchedulerConfig
 from ..shard import ShardedKVCache
 from . import loader, sampler
+from .flight import Flight, TokenBuffers
 from .model import LlamaModel
+from .padding import Padding
 from .parallel import TensorParallelModel
 from .tokenizer import Tokenizer
 
@@ -105,31 +114,37 @@ class _Request(Request):
 @dataclass
 class _Rows:
     """The decode path's state of each cache row (indexed by handle), so that a step samples and records its
-    whole batch vectorised: the token it appends next, the tokens generated (``out`` [rows, max_tokens]) and
-    their count, and its sample's limit, temperature, top_p and stream seed."""
+    whole batch vectorised: the token it appends next (when the host knows it), the tokens generated (``out``
+    [rows, max_tokens]) and their count, the draws queued (``drawn``: the counter of its next random number),
+    its sample's limit, temperature, top_p and stream seed, whether it finished, and its ``epoch`` (how many
+    samples the row has started: a late token of a row's earlier sample is told apart by it)."""
 
     last: np.ndarray
     count: np.ndarray
+    drawn: np.ndarray
     limit: np.ndarray
+    epoch: np.ndarray
     temperature: np.ndarray
     top_p: np.ndarray
     seed: np.ndarray
+    done: np.ndarray
     out: np.ndarray
 
     @classmethod
     def zeros(cls, rows):
-        return cls(*(np.zeros(rows, np.int64) for _ in range(3)), np.zeros(rows), np.ones(rows),
-                   np.zeros(rows, np.uint64), np.zeros((rows, 1), np.int64))
+        return cls(*(np.zeros(rows, np.int64) for _ in range(5)), np.zeros(rows), np.ones(rows),
+                   np.zeros(rows, np.uint64), np.zeros(rows, bool), np.zeros((rows, 1), np.int64))
 
-    def start(self, seqs):
-        """The rows of ``seqs`` (scheduler Sequences) start generating their sample."""
+    def start(self, seqs, drawn):
+        """The rows of ``seqs`` (scheduler Sequences) start generating their sample, ``drawn`` tokens drawn."""
         handles = [s.handle for s in seqs]
         params = [s.request.params for s in seqs]
         self.limit[handles] = [p.max_tokens for p in params]
         self.temperature[handles] = [p.temperature for p in params]
         self.top_p[handles] = [p.top_p for p in params]
         self.seed[handles] = [s.request.seeds[s.sample] for s in seqs]
-        self.count[handles] = 0
+        self.count[handles], self.drawn[handles], self.done[handles] = 0, drawn, False
+        self.epoch[handles] += 1
 
 
 class Engine:
@@ -162,13 +177,16 @@ class Engine:
         (:class:`~pagedrt.shard.ShardedKVCache`, :class:`~pagedrt.engine.parallel.TensorParallelModel`: its sums
         through NCCL over distinct GPUs; its steps run eagerly, whatever ``graphs`` says). None: one cache on
         the current device.
+    overlap : bool
+        Schedule and queue each step while the one before runs (module docstring); False: each step waits for
+        its tokens before the next is scheduled. The tensor-parallel engine (``devices``) does not overlap.
 
     What runs next is :class:`~pagedrt.scheduler.Scheduler`'s decision; the engine runs the model over it and
     samples.
     """
 
     def __init__(self, model_path, *, backend="auto", max_seqs=256, kv_tokens=DEFAULT_KV_TOKENS, block_size=16,
-                 step_tokens=2048, graphs=True, dtype="float16", kv_dtype=None, devices=None):
+                 step_tokens=2048, graphs=True, dtype="float16", kv_dtype=None, devices=None, overlap=True):
         gguf = loader.load(model_path)
         self.config, self.path = gguf.config, gguf.path
         self.tokenizer = Tokenizer(gguf.vocab)
@@ -190,6 +208,12 @@ class Engine:
         self.stop_tokens = np.array(self.tokenizer.stop, np.int64)
         self.scheduler = Scheduler(SchedulerConfig(max_seqs, block_size, step_tokens), self.cache)
         self._rows = _Rows.zeros(max_seqs)
+        self._overlap = overlap and devices is None  # a sharded cache takes its ids with the step
+        self._tokens = TokenBuffers(max_seqs)
+        self._flight = None   # the step whose tokens the host has not read yet
+        self._awaiting = []   # children forked before their first token (drawn by their parent's step) was read
+        cuda_graphs = graphs and devices is None and self.cache.xp is not np
+        self._padding = Padding(self.cache, max_seqs) if cuda_graphs else None
         self._snapshot = self._on_token = None  # generate()'s
         self.stats = Stats()
 
@@ -295,68 +319,153 @@ class Engine:
             with self.model.stream:
                 while not self.scheduler.idle:
                     self.step()
+                self._drain()
         except BaseException:  # an on_token hook that raised, Ctrl-C: the next call starts from an empty cache
             handles = self.scheduler.clear()
             if handles:
                 self.cache.step([], frees=handles)
             raise
         finally:
-            self._snapshot = self._on_token = None
+            self._snapshot = self._on_token = self._flight = None
+            self._awaiting = []
         return [r.completion for r in requests]
 
     def step(self) -> None:
-        """One scheduling decision, one ``cache.step()``, one forward pass and one sampling."""
+        """One scheduling decision, one ``cache.step()``, one forward pass and one sampling queued; then the
+        tokens of the step before are read (with ``overlap``; else this step's)."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.frees and self._snapshot:
             self.cache.write_snapshot(self._snapshot)
             self._snapshot = None
         decode = plan.handles[plan.decoding]
-        args = plan.cache_args(self._rows.last[decode])
+        prev = self._flight
+        src = prev.where[decode] if prev is not None else np.full(decode.size, -1)  # draws of prev, or -1: known
+        late = src >= 0
+        args = plan.cache_args(self._rows.last[decode])  # a late row's id is a placeholder
+        ids = args["token_ids"]
+        if late.any():
+            args["token_ids"] = None
         step = self.cache.step(**args)
         ended = self.scheduler.update(plan, step)
+        if late.any():
+            self._name_known(plan, ids, late)
         self._start_children(step.forked)
-        ids = [args["token_ids"]] + [s.request.prompt[s.request.cached_tokens:s.prefilled] for s in plan.arrived]
+        ids = np.concatenate([ids] + [s.request.prompt[s.request.cached_tokens:s.prefilled] for s in plan.arrived])
         for request in plan.arrivals:
             request.completion.cached_tokens = request.cached_tokens
             self.stats.cached_tokens += request.cached_tokens
+        self._flight = None
         if step.num_tokens:
-            logits = self.model.forward(step, self.cache.xp.asarray(np.concatenate(ids)))
-            self._sample(plan, decode, ended, logits)
+            batch, size = step, step.num_tokens
+            if size == len(step.seqs) and self._padding is not None:
+                size = self._padding.size(size)
+                batch = self._padding.pad(step, size) if size > step.num_tokens else step
+            inputs = self._inputs(batch.num_tokens, plan, ids, src, late, prev)
+            self._flight = self._draw(plan, decode, ended, self.model.forward(batch, inputs))
+        if prev is not None:
+            self._land(prev, (decode[late], src[late]))
+        if not self._overlap:
+            self._drain()
         self._account(start, step, decode.size, step.num_tokens - decode.size)
 
+    def _name_known(self, plan, ids, late):
+        """Give the prefix cache the ids of this step's rows that the host knows (prompt chunks, decode rows
+        whose token it has read); ``ids``: the plan's, ``late``: which decoding rows' ids are still on the
+        device."""
+        known = ~plan.decoding
+        known[plan.decoding] = ~late
+        if known.any():
+            self.cache.name_tokens(plan.handles[known], plan.counts[known], ids[np.repeat(known, plan.counts)])
+
+    def _inputs(self, size, plan, ids, src, late, prev):
+        """The step's input ids on the device (int64 [size], past ``ids``: padding rows'): ``ids``, the late
+        rows' read from ``prev``'s draws ``src``; a batch that decodes ``prev``'s draws in order reads them in
+        place."""
+        n, xp = ids.size, self.cache.xp
+        if n and late.all() and n == src.size and src[-1] == n - 1 and (np.diff(src) == 1).all():
+            return prev.device[:size]
+        padded = np.zeros(size, np.int64)
+        padded[:n] = ids
+        inputs = xp.asarray(padded)
+        if late.any():
+            rows = (np.cumsum(plan.counts) - plan.counts)[plan.decoding][late]
+            inputs[xp.asarray(rows)] = prev.device[xp.asarray(src[late])]
+        return inputs
+
     def _start_children(self, children):
-        """The children forked this step: each starts from its first token, drawn when its prompt ended."""
+        """The children forked this step: each starts from its first token, drawn when its prompt ended (and
+        recorded once that step's tokens are read)."""
         if len(children):
             seqs = [self.scheduler.running[h] for h in children.tolist()]
-            self._rows.start(seqs)
-            self._record(np.asarray(children, np.int64),
-                         np.array([s.request.firsts[s.sample - 1] for s in seqs], np.int64))
+            self._rows.start(seqs, 1)
+            self._awaiting += seqs
+            self._record_children()
 
-    def _sample(self, plan, decode, ended, logits):
-        """Draw the next token of every decoding sequence, and the first tokens of each prompt that ended now
-        (``n`` of them, one per sample: the first is the sequence's own, the others its children's)."""
+    def _record_children(self):
+        """Record the first token of each child awaiting it whose parent's step has been read."""
+        ready = [s for s in self._awaiting if s.request.firsts is not None]
+        if ready:
+            self._awaiting = [s for s in self._awaiting if s.request.firsts is None]
+            self._record(np.array([s.handle for s in ready], np.int64),
+                         np.array([s.request.firsts[s.sample - 1] for s in ready], np.int64))
+
+    def _draw(self, plan, decode, ended, logits):
+        """Queue the draws of the next token of every decoding sequence and the first tokens of each prompt
+        that ended now (``n`` of them, one per sample: the first is the sequence's own, the others its
+        children's), on the device, and their copy to the host; returns the step's :class:`~.flight.Flight`."""
+        r = self._rows
         rows, handles = [np.flatnonzero(plan.decoding)], [decode]
-        seeds, counters = [self._rows.seed[decode]], [self._rows.count[decode]]
+        seeds, counters = [r.seed[decode]], [r.drawn[decode]]
+        own, forks = [np.arange(decode.size)], []
         if ended:
-            self._rows.start(ended)
+            r.start(ended, 0)
             row_of = {id(s): i for i, s in enumerate(plan.seqs + plan.arrived)}
+            at = decode.size
             for seq in ended:
                 n = seq.request.n
                 rows.append(np.full(n, row_of[id(seq)]))
                 handles.append(np.full(n, seq.handle))
                 seeds.append(seq.request.seeds)
                 counters.append(np.zeros(n, np.int64))
-        handles = np.concatenate(handles)
-        tokens = sampler.sample(logits, np.concatenate(rows), self._rows.temperature[handles],
-                                self._rows.top_p[handles],
-                                sampler.uniforms(np.concatenate(seeds), np.concatenate(counters)))
-        self._record(decode, tokens[:decode.size])
-        at = decode.size
-        for seq in ended:
-            self._record(np.array([seq.handle]), tokens[at:at + 1])
-            seq.request.firsts = tokens[at + 1:at + seq.request.n]
-            at += seq.request.n
+                own.append(np.array([at]))
+                forks.append((seq.request, at, n))
+                at += n
+        handles, own = np.concatenate(handles), np.concatenate(own)
+        temperature = r.temperature[handles]
+        draws = (np.zeros(handles.size) if (temperature <= 0).all()
+                 else sampler.uniforms(np.concatenate(seeds), np.concatenate(counters)))
+        device = self._tokens.next(logits)
+        sampler.sample(logits, np.concatenate(rows), temperature, r.top_p[handles], draws, device)
+        host, event = self._tokens.send(handles.size)
+        mine = handles[own]
+        r.drawn[mine] += 1
+        where = np.full(r.last.size, -1, np.int64)
+        where[mine] = own
+        return Flight(device, host, event, handles.size, mine, own, r.epoch[mine].copy(), forks, where,
+                      bool(plan.decoding.all()) and not plan.arrivals)
+
+    def _drain(self):
+        """Read the last step's tokens, if the host has not yet."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self._land(flight)
+
+    def _land(self, flight, late=None):
+        """Read ``flight``'s tokens: give the prefix cache the ids of ``late`` (handles, draws: the rows of the
+        step after it that appended them), record each row's token unless its sample finished or the row started
+        another since, and the first tokens of the children of the prompts that ended."""
+        tokens = flight.tokens()
+        if late is not None and late[0].size:
+            self.cache.name_tokens(late[0], 1, tokens[late[1]])
+        r = self._rows
+        keep = (r.epoch[flight.handles] == flight.epoch) & ~r.done[flight.handles]
+        for request, at, n in flight.forks:
+            request.firsts = tokens[at + 1:at + n]
+        self._record(flight.handles[keep], tokens[flight.index[keep]])
+        if flight.decoding:
+            self.stats.decode_tokens += int(keep.sum())
+        self._record_children()
 
     def _record(self, handles, tokens):
         """Append each handle's new token; finish those that stopped or reached their limit."""
@@ -378,6 +487,7 @@ class Engine:
 
     def _finish(self, seq, reason):
         """Record a finished sample's tokens and text (without its stop token); free its sequence next step."""
+        self._rows.done[seq.handle] = True
         c, s, count = seq.request.completion, seq.sample, int(self._rows.count[seq.handle])
         while len(c.tokens) <= s:
             c.tokens.append(None), c.texts.append(None), c.finish_reasons.append(None)
@@ -394,15 +504,15 @@ class Engine:
             s.prefill_steps += 1
             s.prefill_seconds += seconds
             s.prompt_tokens += prompt_tokens
-        elif decode_tokens:
+        elif decode_tokens:  # its tokens are counted as they are read (a sequence's extra step's are not)
             s.decode_steps += 1
             s.decode_seconds += seconds
-            s.decode_tokens += decode_tokens
 
     def warm_up(self):
-        """Run a prompt step and two decode steps of one short sequence through the model, then free it: the
-        kernels of one sequence are compiled or loaded (on first use, by CuPy) and its decode step captured as a
-        graph before the steps that are timed. Other batch sizes may still compile kernels of their own."""
+        """Run a prompt step and two decode steps of one short sequence through the model and the greedy
+        sampler, then free it: the kernels of one sequence are compiled or loaded (on first use, by CuPy) and its
+        decode step captured as a graph before the steps that are timed. Other batch sizes may still compile
+        kernels of their own."""
         ids = np.zeros(4, np.int64)
         with self.model.stream:
             step = self.cache.step([], arrivals=[ids[:2]])  # two prompt tokens: the prefill path
@@ -410,7 +520,8 @@ class Engine:
             seq = step.arrived.tolist()
             for token in (ids[2:3], ids[3:4]):  # an eager decode step, then one captured
                 step = self.cache.step(seq, 1, token)
-                self.model.forward(step, self.cache.xp.asarray(token))
+                logits = self.model.forward(step, self.cache.xp.asarray(token))
+            sampler.sample(logits, [0], [0.0], [1.0], [0.0])  # the greedy sampler's kernel
             self.cache.step([], frees=seq)
 
     def close(self):

@@ -3,7 +3,8 @@
 Every sequence draws its own random number from a counter-based generator, a hash of
 (its seed, how many tokens it has drawn), so a sequence's tokens depend on its seed
 and its logits alone, not on which other sequences share its steps. Computed
-vectorised over the batch, on the logits' device.
+vectorised over the batch, on the logits' device: the tokens stay there (the next step's input ids are
+read from them), and the engine copies them to the host asynchronously.
 """
 
 import numpy as np
@@ -33,8 +34,9 @@ def uniforms(stream_seeds, counters):
     return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def sample(logits, rows, temperature, top_p, draws):
-    """The chosen token (host int64 [len(rows)]) of logits row ``rows[i]`` for each i.
+def sample(logits, rows, temperature, top_p, draws, out=None):
+    """The chosen token of logits row ``rows[i]`` for each i: int64 [len(rows)] on the logits' device, nothing
+    copied to the host (``out[:len(rows)]`` when given, a buffer of that device).
 
     logits: float32 [batch, vocab] (NumPy or CuPy); rows: host ints (a row may repeat: parallel samples);
     temperature, top_p, draws: host floats per i. Temperature 0 is greedy (the first largest logit); else
@@ -43,13 +45,13 @@ def sample(logits, rows, temperature, top_p, draws):
     """
     xp = np if isinstance(logits, np.ndarray) else __import__("cupy")
     rows, temperature = np.asarray(rows, np.int64), np.asarray(temperature, np.float64)
-    out = np.empty(rows.size, np.int64)
+    out = xp.empty(rows.size, np.int64) if out is None else out[:rows.size]
     greedy = temperature <= 0
-    if greedy.all() and rows.size == logits.shape[0] and np.array_equal(rows, np.arange(rows.size)):
-        return _host(xp.argmax(logits, axis=1)).astype(np.int64)  # a greedy decode step: every row, in order
+    if greedy.all() and rows.size <= logits.shape[0] and np.array_equal(rows, np.arange(rows.size)):
+        return xp.argmax(logits[:rows.size], axis=1, out=out)  # a greedy decode step: the first rows, in order
     if greedy.any():
         picked = logits[xp.asarray(rows[greedy])]
-        out[greedy] = _host(xp.argmax(picked, axis=1))
+        out[xp.asarray(np.flatnonzero(greedy))] = xp.argmax(picked, axis=1)
     if not greedy.all():
         hot = ~greedy
         x = logits[xp.asarray(rows[hot])] / xp.asarray(temperature[hot], np.float32)[:, None]
@@ -63,9 +65,5 @@ def sample(logits, rows, temperature, top_p, draws):
         total = xp.cumsum(p, axis=1)
         target = xp.asarray(np.asarray(draws, np.float32)[hot]) * total[:, -1]
         index = xp.minimum((total <= target[:, None]).sum(axis=1), p.shape[1] - 1)
-        out[hot] = _host(xp.take_along_axis(order, index[:, None], axis=1)[:, 0])
+        out[xp.asarray(np.flatnonzero(hot))] = xp.take_along_axis(order, index[:, None], axis=1)[:, 0]
     return out
-
-
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
