@@ -3,13 +3,13 @@
 // and every other op is tiny: a launch per op leaves the GPU idle between launches, and one persistent
 // kernel, its phases separated by grid-wide barriers, streams the weights back to back.
 //
-// The grid is cooperative (every block resident). Phases, each spread over all warps of the grid:
+// The grid is cooperative (every block resident), one block an SM. Phases, each spread over the grid:
 //   embed     residual[b] = embedding[ids[b]]
 //   per layer:
 //   qkv       x = rmsnorm(residual[b]) * attn_norm (every block normalises the rows itself, into shared memory);
-//             a warp computes a pair of adjacent output rows (2i, 2i+1) of W_qkv . x, rounds them to T as the
-//             layered path's GEMM output is, rotates q and k heads by pos * inv_freq[i] (pos = seq_lens[b] - 1,
-//             GGUF's adjacent pairs), writes q, and k and v straight into the layer's planes at slots[b]
+//             W_qkv . x on tensor cores (Gemv below), each output rounded to T as the layered path's GEMM
+//             output is; a pair of rows (2i, 2i+1) of a q or k head rotated by pos * inv_freq[i] (pos =
+//             seq_lens[b] - 1, GGUF's adjacent pairs); q out, k and v straight into the layer's planes at slots[b]
 //   attention work items (row b, KV head h, split s): split s of the row's tokens, for the h's G query heads,
 //             an online softmax over tiles of TILE tokens in the log2 domain; partial o, m, l to `partial`,
 //             and the last split of (b, h) to arrive merges them into attn[b] (counters[b * kv_heads + h])
@@ -17,8 +17,10 @@
 //   gate_up   x = rmsnorm(residual[b]) * ffn_norm; mlp[b, j] = silu(round_T(gate_j . x)) * round_T(up_j . x)
 //   down      residual[b] += round_T(W_down . mlp[b])
 //   logits    x = rmsnorm(residual[b]) * output_norm; logits[b] = W_out . x (float32)
-// Weights are [out, in] (one output's weights a contiguous row of 16-byte vectors); before each barrier a
-// warp prefetches into L2 the rows it computes after it, so the weights stream while the grid waits.
+// Weights are [out, in] (one output's weights a contiguous row). Before each barrier a block loads its first
+// chunk of the next phase's weights into registers (and prefetches the rest into L2), so the weights stream
+// while the grid waits. NORM_PER: values of a row each thread holds while it normalises it (hidden <=
+// NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
 //
 // Memory that a phase writes and a later phase reads (residual, q, attn, mlp, partial) is read through L2
 // (__ldcg): another SM wrote it inside this launch. The barrier counter and the merge counters
@@ -434,7 +436,7 @@ __device__ void attend(const Step& s, const T* k_plane, const T* v_plane, const 
 
 }  // namespace fused
 
-template <typename T, int HEAD_DIM, int ROWS, int VH>
+template <typename T, int HEAD_DIM, int ROWS, int NORM_PER>
 __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const unsigned long long* __restrict__ layers, int num_layers, const T* __restrict__ embedding,
     const float* __restrict__ output_norm, const T* __restrict__ output, int vocab, const float* __restrict__ inv_freq,
@@ -471,8 +473,8 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         const Gemv down_phase{(const void*)w[DOWN], ffn, hidden, 0};
 
         // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes.
-        load_normed<T, ROWS, VH>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch, hidden,
-                                 eps);
+        load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch,
+                                       hidden, eps);
         gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
             const int pair = tid / 8, b = tid % 8, col = u * 16 + 2 * pair;
             if (tid >= 64 || b >= batch || col >= qkv_rows) return;
@@ -522,8 +524,8 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         grid_sync(bar, target);
 
         // gate_up: norm, SiLU(gate) * up
-        load_normed<T, ROWS, VH>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch, hidden,
-                                 eps);
+        load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch,
+                                       hidden, eps);
         gemv(gate_up_phase, cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
             const int j = tid / 8, b = tid % 8, col = u * 8 + j;
             if (tid >= 64 || b >= batch || col >= ffn) return;
@@ -547,7 +549,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     }
 
     // logits = W_out . norm(residual), float32
-    load_normed<T, ROWS, VH>(residual, output_norm, xs, reduce, batch, hidden, eps);
+    load_normed<T, ROWS, NORM_PER>(residual, output_norm, xs, reduce, batch, hidden, eps);
     gemv(Gemv{(const void*)output, hidden, vocab, 0}, cur, xs, hidden + PAD, batch, sums,
          [&](int u, const float* out) {
              const int r = tid / 8, b = tid % 8, row = u * 16 + r;

@@ -25,8 +25,8 @@ from ..spec import dtype_name
 FILE = "fused_step.cu"
 THREADS, WARPS, TILE, MAX_GROUP_DIMS, MAX_SPLITS = 256, 8, 64, 2048, 16  # as cuda_src/fused_step.cu's
 PAD = 8  # elements between the GEMV's shared-memory rows
-VECTORS = (2, 3, 4, 6)  # the kernel's VH: a lane's 16-byte vectors of a hidden-size row (one chunk)
-MAX_HIDDEN = VECTORS[-1] * 32 * 8
+NORM_PER = (2, 3, 4, 6)  # the kernel's NORM_PER: values of a row a thread holds while it normalises the row
+MAX_HIDDEN = NORM_PER[-1] * THREADS
 ROWS = (1, 2, 4, 8)  # the kernel's instances: a batch runs on the smallest that holds it
 MAX_ROWS = ROWS[-1]
 HEAD_DIMS = (64, 128)
@@ -34,18 +34,18 @@ SMEM_LIMIT = 48 << 10  # dynamic shared memory without opting in
 PER_LAYER = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")  # then the K and V planes
 
 
-def instances(dtypes=("float16", "bfloat16"), vectors=(3,)):
-    """{file: name expressions} of the fused step's instances (``vectors``: the VH of SmolLM2's hidden size)."""
-    return {FILE: tuple(_name(d, h, r, v) for d in dtypes for h in HEAD_DIMS for r in ROWS for v in vectors)}
+def instances(dtypes=("float16", "bfloat16"), per=(3,)):
+    """{file: name expressions} of the fused step's instances (``per``: the NORM_PER of SmolLM2's hidden size)."""
+    return {FILE: tuple(_name(d, h, r, v) for d in dtypes for h in HEAD_DIMS for r in ROWS for v in per)}
 
 
-def _name(dtype: str, head_dim: int, rows: int, vectors: int) -> str:
-    return f"pagedrt::decode_step<{CUDA_TYPES[dtype]}, {head_dim}, {rows}, {vectors}>"
+def _name(dtype: str, head_dim: int, rows: int, per: int) -> str:
+    return f"pagedrt::decode_step<{CUDA_TYPES[dtype]}, {head_dim}, {rows}, {per}>"
 
 
-def vectors_for(hidden: int) -> int:
-    """The kernel's VH for a hidden size (at most MAX_HIDDEN): a lane's 16-byte vectors of a row."""
-    return next(v for v in VECTORS if v * 32 * 8 >= hidden)
+def norm_per(hidden: int) -> int:
+    """The kernel's NORM_PER for a hidden size (at most MAX_HIDDEN): values of a row each thread normalises."""
+    return next(v for v in NORM_PER if v * THREADS >= hidden)
 
 
 def smem_bytes(config, rows: int) -> int:
@@ -75,8 +75,8 @@ def unsupported(config, spec) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(dtype: str, head_dim: int, rows: int, vectors: int) -> Any:
-    return source.function(FILE, _name(dtype, head_dim, rows, vectors))
+def _kernel(dtype: str, head_dim: int, rows: int, per: int) -> Any:
+    return source.function(FILE, _name(dtype, head_dim, rows, per))
 
 
 class FusedDecode:
@@ -142,6 +142,7 @@ class FusedDecode:
                 ptr(self.mlp), ptr(self.partial), ptr(self.counters), ptr(logits), np.int32(batch),
                 np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads), np.int32(splits),
                 np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
-        launch_ex(_kernel(self.dtype, c.head_dim, rows, vectors_for(c.hidden)), (self.grid,), (THREADS,), args, smem_bytes(c, rows),
-                  programmatic_serialization=False, cooperative=True)
+        kernel = _kernel(self.dtype, c.head_dim, rows, norm_per(c.hidden))
+        launch_ex(kernel, (self.grid,), (THREADS,), args, smem_bytes(c, rows), programmatic_serialization=False,
+                  cooperative=True)
         return logits
