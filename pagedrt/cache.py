@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .blocks import BlockAllocator, BlockTables, ceil_div, ranks
-from .cache_options import check_sizes, growth_keywords, kv_scales_of
+from .cache_options import capacity_blocks, check_sizes, growth_keywords, kv_scales_of
 from .errors import ConcurrentUseError, PoolClosedError, UnsupportedConfigError
 from .exclusive import exclusive
 from .growth import Growth
@@ -19,7 +19,7 @@ from .protocols import Counts, Handles
 from .snapshot import build_snapshot, write_snapshot
 from .spec import Array, KVSpec
 from .step import Step, StepMetadata
-from .supported import MAX_BLOCKS, MAX_SEQ_LEN, MAX_SEQS, PREFILL_HEAD_DIMS, check, check_positive
+from .supported import MAX_SEQ_LEN, MAX_SEQS, PREFILL_HEAD_DIMS, check, check_positive
 
 
 class PagedKVCache(PlaneViews, TableViews):
@@ -43,8 +43,7 @@ class PagedKVCache(PlaneViews, TableViews):
     dtype : str or numpy.dtype
         The model's dtype: q, k, v and the attention output (float16, bfloat16 or float32).
     max_tokens, max_bytes : int
-        The device capacity, exactly one of them: tokens (rounded up to whole blocks) or KV bytes (rounded down,
-        at least one block).
+        The device capacity, one of them: tokens (rounded up to whole blocks) or KV bytes (down, at least a block).
     max_seqs : int
         Rows of the block table: the most live sequences.
     max_seq_len : int, optional
@@ -58,15 +57,14 @@ class PagedKVCache(PlaneViews, TableViews):
     backend : str or Backend
         ``"auto"``, ``"cuda"`` or ``"host"``, or a backend made by :func:`pagedrt.memory.select_backend`.
     growth : None, bool or dict
-        None or False: chunks are mapped when an append needs them. True: a
-        :class:`~pagedrt.growth.Growth` keeps one to two chunks' blocks spare (``low_blocks``,
-        ``high_blocks``) and releases a chunk all free for 64 ticks (``release_after``), on a worker thread
-        (``background``). A dict of those keywords sets some; the rest as True.
+        None or False: chunks are mapped when an append needs them. True: a :class:`~pagedrt.growth.Growth`
+        keeps one to two chunks' blocks spare (``low_blocks``, ``high_blocks``) and releases a chunk all free for
+        64 ticks (``release_after``), on a worker thread (``background``); a dict sets some, the rest as True.
     host_tokens, host_bytes : int, optional
         At most one: a host tier of that capacity (rounded up to whole chunks), pinned here, ahead of need.
     kv_dtype : str, optional
-        What the planes store, a name of ``supported.KV_DTYPES``; default ``dtype``. ``"float8_e4m3"``
-        stores uint8 bits under ``kv_scales`` and needs ``dtype`` float16 or bfloat16.
+        What the planes store (``supported.KV_DTYPES``; default ``dtype``); ``"float8_e4m3"``: uint8 bits under
+        ``kv_scales``, for ``dtype`` float16 or bfloat16.
     kv_scales : array-like, float32 [num_layers, 2, num_kv_heads], optional
         FP8 only: the scales of K then V per layer and KV head, positive, normal and finite (stored bytes mean
         value / scale, so fixed for the cache's life); default all 1.
@@ -82,10 +80,9 @@ class PagedKVCache(PlaneViews, TableViews):
     Attributes
     ----------
     spec, layout, pool, allocator, tables, metadata, growth
-        The parts under the facade (:class:`~pagedrt.spec.KVSpec`, :class:`~pagedrt.layout.Layout`,
-        :class:`~pagedrt.memory.Pool`, :class:`~pagedrt.blocks.BlockAllocator`,
-        :class:`~pagedrt.blocks.BlockTables`, :class:`~pagedrt.step.StepMetadata`, the
-        :class:`~pagedrt.growth.Growth` or None); a caller needs none of them beyond ``spec``.
+        The parts under the facade (:class:`~pagedrt.spec.KVSpec`, :class:`~pagedrt.layout.Layout`, a
+        :class:`~pagedrt.memory.Pool`, :class:`~pagedrt.blocks.BlockAllocator`, :class:`~pagedrt.blocks.BlockTables`,
+        :class:`~pagedrt.step.StepMetadata`, a :class:`~pagedrt.growth.Growth` or None); callers need ``spec`` only.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any = "float16",
@@ -98,22 +95,7 @@ class PagedKVCache(PlaneViews, TableViews):
         max_seqs = check_positive("max_seqs", max_seqs, MAX_SEQS)
         check("head_dim", spec.head_dim, PREFILL_HEAD_DIMS)  # what prefill attends, not decode alone
         scales = kv_scales_of(spec, kv_scales)
-        if (max_tokens is None) == (max_bytes is None):
-            raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
-        block_bytes = spec.bytes_per_token * spec.block_size
-        if max_bytes is None:
-            max_blocks = ceil_div(check_positive("max_tokens", max_tokens), spec.block_size)
-        else:
-            max_blocks = max(check_positive("max_bytes", max_bytes) // block_bytes, 1)
-        if host_tokens is not None and host_bytes is not None:
-            raise UnsupportedConfigError("give the host tier's capacity as at most one of host_tokens or host_bytes")
-        host_blocks = (0 if host_tokens is None and host_bytes is None else
-                       ceil_div(check_positive("host_tokens", host_tokens), spec.block_size) if host_bytes is None
-                       else max(check_positive("host_bytes", host_bytes) // block_bytes, 1))
-        if max_blocks + host_blocks > MAX_BLOCKS:
-            raise UnsupportedConfigError(
-                f"a capacity of {max_blocks + host_blocks} blocks is more than block ids (int32) can name: at most "
-                f"{MAX_BLOCKS}")
+        max_blocks, host_blocks = capacity_blocks(spec, max_tokens, max_bytes, host_tokens, host_bytes)
         if isinstance(backend, str):
             backend = select_backend(backend)
         elif not is_int(getattr(backend, "page_bytes", None)):

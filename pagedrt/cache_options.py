@@ -2,14 +2,39 @@
 and the host can hold, growth's keywords, and an FP8 cache's scales."""
 
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from .errors import UnsupportedConfigError
 from .layout import Layout
 from .spec import KVSpec
-from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_TABLE_ENTRIES
+from .blocks.util import ceil_div
+from .supported import MAX_BLOCKS, MAX_POOL_BYTES, MAX_TABLE_ENTRIES, check_positive
+
+
+def capacity_blocks(spec: KVSpec, max_tokens: Optional[int], max_bytes: Optional[int], host_tokens: Optional[int],
+                    host_bytes: Optional[int]) -> Tuple[int, int]:
+    """(device blocks, host-tier blocks) of the capacities given: exactly one of ``max_tokens`` (rounded up to
+    whole blocks) or ``max_bytes`` (rounded down, at least one block), at most one of the host tier's likewise.
+    UnsupportedConfigError otherwise, or past what int32 block ids name."""
+    if (max_tokens is None) == (max_bytes is None):
+        raise UnsupportedConfigError("give the capacity as exactly one of max_tokens or max_bytes")
+    block_bytes = spec.bytes_per_token * spec.block_size
+    if max_bytes is None:
+        max_blocks = ceil_div(check_positive("max_tokens", max_tokens), spec.block_size)
+    else:
+        max_blocks = max(check_positive("max_bytes", max_bytes) // block_bytes, 1)
+    if host_tokens is not None and host_bytes is not None:
+        raise UnsupportedConfigError("give the host tier's capacity as at most one of host_tokens or host_bytes")
+    host_blocks = (0 if host_tokens is None and host_bytes is None else
+                   ceil_div(check_positive("host_tokens", host_tokens), spec.block_size) if host_bytes is None
+                   else max(check_positive("host_bytes", host_bytes) // block_bytes, 1))
+    if max_blocks + host_blocks > MAX_BLOCKS:
+        raise UnsupportedConfigError(
+            f"a capacity of {max_blocks + host_blocks} blocks is more than block ids (int32) can name: at most "
+            f"{MAX_BLOCKS}")
+    return max_blocks, host_blocks
 
 
 def check_sizes(layout: Layout, max_seqs: int, max_blocks_per_seq: int) -> None:

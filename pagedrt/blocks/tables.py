@@ -4,10 +4,9 @@
 id); a handle is its row. Changed entries and lengths go into a log that :mod:`pagedrt.step` drains. All per-step
 work is vectorised NumPy (blocks are hashed one by one only when they fill or are looked up).
 
-Appends may carry token ids, or :meth:`BlockTables.name` give them after: per sequence the tables keep how many
-leading ids are known, the ids of the partly filled last block and the name of the last full block, and a block
-whose ids are all known is named when it fills (:mod:`pagedrt.blocks.prefix`). Copy-on-write lives in :meth:`BlockTables._shared_tails`. Swapping is
-:class:`~pagedrt.blocks.tiers.SwapTables`'s, a whole step :mod:`pagedrt.blocks.steps`'. Every public call is one
+Appends may carry token ids, or :meth:`BlockTables.name` give them after: a block whose ids are all known is named
+when it fills (:mod:`pagedrt.blocks.prefix`). Copy-on-write lives in :meth:`BlockTables._shared_tails`, swapping in
+:class:`~pagedrt.blocks.tiers.SwapTables`, a whole step in :mod:`pagedrt.blocks.steps`. Every public call is one
 transaction (:mod:`pagedrt.blocks.transaction`): all or nothing, whatever it raises.
 """
 
@@ -76,8 +75,7 @@ class BlockTables(SwapTables):
         self.tail = np.zeros((max_seqs, block_size), np.int32)  # the ids in the partly filled last block
         self.chain = [prefix.ROOT] * max_seqs                   # the name of the last full block
         self.log_changes = True     # False where no device copy reads the log (the host backend)
-        # (rows, cols) of table entries changed since the last drain
-        self._changed_entries: List[Tuple[np.ndarray, np.ndarray]] = []
+        self._changed_entries: List[Tuple[np.ndarray, np.ndarray]] = []  # (rows, cols) changed since the drain
         self._changed_lens: List[np.ndarray] = []  # rows whose length changed since the last drain
 
     # --- queries ------------------------------------------------------------------------
@@ -93,14 +91,12 @@ class BlockTables(SwapTables):
         return np.flatnonzero(self.swapped)
 
     def blocks(self, seq: int) -> np.ndarray:
-        """The block ids of live sequence ``seq``, in logical order: int32 ``[ceil(length / block_size)]``, a
-        copy."""
+        """The block ids of live sequence ``seq`` in logical order: int32 ``[ceil(length / block_size)]``, a copy."""
         row = self.row(seq)
         return self.table[row, :ceil_div(int(self.lens[row]), self.block_size)].copy()
 
     def row(self, seq: "Handles") -> int:
-        """One live sequence's handle as an int (a list of exactly one handle is accepted too); else
-        UnknownSequenceError."""
+        """One live sequence's handle as an int (or a list of one); else UnknownSequenceError."""
         rows = self.rows(seq)
         if rows.size != 1:
             raise UnknownSequenceError(f"one sequence handle expected, got {rows.size}")
@@ -112,8 +108,7 @@ class BlockTables(SwapTables):
         Returns
         -------
         numpy.ndarray
-            int64 ``[n]`` in the order given; an empty list gives no rows (every call over no sequences does
-            nothing).
+            int64 ``[n]`` in the order given; an empty list gives no rows (a call over none does nothing).
 
         Raises
         ------
@@ -226,21 +221,15 @@ class BlockTables(SwapTables):
 
     def append(self, seqs: Optional["Handles"], counts: "Counts",
                token_ids: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
-        """Make room for ``counts`` more tokens in each of ``seqs``.
+        """Make room for ``counts`` more tokens in each of ``seqs`` (None: every live sequence, in handle order;
+        ``counts``: one int for all or one each; one token each, the decode step, has a fast path).
 
-        Returns ``(slot_mapping, copies)``: int64 pool slots (block_id * block_size +
-        slot) for the new tokens, sequence by sequence; and int32 ``[n, 2]`` (src,
-        dst) block pairs to copy before writing, where a sequence's shared, partly
-        filled last block was replaced by a private copy (copy-on-write).
-        All or nothing: on error no sequence changes. ``seqs=None`` means every
-        live sequence, in handle order; ``counts`` is one int for every sequence
-        or one per sequence. One token for every live sequence is the decode
-        step, and has a fast path.
-
-        ``token_ids``, if given, are the new tokens' ids (one flat array, sequence by
-        sequence, ``sum(counts)`` long, each in [0, 2**31)); blocks they fill are named
-        and cached (:mod:`pagedrt.blocks.prefix`). A sequence that ever appended without ids
-        caches no block from then on.
+        Returns ``(slot_mapping, copies)``: int64 pool slots (block_id * block_size + slot) of the new tokens,
+        sequence by sequence, and int32 ``[n, 2]`` (src, dst) block pairs to copy before writing, where a shared,
+        partly filled last block was replaced by a private copy (copy-on-write). All or nothing. ``token_ids``:
+        the new tokens' ids (flat, ``sum(counts)``, each in [0, 2**31)); blocks they fill are named and cached
+        (:mod:`pagedrt.blocks.prefix`). Ids not given now can be given after (:meth:`name`); a block holding a
+        token whose id never came is not cached, nor any after it.
         """
         rows, step = self._request(seqs, counts)
         return self.tx.run(lambda: self._append_rows(rows, step, token_ids))
