@@ -19,8 +19,9 @@ def spec(dtype="float16", kv_dtype=None, head_dim=64):
 
 def test_smollm2_runs_fused_in_fp16_and_bf16():
     pytest.importorskip("ml_dtypes", reason="bfloat16 is ml_dtypes'")
-    assert fused.unsupported(SMOL, spec()) is None
-    assert fused.unsupported(SMOL, spec("bfloat16")) is None
+    assert fused.unsupported(SMOL, spec(), 90) is None
+    assert fused.unsupported(SMOL, spec("bfloat16"), 80) is None
+    assert "compute capability 75" in fused.unsupported(SMOL, spec(), 75)
 
 
 @pytest.mark.parametrize("change,kv,why", [
@@ -32,7 +33,7 @@ def test_smollm2_runs_fused_in_fp16_and_bf16():
 ])
 def test_other_models_and_caches_are_refused_with_a_reason(change, kv, why):
     config = replace(SMOL, **change)
-    assert why in fused.unsupported(config, spec(kv_dtype=kv, head_dim=config.head_dim))
+    assert why in fused.unsupported(config, spec(kv_dtype=kv, head_dim=config.head_dim), 90)
 
 
 def test_the_norm_instance_is_the_smallest_that_holds_the_row():

@@ -90,3 +90,26 @@ def test_fused_graphs_equal_eager_fused_steps(dtype):
         np.testing.assert_array_equal(g, e)
     for e, g in zip(eager_planes, graphed_planes):
         np.testing.assert_array_equal(g.view(np.uint16), e.view(np.uint16))
+
+
+def test_a_step_the_fused_kernel_does_not_take_is_refused_by_name():
+    """Nine rows, or rows of more than one new token: a named error before anything is launched."""
+    import cupy as cp
+    from pagedrt import PagedKVCache
+    from pagedrt.engine.model import LlamaModel
+    from pagedrt.errors import UnsupportedConfigError
+    gguf = model(64, 9, 3)
+    c = gguf.config
+    with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=4096, max_seqs=16,
+                      backend="cuda") as cache:
+        m = LlamaModel(gguf, cache, graphs=False)
+        with m.stream:
+            prompts = [np.arange(5) + i for i in range(9)]
+            step = cache.step([], arrivals=prompts)
+            logits = cp.zeros((9, c.vocab_size), cp.float32)
+            with pytest.raises(UnsupportedConfigError, match="1 to 8 rows of one new token"):
+                m.fused.run(step, cp.asarray(np.concatenate(prompts)), logits)
+            step = cache.step(None, 1, np.arange(9))
+            with pytest.raises(UnsupportedConfigError, match="9 tokens in 9 rows"):
+                m.fused.run(step, cp.arange(9, dtype=cp.int64), logits)
+            assert not logits.any()

@@ -17,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedrt import PagedKVCache, source  # noqa: E402
+from pagedrt.bench import harness  # noqa: E402
 from pagedrt.bench.generate import synthetic_model  # noqa: E402
 from pagedrt.engine import fused  # noqa: E402
 from pagedrt.engine.model import LlamaModel  # noqa: E402
@@ -45,19 +46,10 @@ def compiled(edit):
     return kernel
 
 
-def timed(fn, reps=40):
+def timed(fn):
+    """Median us of ``fn()`` between two CUDA events, after five calls."""
     import cupy as cp
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(times))
+    return harness.event_seconds(cp, fn, 40, warmup=5) * 1e6
 
 
 def decoding(gguf, batch, graphs, use_fused):

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import source
 from ..attention.plan_base import LOG2E
+from ..errors import UnsupportedConfigError
 from ..kernels.args import ptr
 from ..kernels.configs import CUDA_TYPES
 from ..kernels.launch import launch_ex
@@ -31,6 +32,7 @@ ROWS = (1, 2, 4, 8)  # the kernel's instances: a batch runs on the smallest that
 MAX_ROWS = ROWS[-1]
 HEAD_DIMS = (64, 128)
 SMEM_LIMIT = 48 << 10  # dynamic shared memory without opting in
+MIN_CAPABILITY = 80
 PER_LAYER = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")  # then the K and V planes
 
 
@@ -59,11 +61,13 @@ def smem_bytes(config, rows: int) -> int:
     return max(gemv, attention)
 
 
-def unsupported(config, spec) -> Optional[str]:
-    """Why the fused step cannot run a model of ``config`` over a cache of ``spec``, or None when it can."""
+def unsupported(config, spec, capability: int) -> Optional[str]:
+    """Why the fused step cannot run a model of ``config`` over a cache of ``spec`` on a device of compute
+    capability ``capability`` (e.g. 90), or None when it can."""
     c = config
     group = c.q_heads // c.kv_heads
-    reasons = [(spec.is_fp8, "the cache is FP8"),
+    reasons = [(capability < MIN_CAPABILITY, f"compute capability {capability} has no mma.m16n8k16 for bfloat16"),
+               (spec.is_fp8, "the cache is FP8"),
                (spec.dtype.name not in ("float16", "bfloat16"), f"activations are {spec.dtype.name}"),
                (c.head_dim not in HEAD_DIMS, f"head_dim {c.head_dim} is not one of {HEAD_DIMS}"),
                (any(x % 32 for x in (c.hidden, c.ffn, c.q_heads * c.head_dim)),
@@ -86,6 +90,11 @@ class FusedDecode:
     ----------
     model : LlamaModel
         Its weights (``[out, in]``, the cache's dtype), config and cache; :func:`unsupported` must be None.
+
+    Raises
+    ------
+    UnsupportedConfigError
+        From :meth:`run`: a step of more than MAX_ROWS rows, or of rows with more than one new token.
     """
 
     def __init__(self, model: Any) -> None:
@@ -130,6 +139,9 @@ class FusedDecode:
         import cupy
         c, m = self.config, self.model
         batch = len(step.seqs)
+        if not 1 <= batch <= MAX_ROWS or step.num_tokens != batch:
+            raise UnsupportedConfigError(f"the fused step takes 1 to {MAX_ROWS} rows of one new token each; this "
+                                         f"step has {step.num_tokens} tokens in {batch} rows")
         rows = next(r for r in ROWS if r >= batch)
         splits = self.splits_for(batch)
         tables = step.block_tables

@@ -67,7 +67,8 @@ class LlamaModel:
         self.stream = contextlib.nullcontext() if host else self.xp.cuda.Stream(non_blocking=True)
         self._graphs = None if host or not graphs else OrderedDict()  # batch size -> _Graph
         self._last_decode = 0  # the batch size of the last decode step
-        use_fused = fused and not host and fused_step.unsupported(c, spec) is None
+        use_fused = (fused and not host and fused_step.unsupported(
+            c, spec, int(self.xp.cuda.Device().compute_capability)) is None)
         self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
 
     @property

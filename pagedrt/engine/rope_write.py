@@ -10,12 +10,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import source
-from ..kernels.args import (NULL, array_module, c_contiguous, check, check_scales, device_pointers, int_array, plane,
-                            ptr, same_layout, scale_pointers)
+from ..kernels.args import (NULL, array_module, c_contiguous, check, device_pointers, int_array, plane, ptr,
+                            scale_pointers)
 from ..kernels.configs import Config, config, fp8_sweep, sweep
 from ..kernels.launch import launch
 from ..kernels.validate import Spans, check_slots
-from ..kernels.write import write_kv_reference
+from ..kernels.write import check_planes, write_kv_reference
 from ..spec import Array, plane_kv_dtype
 
 FILE = "rope_write.cu"
@@ -131,11 +131,7 @@ class RopeWritePlan:
             check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
                   lambda: f"{name} must be C-contiguous {dtype} of shape {shape}, as the plan's, got {a.dtype} "
                           f"{a.shape}")
-        same_layout("k_cache", k_cache, self._plane, "K plane")
-        same_layout("v_cache", v_cache, self._plane, "K plane")
-        check_scales(self._kv_heads, array_type, k_scale, v_scale)
-        if self._spans.pools:
-            self._spans.check_open()
+        check_planes(self, k_cache, v_cache, k_scale, v_scale)
         if array_type is np.ndarray:
             rope_write_reference(qkv, q, k_cache, v_cache, *self._steps, k_scale=k_scale, v_scale=v_scale)
             return

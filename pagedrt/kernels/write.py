@@ -32,6 +32,17 @@ def instances(configs: Optional[Sequence[Config]] = None) -> Dict[str, Tuple[str
     return {FILE: tuple(dict.fromkeys(kernel_name(c) for c in (configs or sweep() + fp8_sweep())))}
 
 
+def check_planes(plan, k_cache: Array, v_cache: Array, k_scale: Optional[Array], v_scale: Optional[Array]) -> None:
+    """A write plan's run-time checks of the planes it stores into: the plan's layout (``plan._plane``), the
+    scales FP8 planes need (``plan._kv_heads``, ``plan._type``), and pools still open (``plan._spans``);
+    WritePlan's and RopeWritePlan's."""
+    same_layout("k_cache", k_cache, plan._plane, "K plane")
+    same_layout("v_cache", v_cache, plan._plane, "K plane")
+    check_scales(plan._kv_heads, plan._type, k_scale, v_scale)
+    if plan._spans.pools:
+        plan._spans.check_open()
+
+
 class WritePlan:
     """One step's K/V writes, prepared once and run for every layer (as :class:`~pagedrt.attention.DecodePlan`).
 
@@ -96,11 +107,7 @@ class WritePlan:
             check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
                   lambda: f"{name} must be C-contiguous {dtype} of the same shape as the plan's k {shape}, "
                           f"got {a.dtype} {a.shape}")
-        same_layout("k_cache", k_cache, self._plane, "K plane")
-        same_layout("v_cache", v_cache, self._plane, "K plane")
-        check_scales(self._kv_heads, array_type, k_scale, v_scale)
-        if self._spans.pools:
-            self._spans.check_open()
+        check_planes(self, k_cache, v_cache, k_scale, v_scale)
         if array_type is np.ndarray:
             write_kv_reference(k, v, k_cache, v_cache, self._slots, k_scale=k_scale, v_scale=v_scale)
             return
