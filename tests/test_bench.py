@@ -269,3 +269,26 @@ def test_transfer_counts_whole_blocks_of_k_and_v_and_refuses_other_sizes(capsys)
         assert words in capsys.readouterr().err
     assert transfer.devices(2) == (0, 1, "device 0 to device 1")
     assert transfer.devices(1) == (0, 0, "one GPU: device 0 to device 0")
+
+
+@pytest.mark.parametrize("text,why", [(None, "No such file"), ("{bad", "Expecting property name"),
+                                      ('{"a": 1}', "not a list of records"),
+                                      ('[{"peer": "fi", "case": "1 by 547"}]', "not a list of records")])
+def test_generate_refuses_a_peers_file_before_any_device_work(tmp_path, capsys, text, why):
+    """Read first, so a bad file costs no device time; one usage line, no traceback."""
+    from pagedrt.bench import generate
+    path = tmp_path / "peers.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        generate.read_peers(generate.parser(), str(path))
+    assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_generate_reads_the_peers_records(tmp_path):
+    import json
+    from pagedrt.bench import generate
+    records = [{"peer": "flashinfer", "case": "1x547", "step_ms": 1.9}]
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(records))
+    assert generate.read_peers(generate.parser(), str(path)) == records

@@ -32,6 +32,7 @@ decode step's time depends on the shapes, not on the values.
 """
 
 import json
+import re
 import time
 
 import numpy as np
@@ -220,8 +221,27 @@ def parser():
     return ap
 
 
+def read_peers(ap, path):
+    """The peers' JSON records in ``path`` (a list of dicts), or an argument error naming what is wrong."""
+    if path is None:
+        return []
+    try:
+        with open(path) as f:
+            peers = json.load(f)
+    except (OSError, ValueError) as e:
+        ap.error(f"--peers {path}: {e}")
+    def record(p):
+        return (isinstance(p, dict) and isinstance(p.get("peer"), str) and isinstance(p.get("case"), str)
+                and re.fullmatch(r"\d+x\d+", p["case"]) is not None)
+    if not isinstance(peers, list) or not all(record(p) for p in peers):
+        ap.error(f"--peers {path}: not a list of records as peer_generate.py writes (each a peer and a case BxC)")
+    return peers
+
+
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    peers = read_peers(ap, args.peers)  # before the device's minute of work
     from ..engine import fetch, loader
     path = args.model or (None if args.synthetic else fetch.default_path())
     if path is not None and not args.model and not path.is_file():
@@ -235,7 +255,6 @@ def main(argv=None):
     print(harness.header(info, ceilings))
     print(f"dense fp16 GEMM {ceilings['dense'] / 1e12:.0f} TFLOP/s (8192^3, cuBLAS); model: "
           f"{path or gguf.config.name}; fp16, block 16, greedy")
-    peers = json.loads(open(args.peers).read()) if args.peers else []
     rows, kinds = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         row, k = run(cp, timer, gguf, batch, args.context, args.steps, ceilings)
