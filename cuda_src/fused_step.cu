@@ -11,21 +11,21 @@
 //             output is; a pair of rows (2i, 2i+1) of a q or k head rotated by pos * inv_freq[i] (pos =
 //             seq_lens[b] - 1, GGUF's adjacent pairs); q out, k and v straight into the layer's planes at slots[b]
 //   attention work items (row b, KV head h, split s): split s of the row's tokens, for the h's G query heads,
-//             an online softmax over tiles of TILE tokens in the log2 domain; partial o, m, l to `partial`,
-//             and the last split of (b, h) to arrive merges them into attn[b] (counters[b * kv_heads + h])
-//   o         residual[b] += round_T(W_o . attn[b])
+//             an online softmax over tiles of TILE tokens in the log2 domain; partial o, m, l to `partial`
+//   o         attn[b] = the splits merged (by each block that computes o rows, as it loads them);
+//             residual[b] += round_T(W_o . attn[b])
 //   gate_up   x = rmsnorm(residual[b]) * ffn_norm; mlp[b, j] = silu(round_T(gate_j . x)) * round_T(up_j . x)
 //   down      residual[b] += round_T(W_down . mlp[b])
 //   logits    x = rmsnorm(residual[b]) * output_norm; logits[b] = W_out . x (float32)
 // Weights are [out, in] (one output's weights a contiguous row). Before each barrier a block loads its first
 // chunk of the next phase's weights into registers (and prefetches the rest into L2), so the weights stream
-// while the grid waits. NORM_PER: values of a row each thread holds while it normalises it (hidden <=
+// while the grid waits; a block's first attention tile (all but the newest token's K/V rows, which the qkv
+// phase writes) is copied into shared memory before the barrier that opens attention. NORM_PER: values of a row each thread holds while it normalises it (hidden <=
 // NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
 //
-// Memory that a phase writes and a later phase reads (residual, q, attn, mlp, partial) is read through L2
-// (__ldcg): another SM wrote it inside this launch. The barrier counter and the merge counters
-// (`counters`: [1 + rows * kv_heads] uint32) are zero at launch (the launcher clears them); a merge resets
-// its counter for the next layer.
+// Memory that a phase writes and a later phase reads (residual, q, the newest K/V rows, mlp, partial) is read
+// through L2 (__ldcg, cp.async.cg): another SM wrote it inside this launch. The barrier counter is zero at
+// launch (the launcher clears it).
 #include "common.cuh"
 
 namespace pagedrt {
@@ -34,6 +34,8 @@ namespace fused {
 constexpr int THREADS = 256, WARPS = THREADS / 32, TILE = 64;
 constexpr int MAX_GROUP_DIMS = 2048;  // query heads a KV head x head_dim, at most
 constexpr int MAX_SPLITS = 16;        // attention splits of a (row, KV head), at most
+// floats of a (query head, split)'s partial: its unnormalised output, then m and l (16-byte aligned rows)
+constexpr __host__ __device__ int partial_stride(int head_dim) { return head_dim + 4; }
 enum Weight { ATTN_NORM, QKV, O, FFN_NORM, GATE_UP, DOWN, K_PLANE, V_PLANE, PER_LAYER };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -260,87 +262,110 @@ struct Step {
     int block_size, batch, hidden, ffn, q_heads, kv_heads, splits;
 };
 
-// The K/V rows of attention item `item` (row, KV head, split) into L2: issued before the barrier that opens
-// the attention phase (the newest token's row is being written then; it is the one row read cold).
+// An attention work item: (row b, KV head h, split) and the tokens [start, end) of the split.
+struct Item {
+    int b, h, split, len, start, end;
+    __device__ Item(const Step& s, int item) {
+        split = item % s.splits, h = (item / s.splits) % s.kv_heads, b = item / (s.splits * s.kv_heads);
+        len = s.seq_lens[b];
+        const int chunk = (len + s.splits - 1) / s.splits;
+        start = split * chunk, end = min(len, start + chunk);
+    }
+};
+
+// A tile's K and V rows travel to shared memory by cp.async, CHUNKS 16-byte pieces a row; thread tid copies piece
+// tid % CHUNKS of the tile's rows tid / CHUNKS + q * (THREADS / CHUNKS), q < ROWS_PER, of both planes.
 template <typename T, int HEAD_DIM>
-__device__ void prefetch_item(const Step& s, const T* k_plane, const T* v_plane, int item) {
-    const int split = item % s.splits, h = (item / s.splits) % s.kv_heads, b = item / (s.splits * s.kv_heads);
-    const int len = s.seq_lens[b], chunk = (len + s.splits - 1) / s.splits;
-    const int start = split * chunk, end = min(len, start + chunk);
-    const int* table = s.tables + b * s.table_stride;
-    for (int t = start + threadIdx.x; t < end; t += THREADS) {
-        const long long row = (long long)table[t / s.block_size] * s.block_stride +
-                              ((long long)h * s.block_size + t % s.block_size) * HEAD_DIM;
-        for (int line = 0; line < HEAD_DIM * (int)sizeof(T); line += 128) {
-            prefetch_l2(reinterpret_cast<const char*>(k_plane + row) + line);
-            prefetch_l2(reinterpret_cast<const char*>(v_plane + row) + line);
+struct TileCopy {
+    static constexpr int CHUNKS = HEAD_DIM * (int)sizeof(T) / 16, ROWS_PER = TILE * CHUNKS / THREADS;
+    long long row[ROWS_PER];  // the plane offset of each of this thread's rows (-1: past the tile)
+    int token[ROWS_PER];
+
+    // This thread's rows of the tile at token `tile` of item `it` (table loads only).
+    __device__ void locate(const Step& s, const Item& it, int tile) {
+        const int* table = s.tables + it.b * s.table_stride;
+#pragma unroll
+        for (int q = 0; q < ROWS_PER; ++q) {
+            const int t = tile + threadIdx.x / CHUNKS + q * (THREADS / CHUNKS);
+            token[q] = t;
+            row[q] = t < min(it.end, tile + TILE)
+                         ? (long long)table[t / s.block_size] * s.block_stride +
+                               ((long long)it.h * s.block_size + t % s.block_size) * HEAD_DIM
+                         : -1;
         }
     }
-}
 
-// One (row, KV head, split) of the attention phase; the last split of (row, KV head) to finish merges.
-// A tile's K and V are requested together at its start. Scores: 4 threads a token (K read once, every query
-// head of the group from shared memory). P . V: warp w takes the tile's tokens [w * TILE / WARPS, (w + 1) *
-// TILE / WARPS), its lanes a V row's dims, and keeps every head's output for its tokens in registers; the
-// warps' sums meet in shared memory in warp order (the same sum every run).
+    // Copy the rows located into ks, vs ([TILE][HEAD_DIM]): every row but token `skip`, or only token `only`
+    // (when only >= 0); commits one group.
+    __device__ void copy(const T* k_plane, const T* v_plane, T* ks, T* vs, int skip, int only) const {
+        const int piece = (threadIdx.x % CHUNKS) * (16 / (int)sizeof(T));
+#pragma unroll
+        for (int q = 0; q < ROWS_PER; ++q) {
+            const bool wanted = row[q] >= 0 && (only >= 0 ? token[q] == only : token[q] != skip);
+            if (!wanted) continue;
+            const int j = threadIdx.x / CHUNKS + q * (THREADS / CHUNKS);
+            cp_async16_shared((unsigned)__cvta_generic_to_shared(ks + j * HEAD_DIM + piece), k_plane + row[q] + piece, 16);
+            cp_async16_shared((unsigned)__cvta_generic_to_shared(vs + j * HEAD_DIM + piece), v_plane + row[q] + piece, 16);
+        }
+        cp_async_commit();
+    }
+};
+
+// Shared memory of the attention phase: the tile's K and V rows, then the float state.
 template <typename T, int HEAD_DIM>
-__device__ void attend(const Step& s, const T* k_plane, const T* v_plane, const T* q, T* attn, float* partial,
-                       unsigned* counters, int item, float scale_log2, float* smem) {
+__device__ __forceinline__ T* tile_k(void* smem) { return reinterpret_cast<T*>(smem); }
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ T* tile_v(void* smem) { return reinterpret_cast<T*>(smem) + TILE * HEAD_DIM; }
+
+// One (row, KV head, split) of the attention phase: this split's unnormalised output, max and sum of every query
+// head of the group into `partial` (the o phase merges the splits). The first tile's rows are in shared memory
+// already when `staged` (copied before the barrier, but for the newest token's, which the qkv phase wrote).
+// Scores: 4 threads a token (K read once, every query head of the group from shared memory). P . V: warp w takes
+// the tile's tokens [w * TILE / WARPS, (w + 1) * TILE / WARPS), its lanes a V row's dims, and keeps every head's
+// output for its tokens in registers; the warps' sums meet in shared memory in warp order (the same sum every run).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T* v_plane, const T* q, float* partial,
+                                       int item, const TileCopy<T, HEAD_DIM>& first, bool staged, float scale_log2,
+                                       void* smem) {
     constexpr int PART = HEAD_DIM / 4, LANE_DIMS = HEAD_DIM / 32, MAX_GROUP = MAX_GROUP_DIMS / HEAD_DIM;
     constexpr int PER_WARP = TILE / WARPS;
-    const int group = s.q_heads / s.kv_heads, split = item % s.splits, h = (item / s.splits) % s.kv_heads;
-    const int b = item / (s.splits * s.kv_heads), len = s.seq_lens[b];
-    const int chunk = (len + s.splits - 1) / s.splits, start = split * chunk, end = min(len, start + chunk);
-    float* qs = smem;                                   // [group][HEAD_DIM]
-    float* out = qs + group * HEAD_DIM;                 // [group][HEAD_DIM]: the warps' sums
-    float* scores = out + group * HEAD_DIM;             // [group][TILE]
-    float* m = scores + group * TILE;                   // [group]
-    float* l = m + group;                               // [group]
-    float* alpha = l + group;                           // [group]
-    __shared__ int last;
-    const int head0 = b * s.q_heads + h * group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const Item it(s, item);
+    const int group = s.q_heads / s.kv_heads;
+    T* ks = tile_k<T, HEAD_DIM>(smem);
+    T* vs = tile_v<T, HEAD_DIM>(smem);
+    float* qs = reinterpret_cast<float*>(vs + TILE * HEAD_DIM);  // [group][HEAD_DIM]
+    float* out = qs + group * HEAD_DIM;                          // [group][HEAD_DIM]: the warps' sums
+    float* scores = out + group * HEAD_DIM;                      // [group][TILE]
+    float* m = scores + group * TILE;                            // [group]
+    float* l = m + group;                                        // [group]
+    float* alpha = l + group;                                    // [group]
+    const int head0 = it.b * s.q_heads + it.h * group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (staged) first.copy(k_plane, v_plane, ks, vs, -1, it.len - 1);  // the newest token's row
     float o[MAX_GROUP][LANE_DIMS];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g)
 #pragma unroll
         for (int e = 0; e < LANE_DIMS; ++e) o[g][e] = 0.0f;
-    const int* table = s.tables + b * s.table_stride;
-    auto token_row = [&](int t) {
-        return (long long)table[t / s.block_size] * s.block_stride +
-               ((long long)h * s.block_size + t % s.block_size) * HEAD_DIM;
-    };
-    for (int tile = start; tile < end; tile += TILE) {
-        const int n = min(TILE, end - tile), j = threadIdx.x / 4, part = threadIdx.x % 4;
+    for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS) {
+        qs[i] = to_float(__ldcg(q + (long long)head0 * HEAD_DIM + i)) * scale_log2;
+        out[i] = 0.0f;
+    }
+    if (threadIdx.x < group) m[threadIdx.x] = neg_inf(), l[threadIdx.x] = 0.0f;
+    for (int tile = it.start; tile < it.end; tile += TILE) {
+        const int n = min(TILE, it.end - tile), j = threadIdx.x / 4, part = threadIdx.x % 4;
         const bool valid = j < n;
-        uint4 kraw[PART / 8];
-        if (valid) {
-            const long long row = token_row(tile + j);
-#pragma unroll
-            for (int v = 0; v < PART / 8; ++v)
-                kraw[v] = __ldcg(reinterpret_cast<const uint4*>(k_plane + row + part * PART) + v);
+        if (!staged || tile != it.start) {
+            TileCopy<T, HEAD_DIM> rows;
+            rows.locate(s, it, tile);
+            rows.copy(k_plane, v_plane, ks, vs, -1, -1);
         }
-        float v[PER_WARP][LANE_DIMS];
-#pragma unroll
-        for (int t = 0; t < PER_WARP; ++t) {
-            const int jj = warp * PER_WARP + t;
-            if (jj < n) {
-                load_values<T, LANE_DIMS>(v_plane + token_row(tile + jj) + lane * LANE_DIMS, v[t]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < LANE_DIMS; ++e) v[t][e] = 0.0f;
-            }
-        }
-        if (tile == start) {  // q and the running state, while the first tile's K and V are on their way
-            for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS) {
-                qs[i] = to_float(__ldcg(q + (long long)head0 * HEAD_DIM + i)) * scale_log2;
-                out[i] = 0.0f;
-            }
-            if (threadIdx.x < group) m[threadIdx.x] = neg_inf(), l[threadIdx.x] = 0.0f;
-            __syncthreads();
-        }
+        cp_async_wait<0>();
+        __syncthreads();
         float kf[PART];
+        if (valid)
 #pragma unroll
-        for (int vv = 0; vv < PART / 8; ++vv) unpack<T>(kraw[vv], kf + 8 * vv);
+            for (int vv = 0; vv < PART / 8; ++vv)
+                unpack<T>(*reinterpret_cast<const uint4*>(ks + j * HEAD_DIM + part * PART + 8 * vv), kf + 8 * vv);
         for (int g = 0; g < group; ++g) {
             float d = 0.0f;
             if (valid)
@@ -366,6 +391,14 @@ __device__ void attend(const Step& s, const T* k_plane, const T* v_plane, const 
             }
         }
         __syncthreads();
+        float v[PER_WARP][LANE_DIMS];
+#pragma unroll
+        for (int t = 0; t < PER_WARP; ++t) {
+            const int jj = warp * PER_WARP + t;
+#pragma unroll
+            for (int e = 0; e < LANE_DIMS; ++e)
+                v[t][e] = jj < n ? to_float(vs[jj * HEAD_DIM + lane * LANE_DIMS + e]) : 0.0f;
+        }
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; ++g) {
             if (g >= group) break;
@@ -380,12 +413,8 @@ __device__ void attend(const Step& s, const T* k_plane, const T* v_plane, const 
         }
         __syncthreads();
     }
-    if (start >= end) {  // an empty split: its partial is o = 0, m = -inf, l = 0
-        for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS) out[i] = 0.0f;
-        if (threadIdx.x < group) m[threadIdx.x] = neg_inf(), l[threadIdx.x] = 0.0f;
-    }
     for (int w = 0; w < WARPS; ++w) {
-        if (warp == w && start < end)
+        if (warp == w && it.start < it.end)
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; ++g) {
                 if (g >= group) break;
@@ -394,43 +423,48 @@ __device__ void attend(const Step& s, const T* k_plane, const T* v_plane, const 
             }
         __syncthreads();
     }
-    // This split's unnormalised output, max and sum: partial[(head, split)] = o[HEAD_DIM], m, l.
-    const int stride = HEAD_DIM + 2;
+    // partial[(head, split)] = o[HEAD_DIM], m, l (an empty split: o = 0, m = -inf, l = 0)
     for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS)
-        partial[((long long)(head0 + i / HEAD_DIM) * s.splits + split) * stride + i % HEAD_DIM] = out[i];
+        partial[((long long)(head0 + i / HEAD_DIM) * s.splits + it.split) * partial_stride(HEAD_DIM) + i % HEAD_DIM] =
+            out[i];
     if (threadIdx.x < group) {
-        float* dst = partial + ((long long)(head0 + threadIdx.x) * s.splits + split) * stride;
-        dst[HEAD_DIM] = m[threadIdx.x];
-        dst[HEAD_DIM + 1] = l[threadIdx.x];
+        float* dst = partial + ((long long)(head0 + threadIdx.x) * s.splits + it.split) * partial_stride(HEAD_DIM);
+        *reinterpret_cast<float2*>(dst + HEAD_DIM) = make_float2(m[threadIdx.x], l[threadIdx.x]);
     }
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counters + b * s.kv_heads + h, 1u) == (unsigned)s.splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS) {
-        const float* src = partial + (long long)(head0 + i / HEAD_DIM) * s.splits * stride;
-        float ms[MAX_SPLITS], ls[MAX_SPLITS], os[MAX_SPLITS], top = neg_inf();
+}
+
+// xs[b][head * HEAD_DIM + d] = the merged attention output of every row b < batch and query head, as T (xs rows
+// width + PAD apart): the splits' outputs weighed by 2^(m - max m), over the weighed sums.
+template <typename T, int HEAD_DIM>
+__device__ void load_merged(const float* partial, T* xs, int batch, int q_heads, int splits) {
+    constexpr int STRIDE = partial_stride(HEAD_DIM), QUADS = HEAD_DIM / 4;
+    const int width = q_heads * HEAD_DIM;
+    for (int i = threadIdx.x; i < batch * q_heads * QUADS; i += THREADS) {
+        const int head = i / QUADS, d = (i % QUADS) * 4;  // head: b * q_heads + the row's head
+        const float* src = partial + (long long)head * splits * STRIDE;
+        float2 ml[MAX_SPLITS];
+        float4 o[MAX_SPLITS];
+        float top = neg_inf();
 #pragma unroll
         for (int k = 0; k < MAX_SPLITS; ++k) {
-            const bool here = k < s.splits;
-            ms[k] = here ? __ldcg(src + k * stride + HEAD_DIM) : neg_inf();
-            ls[k] = here ? __ldcg(src + k * stride + HEAD_DIM + 1) : 0.0f;
-            os[k] = here ? __ldcg(src + k * stride + i % HEAD_DIM) : 0.0f;
+            const bool here = k < splits;
+            ml[k] = here ? __ldcg(reinterpret_cast<const float2*>(src + k * STRIDE + HEAD_DIM)) : make_float2(neg_inf(), 0.0f);
+            o[k] = here ? __ldcg(reinterpret_cast<const float4*>(src + k * STRIDE + d)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            top = fmaxf(top, ml[k].x);
         }
-#pragma unroll
-        for (int k = 0; k < MAX_SPLITS; ++k) top = fmaxf(top, ms[k]);
-        float sum = 0.0f, x = 0.0f;
+        float sum = 0.0f, x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int k = 0; k < MAX_SPLITS; ++k) {
-            const float w = exp2f(ms[k] - top);
-            sum = fmaf(ls[k], w, sum);
-            x = fmaf(os[k], w, x);
+            const float w = exp2f(ml[k].x - top);
+            sum = fmaf(ml[k].y, w, sum);
+            x[0] = fmaf(o[k].x, w, x[0]), x[1] = fmaf(o[k].y, w, x[1]);
+            x[2] = fmaf(o[k].z, w, x[2]), x[3] = fmaf(o[k].w, w, x[3]);
         }
-        attn[(long long)head0 * HEAD_DIM + i] = from_float<T>(x / sum);
+        T* dst = xs + (head / q_heads) * (width + PAD) + (head % q_heads) * HEAD_DIM + d;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dst[e] = from_float<T>(x[e] / sum);
     }
-    if (threadIdx.x == 0) counters[b * s.kv_heads + h] = 0;
     __syncthreads();
 }
 
@@ -442,7 +476,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const float* __restrict__ output_norm, const T* __restrict__ output, int vocab, const float* __restrict__ inv_freq,
     const long long* __restrict__ ids, const int* __restrict__ tables, long long table_stride,
     const int* __restrict__ seq_lens, const long long* __restrict__ slots, long long block_stride, int block_size,
-    float* residual, T* q, T* attn, T* mlp, float* partial, unsigned* counters, float* logits, int batch, int hidden,
+    float* residual, T* q, T* mlp, float* partial, unsigned* barrier, float* logits, int batch, int hidden,
     int ffn, int q_heads, int kv_heads, int splits, float eps, float scale_log2) {
     using namespace fused;
     extern __shared__ uint4 smem_raw[];
@@ -451,8 +485,6 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     T* xs = reinterpret_cast<T*>(sums + (WARPS + 1) * 128);
     const Step s{layers, ids, tables, table_stride, seq_lens, slots, block_stride, block_size, batch, hidden, ffn,
                  q_heads, kv_heads, splits};
-    unsigned* bar = counters;
-    unsigned* merges = counters + 1;
     unsigned target = 0;
     const int qkv_rows = (q_heads + 2 * kv_heads) * HEAD_DIM, attn_width = q_heads * HEAD_DIM;
     const int tid = threadIdx.x;
@@ -462,7 +494,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);
     first_chunk(qkv_phase(0), cur);
-    grid_sync(bar, target);
+    grid_sync(barrier, target);
 
     for (int layer = 0; layer < num_layers; ++layer) {
         const unsigned long long* w = layers + layer * PER_LAYER;
@@ -472,7 +504,12 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         const Gemv gate_up_phase{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn};
         const Gemv down_phase{(const void*)w[DOWN], ffn, hidden, 0};
 
-        // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes.
+        // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes. The
+        // block's first attention tile is located now (its table loads on their way during the GEMV) and copied
+        // after it, all but the newest token's rows (written in this phase).
+        const int items = batch * kv_heads * splits;
+        TileCopy<T, HEAD_DIM> staged;
+        if ((int)blockIdx.x < items) staged.locate(s, Item(s, blockIdx.x), Item(s, blockIdx.x).start);
         load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch,
                                        hidden, eps);
         gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
@@ -500,28 +537,32 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             dst[2 * i] = from_float<T>(x0);
             dst[2 * i + 1] = from_float<T>(x1);
         });
-        for (int item = blockIdx.x; item < batch * kv_heads * splits; item += gridDim.x)
-            prefetch_item<T, HEAD_DIM>(s, k_plane, v_plane, item);
-        grid_sync(bar, target);
+        if ((int)blockIdx.x < items) {
+            __syncthreads();  // the GEMV's shared memory is free
+            const Item first(s, blockIdx.x);
+            staged.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw), tile_v<T, HEAD_DIM>(smem_raw), first.len - 1,
+                        -1);
+        }
+        grid_sync(barrier, target);
 
-        // attention
-        for (int item = blockIdx.x; item < batch * kv_heads * splits; item += gridDim.x)
-            attend<T, HEAD_DIM>(s, k_plane, v_plane, q, attn, partial, merges, item, scale_log2,
-                                reinterpret_cast<float*>(smem_raw));
+        // attention: each split's partial (the o phase merges them)
+        for (int item = blockIdx.x; item < items; item += gridDim.x)
+            attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item, staged, item == (int)blockIdx.x,
+                                scale_log2, smem_raw);
         first_chunk(o_phase, cur);
-        grid_sync(bar, target);
+        grid_sync(barrier, target);
 
-        // o: residual += W_o . attn (one add to each element in the phase: the same sum every run)
+        // o: residual += W_o . merged attention (one add to each element in the phase: the same sum every run)
         auto add_to_residual = [&](int u, const float* out) {
             const int r = tid / 8, b = tid % 8, col = u * 16 + r;
             if (tid < 128 && b < batch && col < hidden)
                 atomicAdd(residual + (long long)b * hidden + col, round_to<T>(out[r * 8 + b]));
         };
-        load_rows<T>(attn, xs, batch, attn_width);
+        if ((int)blockIdx.x < o_phase.tiles()) load_merged<T, HEAD_DIM>(partial, xs, batch, q_heads, splits);
         gemv(o_phase, cur, xs, attn_width + PAD, batch, sums, add_to_residual);
         first_chunk(gate_up_phase, cur);
         prefetch_tiles<T>(gate_up_phase, 1);
-        grid_sync(bar, target);
+        grid_sync(barrier, target);
 
         // gate_up: norm, SiLU(gate) * up
         load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch,
@@ -533,7 +574,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             mlp[(long long)b * ffn + col] = from_float<T>(g / (1.0f + __expf(-g)) * up);
         });
         first_chunk(down_phase, cur);
-        grid_sync(bar, target);
+        grid_sync(barrier, target);
 
         // down: residual += W_down . mlp
         load_rows<T>(mlp, xs, batch, ffn);
@@ -545,7 +586,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             first_chunk(logits_phase, cur);
             prefetch_tiles<T>(logits_phase, 1);
         }
-        grid_sync(bar, target);
+        grid_sync(barrier, target);
     }
 
     // logits = W_out . norm(residual), float32

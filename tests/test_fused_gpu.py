@@ -1,6 +1,7 @@
 """The one-launch decode step (``pagedrt.engine.fused``) against the layered step it replaces: the same logits
 and the same K/V bytes in the cache, for fp16 and bf16, head dims 64 and 128, groups of 1, 3 and 8 query heads,
-batches 1 to 8 and contexts across many blocks and attention splits; in and out of CUDA graphs. Against the
+batches 1 to 8 and contexts across many blocks and attention splits (a group of 12 x 128 needs more than 48 KiB
+of shared memory); in and out of CUDA graphs. Against the
 float64 host path it runs in ``test_engine_gpu.py`` (the tiny model's decode steps take it)."""
 
 import numpy as np
@@ -62,7 +63,7 @@ CONTEXTS = [300, 17, 1000, 64, 129, 5, 777, 250]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 8, 1), (64, 4, 4)])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 8, 1), (64, 4, 4), (128, 12, 1)])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_fused_step_matches_the_layered_step(dtype, head_dim, q_heads, kv_heads, batch):
     gguf = model(head_dim, q_heads, kv_heads)
@@ -113,3 +114,25 @@ def test_a_step_the_fused_kernel_does_not_take_is_refused_by_name():
             with pytest.raises(UnsupportedConfigError, match="9 tokens in 9 rows"):
                 m.fused.run(step, cp.arange(9, dtype=cp.int64), logits)
             assert not logits.any()
+
+
+def test_a_model_with_a_fused_step_is_freed_when_dropped():
+    """The fused step keeps the arrays it reads, not its model: dropping the model frees it without the cycle
+    collector."""
+    import gc
+    import weakref
+    from pagedrt import PagedKVCache
+    from pagedrt.engine.model import LlamaModel
+    gguf = model(64, 9, 3)
+    c = gguf.config
+    with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=1024, max_seqs=2,
+                      backend="cuda") as cache:
+        m = LlamaModel(gguf, cache, graphs=False)
+        assert m.fused is not None
+        ref = weakref.ref(m)
+        gc.disable()
+        try:
+            del m
+            assert ref() is None
+        finally:
+            gc.enable()

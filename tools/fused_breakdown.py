@@ -32,6 +32,50 @@ VARIANTS = {
 }
 
 
+STAMP_SLOTS = 256  # grid barriers a step may stamp (1 + 5 a layer)
+PHASES = ("qkv", "attention", "o", "gate_up", "down")  # the phase each layer's barriers close, in order
+
+
+def stamped(text):
+    """The kernel's source with every grid barrier stamped: ``stamps[block][slot] = (arrive, leave)``, as
+    (%globaltimer ns, clock64) pairs."""
+    text = text.replace("namespace pagedrt {", f"""extern "C" __device__ unsigned long long pagedrt_stamps[1024 * {STAMP_SLOTS} * 4];
+namespace pagedrt {{""", 1)
+    text = text.replace("namespace fused {", f"""namespace fused {{
+__device__ __forceinline__ void stamp(unsigned slot, int leaving) {{
+    unsigned long long ns, cycles;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    cycles = clock64();
+    unsigned long long* at = pagedrt_stamps + ((blockIdx.x * {STAMP_SLOTS} + slot) * 2 + leaving) * 2;
+    at[0] = ns, at[1] = cycles;
+}}""", 1)
+    arrive = "    target += gridDim.x;\n    if (threadIdx.x == 0) {\n"
+    assert arrive in text
+    text = text.replace(arrive, arrive + "        stamp(target / gridDim.x - 1, 0);\n")
+    leave = "} while ((int)(seen - target) < 0);\n"
+    assert leave in text
+    return text.replace(leave, leave + "        stamp(target / gridDim.x - 1, 1);\n")
+
+
+def timeline(module, grid, layers):
+    """Per phase of a layer: (busiest block's work, median block's work, barrier latency), us, medians over
+    the layers, from the stamps of the last step run."""
+    import cupy as cp
+    slots = 1 + len(PHASES) * layers
+    raw = cp.ndarray((1024, STAMP_SLOTS, 2, 2), cp.uint64, module.get_global("pagedrt_stamps")).get()
+    ns = raw[:grid, :slots, :, 0].astype(np.float64)
+    cycles = raw[:grid, :slots, :, 1].astype(np.float64)
+    per_ns = (ns[:, -1, 1] - ns[:, 0, 0]) / (cycles[:, -1, 1] - cycles[:, 0, 0])  # each SM's clock, ns a cycle
+    work = (cycles[:, 1:, 0] - cycles[:, :-1, 1]) * per_ns[:, None] / 1e3  # [block, barrier k >= 1]
+    latency = (np.median(ns[:, 1:, 1], axis=0) - ns[:, 1:, 0].max(axis=0)) / 1e3
+    rows = []
+    for i, name in enumerate(PHASES):
+        ks = np.arange(layers) * len(PHASES) + i  # work before barrier k + 1
+        rows.append((name, np.median(work[:, ks].max(axis=0)), np.median(np.median(work[:, ks], axis=0)),
+                     np.median(latency[ks])))
+    return rows, (ns[:, -1, 1].max() - ns[:, 0, 0].min()) / 1e3
+
+
 def compiled(edit):
     """fused._kernel's signature over the source edited by ``edit``."""
     import cupy as cp
@@ -91,6 +135,21 @@ def main():
                 print(f"batch {batch}: {name:16s} {timed(lambda: model.fused.run(step, ids, out)):7.1f} us",
                       flush=True)
             fused._kernel = launcher
+    cache, model, step, tokens = decoding(gguf, 1, False, True)
+    with cache, model.stream:
+        ids, out = cp.asarray(tokens), cp.empty((1, gguf.config.vocab_size), cp.float32)
+        text = stamped(source.text(fused.FILE))
+        name = fused._name(model.fused.dtype, gguf.config.head_dim, 1, fused.norm_per(gguf.config.hidden))
+        module = cp.RawModule(code=text, options=source.OPTIONS, name_expressions=(name,))
+        launcher, fused._kernel = fused._kernel, lambda *key: module.get_function(name)
+        for _ in range(3):
+            model.fused.run(step, ids, out)
+        cp.cuda.get_current_stream().synchronize()
+        fused._kernel = launcher
+        rows, span = timeline(module, model.fused.grid, gguf.config.num_layers)
+    print(f"batch 1 timeline, first barrier to last: {span:.1f} us; per layer, medians over the layers (us):")
+    for name, busiest, median, latency in rows:
+        print(f"  {name:10s} busiest block {busiest:6.2f}  median block {median:6.2f}  barrier {latency:6.2f}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ MAX_HIDDEN = NORM_PER[-1] * THREADS
 ROWS = (1, 2, 4, 8)  # the kernel's instances: a batch runs on the smallest that holds it
 MAX_ROWS = ROWS[-1]
 HEAD_DIMS = (64, 128)
-SMEM_LIMIT = 48 << 10  # dynamic shared memory without opting in
+SMEM_LIMIT = 99 << 10  # dynamic shared memory every device of compute capability 8.0 or later lets a block opt in to
 MIN_CAPABILITY = 80
 PER_LAYER = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")  # then the K and V planes
 
@@ -52,12 +52,12 @@ def norm_per(hidden: int) -> int:
 
 def smem_bytes(config, rows: int) -> int:
     """Dynamic shared memory of the instance for ``rows``: the normalised or gathered rows of a GEMV phase, or
-    the attention's tiles, whichever is larger."""
+    the attention's K and V tile and its float state, whichever is larger."""
     c = config
     widest = max(c.hidden, c.ffn, c.q_heads * c.head_dim)
     gemv = WARPS * rows * 4 + (WARPS + 1) * 128 * 4 + rows * (widest + PAD) * 2
     group = c.q_heads // c.kv_heads
-    attention = group * (2 * c.head_dim + TILE + 3) * 4
+    attention = 2 * TILE * c.head_dim * 2 + group * (2 * c.head_dim + TILE + 3) * 4
     return max(gemv, attention)
 
 
@@ -80,7 +80,9 @@ def unsupported(config, spec, capability: int) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(dtype: str, head_dim: int, rows: int, per: int) -> Any:
-    return source.function(FILE, _name(dtype, head_dim, rows, per))
+    fn = source.function(FILE, _name(dtype, head_dim, rows, per))
+    fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
+    return fn
 
 
 class FusedDecode:
@@ -108,16 +110,17 @@ class FusedDecode:
         self.layers = cupy.asarray(np.array(pointers, np.uint64))
         k0 = cache.k(0)
         self.block_stride = k0.strides[0] // k0.itemsize
-        self.model = model
+        # the arrays run() reads, not the model (which holds this object: no reference cycle)
+        self.embedding, self.output_norm, self.output = model.embedding, model.output_norm, model.output
+        self.inv_freq, self.block_size = model.inv_freq, cache.block_size
         device = cupy.cuda.Device()
         self.grid = device.attributes["MultiProcessorCount"]
         act = model.act_dtype
         self.residual = cupy.empty((MAX_ROWS, c.hidden), np.float32)
         self.q = cupy.empty((MAX_ROWS, c.q_heads * c.head_dim), act)
-        self.attn = cupy.empty_like(self.q)
         self.mlp = cupy.empty((MAX_ROWS, c.ffn), act)
-        self.partial = cupy.empty(MAX_ROWS * c.q_heads * MAX_SPLITS * (c.head_dim + 2), np.float32)
-        self.counters = cupy.zeros(1 + MAX_ROWS * c.kv_heads, np.uint32)
+        self.partial = cupy.empty(MAX_ROWS * c.q_heads * MAX_SPLITS * (c.head_dim + 4), np.float32)
+        self.barrier = cupy.zeros(1, np.uint32)
 
     def splits_for(self, batch: int) -> int:
         """Attention splits of each (row, KV head) at ``batch`` rows: about one work item a block."""
@@ -137,7 +140,7 @@ class FusedDecode:
             float32 [batch, vocab], written.
         """
         import cupy
-        c, m = self.config, self.model
+        c = self.config
         batch = len(step.seqs)
         if not 1 <= batch <= MAX_ROWS or step.num_tokens != batch:
             raise UnsupportedConfigError(f"the fused step takes 1 to {MAX_ROWS} rows of one new token each; this "
@@ -146,12 +149,12 @@ class FusedDecode:
         splits = self.splits_for(batch)
         tables = step.block_tables
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memsetAsync(self.counters.data.ptr, 0, self.counters.nbytes, stream.ptr)
-        args = (ptr(self.layers), np.int32(c.num_layers), ptr(m.embedding), ptr(m.output_norm), ptr(m.output),
-                np.int32(c.vocab_size), ptr(m.inv_freq), ptr(ids), ptr(tables), np.int64(tables.strides[0] // 4),
+        cupy.cuda.runtime.memsetAsync(self.barrier.data.ptr, 0, self.barrier.nbytes, stream.ptr)
+        args = (ptr(self.layers), np.int32(c.num_layers), ptr(self.embedding), ptr(self.output_norm),
+                ptr(self.output), np.int32(c.vocab_size), ptr(self.inv_freq), ptr(ids), ptr(tables), np.int64(tables.strides[0] // 4),
                 ptr(step.seq_lens), ptr(step.slot_mapping), np.int64(self.block_stride),
-                np.int32(self.model.cache.block_size), ptr(self.residual), ptr(self.q), ptr(self.attn),
-                ptr(self.mlp), ptr(self.partial), ptr(self.counters), ptr(logits), np.int32(batch),
+                np.int32(self.block_size), ptr(self.residual), ptr(self.q), ptr(self.mlp),
+                ptr(self.partial), ptr(self.barrier), ptr(logits), np.int32(batch),
                 np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads), np.int32(splits),
                 np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
         kernel = _kernel(self.dtype, c.head_dim, rows, norm_per(c.hidden))
