@@ -17,11 +17,11 @@
 //   gate_up   x = rmsnorm(residual[b]) * ffn_norm; mlp[b, j] = silu(round_T(gate_j . x)) * round_T(up_j . x)
 //   down      residual[b] += round_T(W_down . mlp[b])
 //   logits    x = rmsnorm(residual[b]) * output_norm; logits[b] = W_out . x (float32)
-// Weights are [out, in] (one output's weights a contiguous row). Before each barrier a block loads its first
-// chunk of the next phase's weights into registers (and prefetches the rest into L2), so the weights stream
-// while the grid waits; a block's first attention tile (all but the newest token's K/V rows, which the qkv
-// phase writes) is copied into shared memory before the barrier that opens attention. NORM_PER: values of a row each thread holds while it normalises it (hidden <=
-// NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
+// Weights are [out, in] (one output's weights a contiguous row). Between arriving at a barrier and waiting at it
+// a block loads its first chunk of the next phase's weights into registers (and prefetches the rest into L2), so
+// the weights stream while the grid gathers; a block's first attention tile (all but the newest token's K/V
+// rows, which the qkv phase writes) goes into shared memory the same way. NORM_PER: values of a row each thread
+// holds while it normalises it (hidden <= NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
 //
 // Memory that a phase writes and a later phase reads (residual, q, the newest K/V rows, mlp, partial) is read
 // through L2 (__ldcg, cp.async.cg): another SM wrote it inside this launch. The barrier counter is zero at
@@ -68,12 +68,20 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Every block waits until every block of the grid arrived; what each wrote before is visible after.
-__device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& target) {
+// A grid-wide barrier in two halves: every block arrives (what it wrote before is visible to a block that waited),
+// then waits until every block arrived. Between the two a block issues the loads that do not depend on the other
+// blocks (the next phase's first weights): the arrival's release does not wait for them, and they travel while
+// the grid gathers.
+__device__ __forceinline__ void grid_arrive(unsigned* bar, unsigned& target) {
     __syncthreads();
     target += gridDim.x;
     if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
+    }
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) {
+    if (threadIdx.x == 0) {
         unsigned seen;
         do {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
@@ -89,7 +97,7 @@ __device__ __forceinline__ void grid_sync(unsigned* bar, unsigned& target) {
 // 16 bytes of xs row g, which are the A and B fragments of two mmas once k is renumbered inside the step (the
 // sum does not depend on the order). The warps' partial tiles are summed in shared memory in warp order.
 // A warp holds STEPS k-steps a chunk and loads its next chunk while it computes this one; the first chunk is
-// loaded before the barrier that opens the phase, so its weights arrive while the grid waits.
+// loaded while the barrier that opens the phase gathers the grid, so its weights arrive meanwhile.
 // Gate/up tiles (`split` = ffn) are 8 gate rows j.. and the 8 up rows ffn + j.., so one tile holds both.
 struct Gemv {
     const void* w;
@@ -143,7 +151,7 @@ struct Chunk {
     }
 };
 
-// Load this block's first chunk of phase g (before the barrier that opens it).
+// Load this block's first chunk of phase g (between arriving at the barrier that opens it and waiting there).
 template <typename T>
 __device__ __forceinline__ void first_chunk(const Gemv& g, Chunk<T>& first) {
     if ((int)blockIdx.x < g.tiles()) first.load(g, blockIdx.x, 0);
@@ -319,7 +327,7 @@ __device__ __forceinline__ T* tile_v(void* smem) { return reinterpret_cast<T*>(s
 
 // One (row, KV head, split) of the attention phase: this split's unnormalised output, max and sum of every query
 // head of the group into `partial` (the o phase merges the splits). The first tile's rows are in shared memory
-// already when `staged` (copied before the barrier, but for the newest token's, which the qkv phase wrote).
+// already when `staged` (copied at the barrier, but for the newest token's, which the qkv phase wrote).
 // Scores: 4 threads a token (K read once, every query head of the group from shared memory). P . V: warp w takes
 // the tile's tokens [w * TILE / WARPS, (w + 1) * TILE / WARPS), its lanes a V row's dims, and keeps every head's
 // output for its tokens in registers; the warps' sums meet in shared memory in warp order (the same sum every run).
@@ -477,12 +485,15 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const long long* __restrict__ ids, const int* __restrict__ tables, long long table_stride,
     const int* __restrict__ seq_lens, const long long* __restrict__ slots, long long block_stride, int block_size,
     float* residual, T* q, T* mlp, float* partial, unsigned* barrier, float* logits, int batch, int hidden,
-    int ffn, int q_heads, int kv_heads, int splits, float eps, float scale_log2) {
+    int ffn, int q_heads, int kv_heads, int max_splits, float eps, float scale_log2) {
     using namespace fused;
     extern __shared__ uint4 smem_raw[];
     float* reduce = reinterpret_cast<float*>(smem_raw);  // load_normed's partial sums
     float* sums = reduce + WARPS * ROWS;                 // the GEMV's warp tiles and the block's tile
     T* xs = reinterpret_cast<T*>(sums + (WARPS + 1) * 128);
+    int splits = 1;  // attention splits: the fewest that leave each item one tile, at most max_splits
+    for (int b = 0; b < batch; ++b) splits = max(splits, (seq_lens[b] + TILE - 1) / TILE);
+    splits = min(splits, max_splits);
     const Step s{layers, ids, tables, table_stride, seq_lens, slots, block_stride, block_size, batch, hidden, ffn,
                  q_heads, kv_heads, splits};
     unsigned target = 0;
@@ -493,8 +504,9 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
 
     for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);
+    grid_arrive(barrier, target);
     first_chunk(qkv_phase(0), cur);
-    grid_sync(barrier, target);
+    grid_wait(barrier, target);
 
     for (int layer = 0; layer < num_layers; ++layer) {
         const unsigned long long* w = layers + layer * PER_LAYER;
@@ -537,20 +549,19 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             dst[2 * i] = from_float<T>(x0);
             dst[2 * i + 1] = from_float<T>(x1);
         });
-        if ((int)blockIdx.x < items) {
-            __syncthreads();  // the GEMV's shared memory is free
-            const Item first(s, blockIdx.x);
-            staged.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw), tile_v<T, HEAD_DIM>(smem_raw), first.len - 1,
-                        -1);
-        }
-        grid_sync(barrier, target);
+        grid_arrive(barrier, target);  // (its __syncthreads frees the GEMV's shared memory for the tile)
+        if ((int)blockIdx.x < items)
+            staged.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw), tile_v<T, HEAD_DIM>(smem_raw),
+                        Item(s, blockIdx.x).len - 1, -1);
+        grid_wait(barrier, target);
 
         // attention: each split's partial (the o phase merges them)
         for (int item = blockIdx.x; item < items; item += gridDim.x)
             attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item, staged, item == (int)blockIdx.x,
                                 scale_log2, smem_raw);
+        grid_arrive(barrier, target);
         first_chunk(o_phase, cur);
-        grid_sync(barrier, target);
+        grid_wait(barrier, target);
 
         // o: residual += W_o . merged attention (one add to each element in the phase: the same sum every run)
         auto add_to_residual = [&](int u, const float* out) {
@@ -560,9 +571,10 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         };
         if ((int)blockIdx.x < o_phase.tiles()) load_merged<T, HEAD_DIM>(partial, xs, batch, q_heads, splits);
         gemv(o_phase, cur, xs, attn_width + PAD, batch, sums, add_to_residual);
+        grid_arrive(barrier, target);
         first_chunk(gate_up_phase, cur);
         prefetch_tiles<T>(gate_up_phase, 1);
-        grid_sync(barrier, target);
+        grid_wait(barrier, target);
 
         // gate_up: norm, SiLU(gate) * up
         load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch,
@@ -573,20 +585,23 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             const float g = round_to<T>(out[j * 8 + b]), up = round_to<T>(out[(j + 8) * 8 + b]);
             mlp[(long long)b * ffn + col] = from_float<T>(g / (1.0f + __expf(-g)) * up);
         });
+        grid_arrive(barrier, target);
         first_chunk(down_phase, cur);
-        grid_sync(barrier, target);
+        prefetch_tiles<T>(down_phase, 0);  // the first tile's later chunks too
+        grid_wait(barrier, target);
 
         // down: residual += W_down . mlp
         load_rows<T>(mlp, xs, batch, ffn);
         gemv(down_phase, cur, xs, ffn + PAD, batch, sums, add_to_residual);
         const Gemv logits_phase{(const void*)output, hidden, vocab, 0};
+        grid_arrive(barrier, target);
         if (layer + 1 < num_layers) {
             first_chunk(qkv_phase(layer + 1), cur);
         } else {
             first_chunk(logits_phase, cur);
             prefetch_tiles<T>(logits_phase, 1);
         }
-        grid_sync(barrier, target);
+        grid_wait(barrier, target);
     }
 
     // logits = W_out . norm(residual), float32

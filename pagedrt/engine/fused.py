@@ -122,8 +122,9 @@ class FusedDecode:
         self.partial = cupy.empty(MAX_ROWS * c.q_heads * MAX_SPLITS * (c.head_dim + 4), np.float32)
         self.barrier = cupy.zeros(1, np.uint32)
 
-    def splits_for(self, batch: int) -> int:
-        """Attention splits of each (row, KV head) at ``batch`` rows: about one work item a block."""
+    def max_splits(self, batch: int) -> int:
+        """The most attention splits of each (row, KV head) at ``batch`` rows: about one work item a block (the
+        kernel takes the fewest that leave each split one tile of keys, up to this)."""
         return max(1, min(MAX_SPLITS, self.grid // (batch * self.config.kv_heads)))
 
     def run(self, step: Any, ids: Any, logits: Any) -> Any:
@@ -146,7 +147,6 @@ class FusedDecode:
             raise UnsupportedConfigError(f"the fused step takes 1 to {MAX_ROWS} rows of one new token each; this "
                                          f"step has {step.num_tokens} tokens in {batch} rows")
         rows = next(r for r in ROWS if r >= batch)
-        splits = self.splits_for(batch)
         tables = step.block_tables
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memsetAsync(self.barrier.data.ptr, 0, self.barrier.nbytes, stream.ptr)
@@ -155,7 +155,8 @@ class FusedDecode:
                 ptr(step.seq_lens), ptr(step.slot_mapping), np.int64(self.block_stride),
                 np.int32(self.block_size), ptr(self.residual), ptr(self.q), ptr(self.mlp),
                 ptr(self.partial), ptr(self.barrier), ptr(logits), np.int32(batch),
-                np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads), np.int32(splits),
+                np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads),
+                np.int32(self.max_splits(batch)),
                 np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
         kernel = _kernel(self.dtype, c.head_dim, rows, norm_per(c.hidden))
         launch_ex(kernel, (self.grid,), (THREADS,), args, smem_bytes(c, rows), programmatic_serialization=False,
