@@ -273,6 +273,7 @@ struct Step {
 // An attention work item: (row b, KV head h, split) and the tokens [start, end) of the split.
 struct Item {
     int b, h, split, len, start, end;
+    Item() = default;
     __device__ Item(const Step& s, int item) {
         split = item % s.splits, h = (item / s.splits) % s.kv_heads, b = item / (s.splits * s.kv_heads);
         len = s.seq_lens[b];
@@ -333,11 +334,10 @@ __device__ __forceinline__ T* tile_v(void* smem) { return reinterpret_cast<T*>(s
 // output for its tokens in registers; the warps' sums meet in shared memory in warp order (the same sum every run).
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T* v_plane, const T* q, float* partial,
-                                       int item, const TileCopy<T, HEAD_DIM>& first, bool staged, float scale_log2,
-                                       void* smem) {
+                                       const Item& it, const TileCopy<T, HEAD_DIM>& first, bool staged,
+                                       float scale_log2, void* smem) {
     constexpr int PART = HEAD_DIM / 4, LANE_DIMS = HEAD_DIM / 32, MAX_GROUP = MAX_GROUP_DIMS / HEAD_DIM;
     constexpr int PER_WARP = TILE / WARPS;
-    const Item it(s, item);
     const int group = s.q_heads / s.kv_heads;
     T* ks = tile_k<T, HEAD_DIM>(smem);
     T* vs = tile_v<T, HEAD_DIM>(smem);
@@ -521,7 +521,11 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         // after it, all but the newest token's rows (written in this phase).
         const int items = batch * kv_heads * splits;
         TileCopy<T, HEAD_DIM> staged;
-        if ((int)blockIdx.x < items) staged.locate(s, Item(s, blockIdx.x), Item(s, blockIdx.x).start);
+        Item first;
+        if ((int)blockIdx.x < items) {
+            first = Item(s, blockIdx.x);
+            staged.locate(s, first, first.start);
+        }
         load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch,
                                        hidden, eps);
         gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
@@ -551,14 +555,14 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         });
         grid_arrive(barrier, target);  // (its __syncthreads frees the GEMV's shared memory for the tile)
         if ((int)blockIdx.x < items)
-            staged.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw), tile_v<T, HEAD_DIM>(smem_raw),
-                        Item(s, blockIdx.x).len - 1, -1);
+            staged.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw), tile_v<T, HEAD_DIM>(smem_raw), first.len - 1,
+                        -1);
         grid_wait(barrier, target);
 
         // attention: each split's partial (the o phase merges them)
         for (int item = blockIdx.x; item < items; item += gridDim.x)
-            attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item, staged, item == (int)blockIdx.x,
-                                scale_log2, smem_raw);
+            attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item == (int)blockIdx.x ? first : Item(s, item),
+                                staged, item == (int)blockIdx.x, scale_log2, smem_raw);
         grid_arrive(barrier, target);
         first_chunk(o_phase, cur);
         grid_wait(barrier, target);
