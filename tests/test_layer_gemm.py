@@ -147,6 +147,51 @@ def test_bad_arguments_are_named_errors_and_write_nothing():
     assert not out.any()
 
 
+def model(seed=0):
+    """A 3-layer GGUFModel of random weights: hidden 192 (3 query heads, 1 KV head of 64), ffn 320."""
+    from pagedrt.engine.config import ModelConfig
+    from pagedrt.engine.loader import GGUFModel, Weights
+    c = ModelConfig(name="layer gemm test", num_layers=3, hidden=192, ffn=320, q_heads=3, kv_heads=1, head_dim=64,
+                    vocab_size=517, context_length=4096, rope_theta=10000.0, rope_scale=1.0, rms_eps=1e-5)
+    rng = np.random.default_rng(seed)
+    mat = lambda o, i: (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)  # noqa: E731
+    norm = lambda: (1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32)  # noqa: E731
+    layers = [{"attn_norm": norm(), "ffn_norm": norm(), "qkv": mat(5 * 64, c.hidden), "o": mat(c.hidden, c.hidden),
+               "gate_up": mat(2 * c.ffn, c.hidden), "down": mat(c.hidden, c.ffn)} for _ in range(c.num_layers)]
+    return GGUFModel("layer gemm test", c, None, Weights(mat(517, c.hidden), mat(517, c.hidden), norm(), layers))
+
+
+def test_the_host_models_decode_step_on_the_fused_layers_equals_the_unfused_one():
+    """The fused layers' wiring (which buffer each launch reads and writes) on the host model, whose float64
+    activations make every rounding exact: the same logits as the unfused layers, from six launches a layer."""
+    from pagedrt import PagedKVCache
+    from pagedrt.engine.model import LlamaModel
+    gguf = model()
+    c = gguf.config
+    rng = np.random.default_rng(2)
+    with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=4096, max_seqs=12,
+                      backend="host") as cache:
+        m = LlamaModel(gguf, cache)
+        assert not m.fused_gemms  # the host runs the unfused layers unless told otherwise
+        prompts = [rng.integers(0, c.vocab_size, n) for n in rng.integers(1, 40, 12)]
+        m.forward(cache.step([], arrivals=prompts), np.concatenate(prompts))
+        ids = rng.integers(0, c.vocab_size, 12)
+        step = cache.step(None, 1, ids)
+        logits, kinds = [], []
+        for fused in (False, True):  # the second pass writes the same K/V into the same slots
+            m.fused_gemms = fused
+            b = m.buffers(12, 12)
+            launches = list(m.launches(step, ids, b, *m.plans(step, b, True)))
+            for _, launch in launches:
+                launch()
+            logits.append(b["logits"].copy())
+            kinds.append([kind for kind, _ in launches])
+    assert len(kinds[0]) == 3 + 9 * c.num_layers and len(kinds[1]) == 3 + 6 * c.num_layers
+    assert kinds[1][1:7] == ["norm_gemm_qkv", "rope_write", "attention", "gemm_o_add", "norm_gemm_gate_up_silu",
+                             "gemm_down_add"]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-6, atol=1e-6 * np.abs(logits[0]).max())
+
+
 def test_instances_name_every_variant_and_tile_per_dtype():
     names = lg.instances()[lg.FILE]
     assert len(set(names)) == len(names) == len(lg.DTYPES) * len(lg.VARIANTS) * len(lg.TILES)

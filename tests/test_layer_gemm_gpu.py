@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import compile_all, needs_ml_dtypes, to_host
-from test_layer_gemm import problem
+from test_layer_gemm import model, problem
 
 pytestmark = pytest.mark.gpu
 
@@ -63,20 +63,6 @@ def test_every_tile_matches_the_reference(name, monkeypatch):
         dev, ref = run_variant(name, "float16", m, k, n, seed=1)
         assert close(dev, ref, "float16"), (name, tile)
     lg._plan.cache_clear()
-
-
-def model(seed=0):
-    """A 3-layer GGUFModel of random weights: hidden 192 (3 query heads, 1 KV head of 64), ffn 320."""
-    from pagedrt.engine.config import ModelConfig
-    from pagedrt.engine.loader import GGUFModel, Weights
-    c = ModelConfig(name="layer gemm test", num_layers=3, hidden=192, ffn=320, q_heads=3, kv_heads=1, head_dim=64,
-                    vocab_size=517, context_length=4096, rope_theta=10000.0, rope_scale=1.0, rms_eps=1e-5)
-    rng = np.random.default_rng(seed)
-    mat = lambda o, i: (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)  # noqa: E731
-    norm = lambda: (1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32)  # noqa: E731
-    layers = [{"attn_norm": norm(), "ffn_norm": norm(), "qkv": mat(5 * 64, c.hidden), "o": mat(c.hidden, c.hidden),
-               "gate_up": mat(2 * c.ffn, c.hidden), "down": mat(c.hidden, c.ffn)} for _ in range(c.num_layers)]
-    return GGUFModel("layer gemm test", c, None, Weights(mat(517, c.hidden), mat(517, c.hidden), norm(), layers))
 
 
 def decode(gguf, backend, batch, fed, graphs=False, fused_gemms=True, steps=4):

@@ -80,7 +80,8 @@ def unsupported(config: Any, spec: Any, capability: int, smem_limit: int) -> Opt
                (any(x % BK for x in (c.hidden, c.ffn, c.q_heads * c.head_dim)),
                 f"hidden, ffn or the attention's width is not a multiple of {BK}"),
                (width % 8, f"the QKV width {width} is not a multiple of 8"),
-               (smem_bytes(*TILES[0], max(c.hidden, c.ffn)) > smem_limit, "a tile's rows do not fit in shared memory")]
+               (smem_bytes(*TILES[0], max(c.hidden, c.ffn, c.q_heads * c.head_dim)) > smem_limit,
+                "a tile's rows do not fit in shared memory")]
     return next((why for bad, why in reasons if bad), None)
 
 
@@ -160,16 +161,16 @@ def gemm_add(a: Array, w: Array, residual: Array) -> Array:
     Parameters
     ----------
     a : array [m, k]
-        w's dtype.
+        w's dtype (on the host any float dtype: the host model's attention output is the cache's dtype).
     w : array [n, k]
         A weight (``[out, in]``), float16 or bfloat16 on the device.
     residual : array, float32 [m, n]
         The residual stream; updated in place.
     """
-    n = w.shape[0]
-    _check(a, w, residual, n, n, w.dtype)
+    n, host = w.shape[0], _host(a, w, residual)
+    _check(a, w, residual, n, n, a.dtype if host else w.dtype)
     check(residual.dtype == np.float32 and residual.shape[1:] == (n,), "residual must be float32 [m, n]")
-    if _host(a, w, residual):
+    if host:
         residual += (a.astype(np.float64) @ w.astype(np.float64).T).astype(w.dtype)
         return residual
     return _launch(PLAIN, ADD, NULL, NULL, a, w, NULL, residual, n, 0.0)
