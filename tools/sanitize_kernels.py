@@ -8,8 +8,7 @@ r"""Run every kernel once on small data, for compute-sanitizer.
 errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), the fused rotary embeddings + write (padding slots too; FP8 planes on 8.9 or
-later), the one-launch decode step of a small model against the layered step, the fused-epilogue GEMMs (under
-programmatic dependent launch on 9.0), decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
+later), the one-launch decode step of a small model against the layered step, decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
 both again over FP8 K/V (compute capability 8.9 or later; prefill too, causal and not), the contiguous
 baseline, prefill (causal and not, over a ragged batch with a one-token row; on compute capability 9.0 both
 the sm_90a kernel and the mma.sync one), mixed steps (decode rows split, around a prompt chunk and after it),
@@ -126,7 +125,6 @@ def run():
     expect("write_kv (with padding slots)", same())
     rope_writes(expect, rng, slots, num_blocks, fp8_cfg is not None)
     fused_steps(expect, rng)
-    layer_gemms(expect, rng)
 
     ref = reference.paged_decode(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
     for geometry_name in planner.GEOMETRIES:
@@ -256,26 +254,6 @@ def fused_steps(expect, rng):
             cupy.cuda.get_current_stream().synchronize()
             del model
     expect("the fused decode step against the layered one", rel_error(logits[0], logits[1]) <= 2e-2)
-
-
-def layer_gemms(expect, rng):
-    """The fused-epilogue GEMMs (pagedrt.engine.layer_gemm), fp16, 37 rows (no tile's multiple) and output
-    columns past a whole tile, against their references."""
-    import cupy
-    from pagedrt.engine import layer_gemm as lg
-    m, k, n = 37, 384, 200
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    g = np.ones(k, np.float32)
-    a = rng.standard_normal((m, k)).astype(np.float16)
-    w = (rng.standard_normal((2 * n, k)) / np.sqrt(k)).astype(np.float16)
-    for name, args in (("norm_gemm", (x, g, w[:n])), ("norm_gemm_silu", (x, g, w))):
-        fn = getattr(lg, name)
-        ref = fn(*args, np.empty((m, n), np.float16), 1e-5)
-        out = fn(*(cupy.asarray(v) for v in args), cupy.empty((m, n), np.float16), 1e-5)
-        expect(f"layer_gemm {name}", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
-    residual = x[:, :n].copy()
-    out = lg.gemm_add(cupy.asarray(a), cupy.asarray(w[:n]), cupy.asarray(residual))
-    expect("layer_gemm gemm_add", rel_error(cupy.asnumpy(out), lg.gemm_add(a, w[:n], residual)) <= 2e-3)
 
 
 def wide_groups(expect, rng, fp8):

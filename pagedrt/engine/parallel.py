@@ -12,8 +12,8 @@ stream, and shard 0's logits are the step's.
 
 The sum is NCCL's all-reduce (``cupy.cuda.nccl``) for shards on distinct devices. Shards that
 share one device (how the tests run on one GPU) add on that device, and on the host backend
-NumPy adds. Decode steps run eagerly and layered (no CUDA graphs, no one-launch step and no fused GEMMs: the
-sums are the all-reduces between launches, of the o and down GEMMs' outputs before the residual add).
+NumPy adds. Decode steps run eagerly and layered (no CUDA graphs, no one-launch step: its sums are
+the all-reduces between launches).
 """
 
 from dataclasses import dataclass, replace
@@ -126,8 +126,7 @@ class TensorParallelModel:
         self.shards = []
         for shard, weights in zip(cache.shards, parts):
             with shard.device_context():
-                self.shards.append(LlamaModel(_ShardModel(config, weights), shard, graphs=False, fused=False,
-                                              fused_gemms=False))
+                self.shards.append(LlamaModel(_ShardModel(config, weights), shard, graphs=False, fused=False))
         self.reduce = AllReduce([s.device for s in cache.shards], host=cache.shards[0].xp is np)
         self.stream = self.shards[0].stream  # shard 0's model's
 
