@@ -501,6 +501,14 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const int tid = threadIdx.x;
     auto qkv_phase = [&](int layer) { return Gemv{(const void*)layers[layer * PER_LAYER + QKV], hidden, qkv_rows, 0}; };
     Chunk<T> cur;
+    // This block's first attention item and its first tile's rows: the same plane offsets in every layer.
+    const int items = batch * kv_heads * splits;
+    TileCopy<T, HEAD_DIM> staged;
+    Item first;
+    if ((int)blockIdx.x < items) {
+        first = Item(s, blockIdx.x);
+        staged.locate(s, first, first.start);
+    }
 
     for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);
@@ -517,15 +525,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         const Gemv down_phase{(const void*)w[DOWN], ffn, hidden, 0};
 
         // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes. The
-        // block's first attention tile is located now (its table loads on their way during the GEMV) and copied
-        // after it, all but the newest token's rows (written in this phase).
-        const int items = batch * kv_heads * splits;
-        TileCopy<T, HEAD_DIM> staged;
-        Item first;
-        if ((int)blockIdx.x < items) {
-            first = Item(s, blockIdx.x);
-            staged.locate(s, first, first.start);
-        }
+        // block's first attention tile is copied at the barrier, all but the newest token's rows (written here).
         load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch,
                                        hidden, eps);
         gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
