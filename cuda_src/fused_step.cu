@@ -19,8 +19,8 @@
 //   logits    x = rmsnorm(residual[b]) * output_norm; logits[b] = W_out . x (float32)
 // Weights are [out, in] (one output's weights a contiguous row). Between arriving at a barrier and waiting at it
 // a block loads its first chunk of the next phase's weights into registers (and prefetches the rest into L2), so
-// the weights stream while the grid gathers; a block's first attention tile (all but the newest token's K/V
-// rows, which the qkv phase writes) goes into shared memory the same way. NORM_PER: values of a row each thread
+// the weights stream while the grid gathers; a block's first attention tiles (all but the newest token's K/V
+// rows, which the qkv phase writes) go into shared memory the same way. NORM_PER: values of a row each thread
 // holds while it normalises it (hidden <= NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
 //
 // Memory that a phase writes and a later phase reads (residual, q, the newest K/V rows, mlp, partial) is read
@@ -34,6 +34,7 @@ namespace fused {
 constexpr int THREADS = 256, WARPS = THREADS / 32, TILE = 64;
 constexpr int MAX_GROUP_DIMS = 2048;  // query heads a KV head x head_dim, at most
 constexpr int MAX_SPLITS = 16;        // attention splits of a (row, KV head), at most
+constexpr int STAGED = 2;             // tiles of K/V a block copies at the barrier that opens attention
 // floats of a (query head, split)'s partial: its unnormalised output, then m and l (16-byte aligned rows)
 constexpr __host__ __device__ int partial_stride(int head_dim) { return head_dim + 4; }
 enum Weight { ATTN_NORM, QKV, O, FFN_NORM, GATE_UP, DOWN, K_PLANE, V_PLANE, PER_LAYER };
@@ -287,16 +288,18 @@ struct Item {
 template <typename T, int HEAD_DIM>
 struct TileCopy {
     static constexpr int CHUNKS = HEAD_DIM * (int)sizeof(T) / 16, ROWS_PER = TILE * CHUNKS / THREADS;
-    long long row[ROWS_PER];  // the plane offset of each of this thread's rows (-1: past the tile)
-    int token[ROWS_PER];
+    long long row[ROWS_PER];  // the plane offset of each of this thread's rows (-1: past the tile or the item)
+    int start;                // the tile's first token
+
+    __device__ int token(int q) const { return start + threadIdx.x / CHUNKS + q * (THREADS / CHUNKS); }
 
     // This thread's rows of the tile at token `tile` of item `it` (table loads only).
     __device__ void locate(const Step& s, const Item& it, int tile) {
         const int* table = s.tables + it.b * s.table_stride;
+        start = tile;
 #pragma unroll
         for (int q = 0; q < ROWS_PER; ++q) {
-            const int t = tile + threadIdx.x / CHUNKS + q * (THREADS / CHUNKS);
-            token[q] = t;
+            const int t = token(q);
             row[q] = t < min(it.end, tile + TILE)
                          ? (long long)table[t / s.block_size] * s.block_stride +
                                ((long long)it.h * s.block_size + t % s.block_size) * HEAD_DIM
@@ -310,7 +313,7 @@ struct TileCopy {
         const int piece = (threadIdx.x % CHUNKS) * (16 / (int)sizeof(T));
 #pragma unroll
         for (int q = 0; q < ROWS_PER; ++q) {
-            const bool wanted = row[q] >= 0 && (only >= 0 ? token[q] == only : token[q] != skip);
+            const bool wanted = row[q] >= 0 && (only >= 0 ? token(q) == only : token(q) != skip);
             if (!wanted) continue;
             const int j = threadIdx.x / CHUNKS + q * (THREADS / CHUNKS);
             cp_async16_shared((unsigned)__cvta_generic_to_shared(ks + j * HEAD_DIM + piece), k_plane + row[q] + piece, 16);
@@ -320,35 +323,39 @@ struct TileCopy {
     }
 };
 
-// Shared memory of the attention phase: the tile's K and V rows, then the float state.
+// Shared memory of the attention phase: STAGED buffers of a tile's K and V rows, then the float state. Tile i of
+// an item goes to buffer i % STAGED; a block's first item's first STAGED tiles are copied at the barrier.
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ T* tile_k(void* smem) { return reinterpret_cast<T*>(smem); }
+__device__ __forceinline__ T* tile_k(void* smem, int i) {
+    return reinterpret_cast<T*>(smem) + (i % STAGED) * 2 * TILE * HEAD_DIM;
+}
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ T* tile_v(void* smem) { return reinterpret_cast<T*>(smem) + TILE * HEAD_DIM; }
+__device__ __forceinline__ T* tile_v(void* smem, int i) { return tile_k<T, HEAD_DIM>(smem, i) + TILE * HEAD_DIM; }
 
 // One (row, KV head, split) of the attention phase: this split's unnormalised output, max and sum of every query
-// head of the group into `partial` (the o phase merges the splits). The first tile's rows are in shared memory
+// head of the group into `partial` (the o phase merges the splits). The first STAGED tiles' rows are in shared memory
 // already when `staged` (copied at the barrier, but for the newest token's, which the qkv phase wrote).
 // Scores: 4 threads a token (K read once, every query head of the group from shared memory). P . V: warp w takes
 // the tile's tokens [w * TILE / WARPS, (w + 1) * TILE / WARPS), its lanes a V row's dims, and keeps every head's
 // output for its tokens in registers; the warps' sums meet in shared memory in warp order (the same sum every run).
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T* v_plane, const T* q, float* partial,
-                                       const Item& it, const TileCopy<T, HEAD_DIM>& first, bool staged,
+                                       const Item& it, const TileCopy<T, HEAD_DIM> (&first)[STAGED], bool staged,
                                        float scale_log2, void* smem) {
     constexpr int PART = HEAD_DIM / 4, LANE_DIMS = HEAD_DIM / 32, MAX_GROUP = MAX_GROUP_DIMS / HEAD_DIM;
     constexpr int PER_WARP = TILE / WARPS;
     const int group = s.q_heads / s.kv_heads;
-    T* ks = tile_k<T, HEAD_DIM>(smem);
-    T* vs = tile_v<T, HEAD_DIM>(smem);
-    float* qs = reinterpret_cast<float*>(vs + TILE * HEAD_DIM);  // [group][HEAD_DIM]
+    float* qs = reinterpret_cast<float*>(tile_k<T, HEAD_DIM>(smem, 0) + STAGED * 2 * TILE * HEAD_DIM);  // [group][HEAD_DIM]
     float* out = qs + group * HEAD_DIM;                          // [group][HEAD_DIM]: the warps' sums
     float* scores = out + group * HEAD_DIM;                      // [group][TILE]
     float* m = scores + group * TILE;                            // [group]
     float* l = m + group;                                        // [group]
     float* alpha = l + group;                                    // [group]
     const int head0 = it.b * s.q_heads + it.h * group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (staged) first.copy(k_plane, v_plane, ks, vs, -1, it.len - 1);  // the newest token's row
+    if (staged)  // the newest token's row
+#pragma unroll
+        for (int i = 0; i < STAGED; ++i)
+            first[i].copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem, i), tile_v<T, HEAD_DIM>(smem, i), -1, it.len - 1);
     float o[MAX_GROUP][LANE_DIMS];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g)
@@ -359,13 +366,15 @@ __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T*
         out[i] = 0.0f;
     }
     if (threadIdx.x < group) m[threadIdx.x] = neg_inf(), l[threadIdx.x] = 0.0f;
-    for (int tile = it.start; tile < it.end; tile += TILE) {
+    for (int tile = it.start, i = 0; tile < it.end; tile += TILE, ++i) {
         const int n = min(TILE, it.end - tile), j = threadIdx.x / 4, part = threadIdx.x % 4;
         const bool valid = j < n;
-        if (!staged || tile != it.start) {
+        const T* ks = tile_k<T, HEAD_DIM>(smem, i);
+        const T* vs = tile_v<T, HEAD_DIM>(smem, i);
+        if (!staged || i >= STAGED) {
             TileCopy<T, HEAD_DIM> rows;
             rows.locate(s, it, tile);
-            rows.copy(k_plane, v_plane, ks, vs, -1, -1);
+            rows.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem, i), tile_v<T, HEAD_DIM>(smem, i), -1, -1);
         }
         cp_async_wait<0>();
         __syncthreads();
@@ -501,13 +510,14 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const int tid = threadIdx.x;
     auto qkv_phase = [&](int layer) { return Gemv{(const void*)layers[layer * PER_LAYER + QKV], hidden, qkv_rows, 0}; };
     Chunk<T> cur;
-    // This block's first attention item and its first tile's rows: the same plane offsets in every layer.
+    // This block's first attention item and its first tiles' rows: the same plane offsets in every layer.
     const int items = batch * kv_heads * splits;
-    TileCopy<T, HEAD_DIM> staged;
+    TileCopy<T, HEAD_DIM> staged[STAGED];
     Item first;
     if ((int)blockIdx.x < items) {
         first = Item(s, blockIdx.x);
-        staged.locate(s, first, first.start);
+#pragma unroll
+        for (int i = 0; i < STAGED; ++i) staged[i].locate(s, first, first.start + i * TILE);
     }
 
     for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
@@ -525,7 +535,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         const Gemv down_phase{(const void*)w[DOWN], ffn, hidden, 0};
 
         // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes. The
-        // block's first attention tile is copied at the barrier, all but the newest token's rows (written here).
+        // block's first attention tiles are copied at the barrier, all but the newest token's row (written here).
         load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch,
                                        hidden, eps);
         gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
@@ -555,8 +565,10 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         });
         grid_arrive(barrier, target);  // (its __syncthreads frees the GEMV's shared memory for the tile)
         if ((int)blockIdx.x < items)
-            staged.copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw), tile_v<T, HEAD_DIM>(smem_raw), first.len - 1,
-                        -1);
+#pragma unroll
+            for (int i = 0; i < STAGED; ++i)
+                staged[i].copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw, i), tile_v<T, HEAD_DIM>(smem_raw, i),
+                               first.len - 1, -1);
         grid_wait(barrier, target);
 
         // attention: each split's partial (the o phase merges them)

@@ -24,7 +24,7 @@ from ..kernels.launch import launch_ex
 from ..spec import dtype_name
 
 FILE = "fused_step.cu"
-THREADS, WARPS, TILE, MAX_GROUP_DIMS, MAX_SPLITS = 256, 8, 64, 2048, 16  # as cuda_src/fused_step.cu's
+THREADS, WARPS, TILE, MAX_GROUP_DIMS, MAX_SPLITS, STAGED = 256, 8, 64, 2048, 16, 2  # as cuda_src/fused_step.cu's
 PAD = 8  # elements between the GEMV's shared-memory rows
 NORM_PER = (2, 3, 4, 6)  # the kernel's NORM_PER: values of a row a thread holds while it normalises the row
 MAX_HIDDEN = NORM_PER[-1] * THREADS
@@ -52,12 +52,12 @@ def norm_per(hidden: int) -> int:
 
 def smem_bytes(config, rows: int) -> int:
     """Dynamic shared memory of the instance for ``rows``: the normalised or gathered rows of a GEMV phase, or
-    the attention's K and V tile and its float state, whichever is larger."""
+    the attention's STAGED buffers of a K and V tile and its float state, whichever is larger."""
     c = config
     widest = max(c.hidden, c.ffn, c.q_heads * c.head_dim)
     gemv = WARPS * rows * 4 + (WARPS + 1) * 128 * 4 + rows * (widest + PAD) * 2
     group = c.q_heads // c.kv_heads
-    attention = 2 * TILE * c.head_dim * 2 + group * (2 * c.head_dim + TILE + 3) * 4
+    attention = STAGED * 2 * TILE * c.head_dim * 2 + group * (2 * c.head_dim + TILE + 3) * 4
     return max(gemv, attention)
 
 
