@@ -316,8 +316,9 @@ struct TileCopy {
             const bool wanted = row[q] >= 0 && (only >= 0 ? token(q) == only : token(q) != skip);
             if (!wanted) continue;
             const int j = threadIdx.x / CHUNKS + q * (THREADS / CHUNKS);
-            cp_async16_shared((unsigned)__cvta_generic_to_shared(ks + j * HEAD_DIM + piece), k_plane + row[q] + piece, 16);
-            cp_async16_shared((unsigned)__cvta_generic_to_shared(vs + j * HEAD_DIM + piece), v_plane + row[q] + piece, 16);
+            const int at = j * HEAD_DIM + piece;
+            cp_async16_shared((unsigned)__cvta_generic_to_shared(ks + at), k_plane + row[q] + piece, 16);
+            cp_async16_shared((unsigned)__cvta_generic_to_shared(vs + at), v_plane + row[q] + piece, 16);
         }
         cp_async_commit();
     }
@@ -345,7 +346,7 @@ __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T*
     constexpr int PART = HEAD_DIM / 4, LANE_DIMS = HEAD_DIM / 32, MAX_GROUP = MAX_GROUP_DIMS / HEAD_DIM;
     constexpr int PER_WARP = TILE / WARPS;
     const int group = s.q_heads / s.kv_heads;
-    float* qs = reinterpret_cast<float*>(tile_k<T, HEAD_DIM>(smem, 0) + STAGED * 2 * TILE * HEAD_DIM);  // [group][HEAD_DIM]
+    float* qs = reinterpret_cast<float*>(tile_k<T, HEAD_DIM>(smem, 0) + STAGED * 2 * TILE * HEAD_DIM);  // [group][D]
     float* out = qs + group * HEAD_DIM;                          // [group][HEAD_DIM]: the warps' sums
     float* scores = out + group * HEAD_DIM;                      // [group][TILE]
     float* m = scores + group * TILE;                            // [group]
@@ -466,8 +467,10 @@ __device__ void load_merged(const float* partial, T* xs, int batch, int q_heads,
 #pragma unroll
         for (int k = 0; k < MAX_SPLITS; ++k) {
             const bool here = k < splits;
-            ml[k] = here ? __ldcg(reinterpret_cast<const float2*>(src + k * STRIDE + HEAD_DIM)) : make_float2(neg_inf(), 0.0f);
-            o[k] = here ? __ldcg(reinterpret_cast<const float4*>(src + k * STRIDE + d)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            ml[k] = here ? __ldcg(reinterpret_cast<const float2*>(src + k * STRIDE + HEAD_DIM))
+                         : make_float2(neg_inf(), 0.0f);
+            o[k] = here ? __ldcg(reinterpret_cast<const float4*>(src + k * STRIDE + d))
+                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             top = fmaxf(top, ml[k].x);
         }
         float sum = 0.0f, x[4] = {0.0f, 0.0f, 0.0f, 0.0f};

@@ -39,8 +39,8 @@ PHASES = ("qkv", "attention", "o", "gate_up", "down")  # the phase each layer's 
 def stamped(text):
     """The kernel's source with every grid barrier stamped: ``stamps[block][slot] = (arrive, leave)``, as
     (%globaltimer ns, clock64) pairs."""
-    text = text.replace("namespace pagedrt {", f"""extern "C" __device__ unsigned long long pagedrt_stamps[1024 * {STAMP_SLOTS} * 4];
-namespace pagedrt {{""", 1)
+    array = f'extern "C" __device__ unsigned long long pagedrt_stamps[1024 * {STAMP_SLOTS} * 4];'
+    text = text.replace("namespace pagedrt {", array + "\nnamespace pagedrt {", 1)
     text = text.replace("namespace fused {", f"""namespace fused {{
 __device__ __forceinline__ void stamp(unsigned slot, int leaving) {{
     unsigned long long ns, cycles;

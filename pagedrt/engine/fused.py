@@ -151,13 +151,12 @@ class FusedDecode:
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memsetAsync(self.barrier.data.ptr, 0, self.barrier.nbytes, stream.ptr)
         args = (ptr(self.layers), np.int32(c.num_layers), ptr(self.embedding), ptr(self.output_norm),
-                ptr(self.output), np.int32(c.vocab_size), ptr(self.inv_freq), ptr(ids), ptr(tables), np.int64(tables.strides[0] // 4),
-                ptr(step.seq_lens), ptr(step.slot_mapping), np.int64(self.block_stride),
-                np.int32(self.block_size), ptr(self.residual), ptr(self.q), ptr(self.mlp),
-                ptr(self.partial), ptr(self.barrier), ptr(logits), np.int32(batch),
+                ptr(self.output), np.int32(c.vocab_size), ptr(self.inv_freq), ptr(ids), ptr(tables),
+                np.int64(tables.strides[0] // 4), ptr(step.seq_lens), ptr(step.slot_mapping),
+                np.int64(self.block_stride), np.int32(self.block_size), ptr(self.residual), ptr(self.q),
+                ptr(self.mlp), ptr(self.partial), ptr(self.barrier), ptr(logits), np.int32(batch),
                 np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads),
-                np.int32(self.max_splits(batch)),
-                np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
+                np.int32(self.max_splits(batch)), np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
         kernel = _kernel(self.dtype, c.head_dim, rows, norm_per(c.hidden))
         launch_ex(kernel, (self.grid,), (THREADS,), args, smem_bytes(c, rows), programmatic_serialization=False,
                   cooperative=True)
