@@ -1,8 +1,8 @@
 """The one-launch decode step (``pagedrt.engine.fused``) against the layered step it replaces: the same logits
-and the same K/V bytes in the cache, for fp16 and bf16, head dims 64 and 128, groups of 1, 3 and 8 query heads,
-batches 1 to 8 and contexts across many blocks and attention splits (a group of 12 x 128 needs more than 48 KiB
-of shared memory); in and out of CUDA graphs. Against the
-float64 host path it runs in ``test_engine_gpu.py`` (the tiny model's decode steps take it)."""
+and the same K/V bytes in the cache, for fp16 and bf16, head dims 64 and 128, groups of 1, 3, 8 and 12 query heads
+(12 x 128 needs more than 48 KiB of shared memory), batches 1 to 8 and contexts across many blocks and attention
+splits; in and out of CUDA graphs. Against the float64 host path it runs in ``test_engine_gpu.py`` (the tiny
+model's decode steps take it)."""
 
 import numpy as np
 import pytest
