@@ -53,18 +53,6 @@ __device__ __forceinline__ float warp_max(float v) {
 
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
 
-// N (2 or 4) adjacent values of T at p (N * sizeof(T)-aligned), as floats, read through L2.
-template <typename T, int N> __device__ __forceinline__ void load_values(const T* p, float (&out)[N]) {
-    T v[N];
-    if (N == 2) {
-        *reinterpret_cast<unsigned*>(v) = __ldcg(reinterpret_cast<const unsigned*>(p));
-    } else {
-        *reinterpret_cast<uint2*>(v) = __ldcg(reinterpret_cast<const uint2*>(p));
-    }
-#pragma unroll
-    for (int e = 0; e < N; ++e) out[e] = to_float(v[e]);
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
