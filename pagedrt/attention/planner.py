@@ -33,9 +33,10 @@ FP8_FACTOR = 2                  # FP8 K/V: tiles of twice the tokens to 16 heads
 FP8_NARROW_GROUP = 8            # but to this many heads (transposed: keys as m16 rows) fp16's tile and stages
 IDS_WINDOW = 256                # block ids a thread block stages in shared memory at a time
 SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
-SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
+SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry;
+SHORT_ANY_WAVES = 2             # past this many waves, segments of any length run it
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
-SPLIT_BLOCKS_PER_SM = 2         # split plans count at most this many resident thread blocks an SM (split_residency)
+SPLIT_BLOCKS_PER_SM = 1         # split plans count at most this many resident thread blocks an SM (split_residency)
 UNEVEN = 1.5                    # longest / mean length above which a batch that fills the device is split anyway
 PREFILL_DTYPES = ("float16", "bfloat16")  # prefill runs on tensor cores only
 PREFILL_THREADS = 128           # four warps, 16 packed query rows each
@@ -247,9 +248,9 @@ class SplitPlan:
 
 def split_residency(resident_blocks: int, multiprocessors: int) -> int:
     """The resident thread blocks a split plan fills: the kernel's (``resident_blocks``), but at most
-    SPLIT_BLOCKS_PER_SM an SM. Two blocks of a decode kernel keep an SM's share of HBM streaming; where more
-    fit (FP8's transposed kernel, whose blocks hold half the registers), cutting sequences further to fill
-    them adds more thread-block starts and merges than it gains (docs/KERNELS.md, "What limits it")."""
+    SPLIT_BLOCKS_PER_SM an SM. One block of a decode kernel keeps an SM's share of HBM streaming; cutting
+    sequences further to give each SM a second block adds more thread-block starts and merges than it gains
+    (docs/KERNELS.md, "Split plan")."""
     return min(resident_blocks, SPLIT_BLOCKS_PER_SM * multiprocessors)
 
 
@@ -263,8 +264,9 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, byte
     sequence to fill them in one wave, in segments of at least ``min_segment_bytes`` of K+V; uneven lengths
     (the longest over UNEVEN times ``mean_seq_len``) are cut in segments of about a quarter of the mean.
     Segments are whole tiles; splits the rounding left empty are dropped, but a requested count is kept.
-    Unless forced, ``"short"`` when segments are at most SHORT_TILES tiles, the thread blocks outnumber
-    SHORT_WAVES waves of ``wave_blocks`` and the lengths were not cut for unevenness.
+    Unless forced, ``"short"`` when the thread blocks outnumber SHORT_WAVES waves of ``wave_blocks``, segments
+    are at most SHORT_TILES tiles or the blocks outnumber SHORT_ANY_WAVES waves, and the lengths were not cut
+    for unevenness.
 
     Parameters
     ----------
@@ -313,7 +315,9 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, byte
         wanted = -(-max_seq_len // segment)
     if geometry is None:
         wave = resident_blocks if wave_blocks is None else wave_blocks
-        short = segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * wave and not uneven
+        blocks = units * wanted
+        short = (blocks > SHORT_WAVES * wave and (segment <= SHORT_TILES * tile or blocks > SHORT_ANY_WAVES * wave)
+                 and not uneven)
         geometry = "short" if short else "standard"
     return SplitPlan(wanted, segment, geometry)
 
