@@ -168,6 +168,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         sm90::setmaxnreg_dec<S::kProducerRegs>();
         const int tid = threadIdx.x, lane = tid % 32, copy_row = tid / NV, chunk = tid % NV;
         const int block_mask = (1 << block_shift) - 1;
+        const unsigned long long stream_policy = evict_first_policy();
         const int tile_blocks = max(1, TILE_N >> block_shift);  // blocks a tile's keys span (at most 16)
         // K and V: this thread copies chunk `chunk` of the RPT consecutive key rows from row0 (within one
         // block, or two when blocks are shorter than RPT), from plane (K or V) into stage.
@@ -202,6 +203,10 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             ++n;
 
             const int* const table_row = block_tables + w.seq * table_stride;
+            // K/V that this unit alone reads (its sequence's only item: a decode's, or a prompt of at most
+            // TILE_M / group tokens) are streamed evict-first, as the decode kernel streams them; other items of
+            // the sequence read them again.
+            const bool read_once = w.q_len * group <= TILE_M;
             const long long within = ((long long)w.kv_head << block_shift) * HEAD_DIM + chunk * 8;  // in a block
             auto issue = [&](const T* plane, unsigned stage, int first_key, int id) {
                 const int key0 = first_key + row0, slot0 = key0 & block_mask;
@@ -215,8 +220,11 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 for (int i = 0; i < RPT; ++i) {
                     const bool live = i < live_rows;
                     const T* const from = (i < split ? from0 : from1) + i * HEAD_DIM;
-                    cp_async16_shared(stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4), live ? from : q,
-                                      live ? 16 : 0);
+                    const unsigned dst = stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4);
+                    if (read_once)
+                        cp_async16_shared(dst, live ? from : q, live ? 16 : 0, stream_policy);
+                    else
+                        cp_async16_shared(dst, live ? from : q, live ? 16 : 0);
                 }
             };
             for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
