@@ -194,9 +194,8 @@ def test_plan_property(batch, kv_heads, max_len, tile, resident, mean, requested
     if forced:
         assert plan.geometry == forced
     elif plan.geometry == "short":
-        blocks = batch * kv_heads * plan.num_splits
-        assert blocks > planner.SHORT_WAVES * resident
-        assert plan.segment_tokens <= planner.SHORT_TILES * tile or blocks > planner.SHORT_ANY_WAVES * resident
+        assert plan.segment_tokens <= planner.SHORT_TILES * tile
+        assert batch * kv_heads * plan.num_splits > planner.SHORT_WAVES * resident
 
 
 def test_plan_splits_a_full_batch_only_when_lengths_are_uneven():
@@ -215,34 +214,26 @@ def test_plan_splits_a_full_batch_only_when_lengths_are_uneven():
     assert plan_splits(64, 8, 8192, TILE, PER_TOKEN, 2 * resident, mean_seq_len=8192).num_splits == 1
 
 
-def test_split_plans_count_one_resident_block_an_sm():
-    """Sequences are cut to give each SM one thread block, however many fit: 128 blocks on 132 SMs stay whole,
-    b8's 64 are cut in two (not four, as filling two blocks an SM would), b32's 256 stay whole rather than
-    being cut in two to fill 528 slots."""
-    assert planner.split_residency(264, 132) == 132 and planner.split_residency(100, 132) == 100
-    resident = planner.split_residency(528, 132)
-    assert resident == planner.SPLIT_BLOCKS_PER_SM * 132
-    assert plan_splits(64, 2, 4096, TILE, PER_TOKEN, resident).num_splits == 1
-    assert plan_splits(8, 8, 8192, TILE, PER_TOKEN, resident).num_splits == 2
+def test_split_plans_fill_an_sm_with_the_bytes_in_flight_it_needs():
+    """Sequences are cut to give each SM blocks whose pipelines hold SPLIT_SM_BYTES: one fp16 block at head_dim 128
+    (96 KiB of stages), so 128 blocks on 132 SMs stay whole and b8's 64 are cut in two, not four; two of FP8's
+    narrow kernel (48 KiB), so FP8's b8 is cut in four; never more than SPLIT_BLOCKS_PER_SM, so a kernel four of
+    whose blocks fit (FP8's) leaves b32's 256 blocks whole rather than cut in two to fill 528 slots."""
+    fp16, fp8 = 96 << 10, 48 << 10
+    assert planner.split_residency(264, 132, fp16) == 132 and planner.split_residency(100, 132, fp16) == 100
+    assert planner.split_residency(528, 132, fp8) == 264 == planner.split_residency(528, 132, 1 << 10)
+    assert plan_splits(64, 2, 4096, TILE, PER_TOKEN, planner.split_residency(264, 132, fp16)).num_splits == 1
+    assert plan_splits(8, 8, 8192, TILE, PER_TOKEN, planner.split_residency(264, 132, fp16)).num_splits == 2
+    resident = planner.split_residency(528, 132, fp8)
+    assert plan_splits(8, 8, 8192, TILE, PER_TOKEN // 2, resident).num_splits == 4
     assert plan_splits(32, 8, 4096, TILE, PER_TOKEN // 2, resident).num_splits == 1
     assert plan_splits(32, 8, 4096, TILE, PER_TOKEN // 2, 528).num_splits == 2
-
-
-def test_the_short_geometry_takes_long_segments_past_two_waves():
-    """Segments over SHORT_TILES tiles run the standard geometry up to SHORT_ANY_WAVES waves of it, the short
-    one past that (the engine's 256 sequences x 3 KV heads at 2,067 tokens: 768 blocks, 2.9 waves of 264)."""
-    tile, long_tokens = 64, (planner.SHORT_TILES + 1) * 64
-    wave = 264
-    assert plan_splits(128, 3, long_tokens, tile, 256, 132, wave_blocks=wave).geometry == "standard"  # 1.5 waves
-    assert plan_splits(256, 3, long_tokens, tile, 256, 132, wave_blocks=wave).geometry == "short"  # 2.9 waves
-    assert plan_splits(256, 3, long_tokens, tile, 256, 132, wave_blocks=wave, mean_seq_len=1000).geometry \
-        == "standard"  # cut for unevenness
 
 
 def test_the_short_geometry_counts_waves_of_every_resident_block():
     """b64 over FP8 (512 thread blocks, four of the standard geometry's an SM, split plans counting two) is one
     wave of the standard geometry: it keeps it; b128 (1024) is two, and takes the short one."""
-    resident = planner.split_residency(528, 132)
+    resident = planner.split_residency(528, 132, 48 << 10)
     assert plan_splits(64, 8, 2048, 64, PER_TOKEN // 2, resident).geometry == "short"  # waves of two an SM
     assert plan_splits(64, 8, 2048, 64, PER_TOKEN // 2, resident, wave_blocks=528).geometry == "standard"
     assert plan_splits(128, 8, 1024, 64, PER_TOKEN // 2, resident, wave_blocks=528).geometry == "short"

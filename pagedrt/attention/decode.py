@@ -94,7 +94,8 @@ def _device_split(cfg, batch, q_heads, max_seq_len, num_splits, mean_seq_len, ge
     import cupy
     standard = _kernel(cfg, True, "standard", cupy.cuda.Device().id)
     units = q_heads // kernel_group(cfg)[0]  # thread blocks an item takes
-    resident = split_residency(standard.resident_blocks, multiprocessors(cupy.cuda.Device().id))
+    resident = split_residency(standard.resident_blocks, multiprocessors(cupy.cuda.Device().id),
+                               standard.geometry.pipeline_bytes)
     return plan_splits(batch, units, max_seq_len, standard.geometry.tile, 2 * cfg.head_dim * cfg.kv_itemsize,
                        resident, num_splits=num_splits, mean_seq_len=mean_seq_len, geometry=geometry_name,
                        wave_blocks=standard.resident_blocks)

@@ -33,10 +33,10 @@ FP8_FACTOR = 2                  # FP8 K/V: tiles of twice the tokens to 16 heads
 FP8_NARROW_GROUP = 8            # but to this many heads (transposed: keys as m16 rows) fp16's tile and stages
 IDS_WINDOW = 256                # block ids a thread block stages in shared memory at a time
 SHORT_TILES = 32                # segments of at most this many tiles may run the short geometry,
-SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry;
-SHORT_ANY_WAVES = 2             # past this many waves, segments of any length run it
+SHORT_WAVES = 1                 # when the thread blocks outnumber this many waves of the standard geometry
 MIN_SEGMENT_BYTES = 256 << 10   # K+V bytes that make a split segment worth a thread block
-SPLIT_BLOCKS_PER_SM = 1         # split plans count at most this many resident thread blocks an SM (split_residency)
+SPLIT_BLOCKS_PER_SM = 2         # split plans count at most this many resident thread blocks an SM (split_residency),
+SPLIT_SM_BYTES = 96 << 10       # or fewer, enough for their pipelines to hold this many K/V bytes
 UNEVEN = 1.5                    # longest / mean length above which a batch that fills the device is split anyway
 PREFILL_DTYPES = ("float16", "bfloat16")  # prefill runs on tensor cores only
 PREFILL_THREADS = 128           # four warps, 16 packed query rows each
@@ -72,6 +72,11 @@ class Geometry:
     mma: bool = False  # scores and weighted sums on tensor cores (mma.m16n8k16), a warp per 16 tokens
     threads: int = THREADS
     ids_window: int = IDS_WINDOW  # block ids staged in shared memory at a time
+
+    @property
+    def pipeline_bytes(self) -> int:
+        """K/V bytes the pipeline's stages hold (its shared memory but the staged ids)."""
+        return self.smem_bytes - 4 * self.ids_window
 
 
 def _pow2_floor(x: int) -> int:
@@ -246,12 +251,14 @@ class SplitPlan:
         return out
 
 
-def split_residency(resident_blocks: int, multiprocessors: int) -> int:
-    """The resident thread blocks a split plan fills: the kernel's (``resident_blocks``), but at most
-    SPLIT_BLOCKS_PER_SM an SM. One block of a decode kernel keeps an SM's share of HBM streaming; cutting
-    sequences further to give each SM a second block adds more thread-block starts and merges than it gains
-    (docs/KERNELS.md, "Split plan")."""
-    return min(resident_blocks, SPLIT_BLOCKS_PER_SM * multiprocessors)
+def split_residency(resident_blocks: int, multiprocessors: int, pipeline_bytes: int) -> int:
+    """The resident thread blocks a split plan fills: the kernel's (``resident_blocks``), but an SM only as many
+    as its K/V pipeline needs to keep SPLIT_SM_BYTES in flight (``pipeline_bytes`` a block), and at most
+    SPLIT_BLOCKS_PER_SM. That is one block of fp16 at head_dim 128 and two of FP8's narrow kernel, whose stages
+    hold half the bytes; cutting sequences further to fill the rest adds more thread-block starts and merges than
+    it gains (docs/KERNELS.md, "Split plan")."""
+    per_sm = min(SPLIT_BLOCKS_PER_SM, -(-SPLIT_SM_BYTES // max(1, pipeline_bytes)))
+    return min(resident_blocks, per_sm * multiprocessors)
 
 
 def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, bytes_per_token: int,
@@ -264,9 +271,8 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, byte
     sequence to fill them in one wave, in segments of at least ``min_segment_bytes`` of K+V; uneven lengths
     (the longest over UNEVEN times ``mean_seq_len``) are cut in segments of about a quarter of the mean.
     Segments are whole tiles; splits the rounding left empty are dropped, but a requested count is kept.
-    Unless forced, ``"short"`` when the thread blocks outnumber SHORT_WAVES waves of ``wave_blocks``, segments
-    are at most SHORT_TILES tiles or the blocks outnumber SHORT_ANY_WAVES waves, and the lengths were not cut
-    for unevenness.
+    Unless forced, ``"short"`` when segments are at most SHORT_TILES tiles, the thread blocks outnumber
+    SHORT_WAVES waves of ``wave_blocks`` and the lengths were not cut for unevenness.
 
     Parameters
     ----------
@@ -315,9 +321,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_seq_len: int, tile: int, byte
         wanted = -(-max_seq_len // segment)
     if geometry is None:
         wave = resident_blocks if wave_blocks is None else wave_blocks
-        blocks = units * wanted
-        short = (blocks > SHORT_WAVES * wave and (segment <= SHORT_TILES * tile or blocks > SHORT_ANY_WAVES * wave)
-                 and not uneven)
+        short = segment <= SHORT_TILES * tile and units * wanted > SHORT_WAVES * wave and not uneven
         geometry = "short" if short else "standard"
     return SplitPlan(wanted, segment, geometry)
 

@@ -113,8 +113,9 @@ def partition(case, sms=H200_SMS, per_sm=None, num_splits=None, **model):
     lens = np.asarray(case.lengths, np.int64)
     token_bytes = 2 * HEAD_DIM * cfg.kv_itemsize
     resident = {name: sms * n for name, n in per_sm.items()}
-    split = plan_splits(len(lens), KV_HEADS, int(lens.max()), geometry(cfg, "standard").tile, token_bytes,
-                        split_residency(resident["standard"], sms), num_splits=num_splits,
+    standard = geometry(cfg, "standard")
+    split = plan_splits(len(lens), KV_HEADS, int(lens.max()), standard.tile, token_bytes,
+                        split_residency(resident["standard"], sms, standard.pipeline_bytes), num_splits=num_splits,
                         mean_seq_len=float(lens.mean()), wave_blocks=resident["standard"])
     return {"case": case.name, **describe(lens, split, resident, token_bytes, **model)}
 
