@@ -15,7 +15,8 @@
 //     refilled as soon as the scores are computed.
 //   - two consumers (warpgroups 1 and 2) own 64 packed rows each. Per key tile: S = Q K^T by
 //     wgmma m64nTILE_Nk16 with Q and K in shared memory (both K-major), the online softmax on S in
-//     fp32 (exp2 of the scores scaled by scale * log2(e)), then O += P V by wgmma m64nHEAD_DIMk16
+//     fp32 (exp2 of the scores scaled by scale * log2(e); a row's max and sum in four independent
+//     chains), then O += P V by wgmma m64nHEAD_DIMk16
 //     with P in registers (S's accumulator layout is the A fragment layout, rounded to T) and V in
 //     shared memory read MN-major (transposed by the descriptor). The next tile's S = Q K^T is
 //     issued before this tile's P V, so the softmax of one tile runs while the tensor cores do the
@@ -367,35 +368,42 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         auto softmax = [&](int t, float (&alpha)[2], auto mask) {
             constexpr bool MASK = decltype(mask)::value;
             const int key0 = (w.tile0 + t) * TILE_N;
-            // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2
-            float top[2] = {neg_inf(), neg_inf()};
+            // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2. A row's max and sum
+            // run in four independent chains (chain (j % 2) * 2 + e % 2), not one of TILE_N / 4 dependent steps.
+            const float lowest = neg_inf();
+            float top[2][4] = {{lowest, lowest, lowest, lowest}, {lowest, lowest, lowest, lowest}};
 #pragma unroll
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     if (MASK && key0 + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
                         sc[4 * j + e] = neg_inf();
-                    top[e / 2] = fmaxf(top[e / 2], sc[4 * j + e]);
+                    float& chain = top[e / 2][(j % 2) * 2 + e % 2];
+                    chain = fmaxf(chain, sc[4 * j + e]);
                 }
             float shift[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
-                const float m_new = fmaxf(m[h], top[h]);
+                top[h][0] = fmaxf(fmaxf(top[h][0], top[h][1]), fmaxf(top[h][2], top[h][3]));
+                top[h][0] = fmaxf(top[h][0], __shfl_xor_sync(0xffffffffu, top[h][0], 1));
+                top[h][0] = fmaxf(top[h][0], __shfl_xor_sync(0xffffffffu, top[h][0], 2));
+                const float m_new = fmaxf(m[h], top[h][0]);
                 // m_new = -inf: the row has seen no key yet (its o and l are 0); m = -inf: exp2f gives 0
                 alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * scale_log2);
                 shift[h] = m_new == neg_inf() ? 0.f : m_new * scale_log2;
                 m[h] = m_new;
                 l[h] *= alpha[h];
             }
+            float sum[2][4] = {};
 #pragma unroll
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], scale_log2, -shift[e / 2]));
-                    l[e / 2] += sc[4 * j + e];
+                    sum[e / 2][(j % 2) * 2 + e % 2] += sc[4 * j + e];
                 }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) l[h] += (sum[h][0] + sum[h][1]) + (sum[h][2] + sum[h][3]);
         };
         auto softmax_of = [&](int t, float (&alpha)[2]) {
             if ((w.tile0 + t + 1) * TILE_N <= shared_keys) softmax(t, alpha, integral_constant<bool, false>());
