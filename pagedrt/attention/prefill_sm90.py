@@ -25,7 +25,8 @@ from .planner import prefill_sm90_geometry
 FILE = "prefill_sm90.cu"  # source.ARCHES compiles it for sm_90a
 SM90 = "90"  # CuPy's compute_capability of the devices that run it
 ALL_TILES = np.iinfo(np.int32).max  # an unsplit launch's segment: every key tile
-MAX_UNITS = np.iinfo(np.int32).max  # (item, KV head, segment) units the kernel counts in int
+# (item, KV head, segment) units the kernel counts in int, with room for each block's claim past the last
+MAX_UNITS = np.iinfo(np.int32).max - (1 << 16)
 
 
 def kernel_name(cfg: Config) -> str:
