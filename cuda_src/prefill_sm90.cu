@@ -15,7 +15,8 @@
 //     refilled as soon as the scores are computed.
 //   - two consumers (warpgroups 1 and 2) own 64 packed rows each. Per key tile: S = Q K^T by
 //     wgmma m64nTILE_Nk16 with Q and K in shared memory (both K-major), the online softmax on S in
-//     fp32 (exp2 of the scores scaled by scale * log2(e)), then O += P V by wgmma m64nHEAD_DIMk16
+//     fp32 (exp2 of the scores scaled by scale * log2(e); a row's max and sum in four independent
+//     chains), then O += P V by wgmma m64nHEAD_DIMk16
 //     with P in registers (S's accumulator layout is the A fragment layout, rounded to T) and V in
 //     shared memory read MN-major (transposed by the descriptor). The next tile's S = Q K^T is
 //     issued before this tile's P V, so the softmax of one tile runs while the tensor cores do the
@@ -25,6 +26,12 @@
 // rows of 64-element panels, chunk c of row r at c ^ (r % 8), tiles 1024-byte aligned.
 // Masking (causal aligned bottom-right, and the sequence's end) is applied only to the tiles that
 // cross some row's limit. At the end each consumer normalises its rows and stores them.
+//
+// Units come from a queue (FlashAttention-3's tile scheduler): a block's first unit is its own index, each
+// next one it claims when its producer has issued the last one's copies (gridDim.x + atomicAdd on the
+// queue's count), so a block that finishes early takes more. The producer's first thread claims and hands
+// the unit to every warp through two slots in shared memory (an mbarrier each); a claim past the units ends
+// the block. The last block to finish resets the queue for the next launch.
 //
 // Split-K (a wide group's decode, pagedrt/attention/decode.py; head_dim up to 128, where a consumer has the
 // registers for the merge: at 256 num_splits is taken as 1): with num_splits > 1 a unit is also one
@@ -73,9 +80,9 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 }
 
 // Arguments as prefill.cu's, but the block size is a run-time power of two (block_shift = log2), and the
-// grid is persistent: thread block b takes units b, b + gridDim.x, ... of the num_items * num_kv_heads *
-// num_splits units (unit u: segment u % num_splits of work item u / num_splits / num_kv_heads for KV head
-// u / num_splits % num_kv_heads).
+// grid is persistent: thread block b takes unit b, then those it claims from the queue, of the num_items *
+// num_kv_heads * num_splits units (unit u: segment u % num_splits of work item u / num_splits / num_kv_heads
+// for KV head u / num_splits % num_kv_heads).
 // q, out:       [num_tokens, num_kv_heads * group, HEAD_DIM], contiguous
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at
 //               b*block_stride + ((h << block_shift) + s)*HEAD_DIM + d
@@ -89,6 +96,8 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 //               num_splits, HEAD_DIM], float2 [num_items * q_heads, num_splits] (max in the log2 domain, sum),
 //               int [num_items * q_heads] zeroed before the first launch (each merge resets its count); null
 //               when unsplit
+// queue:        int [2] (units claimed past the first gridDim.x, blocks finished), zeroed before the first
+//               launch (the last block resets them); the launches over one queue run one at a time
 template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
@@ -96,14 +105,15 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
              const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
              float scale_log2, int block_shift, int num_items, int num_kv_heads, int num_splits, int split_tiles,
              float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
-             T* __restrict__ out) {
+             int* __restrict__ queue, T* __restrict__ out) {
     using S = PrefillSm90Shape<T, HEAD_DIM, TILE_N, STAGES>;
     constexpr int NV = S::kRowVecs, RPR = S::kRowsPerRound, TILE_M = S::kTileM;
 
     extern __shared__ unsigned char smem_raw[];
-    // mbarriers: Q landed, Q free; per stage: K landed, V landed, K free, V free
-    __shared__ __align__(8) unsigned long long barriers[2 + 4 * STAGES];
+    // mbarriers: Q landed, Q free; per stage: K landed, V landed, K free, V free; per unit slot: written
+    __shared__ __align__(8) unsigned long long barriers[2 + 4 * STAGES + 2];
     __shared__ int merges[2];  // split-K: whether each consumer arrived last on its rows' count
+    __shared__ int slots[2];   // the units handed to the warps, in turn
     const unsigned smem = (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
     const unsigned smem_q = smem, smem_k = smem + S::kKOffset, smem_v = smem + S::kVOffset;
     const unsigned q_full = static_cast<unsigned>(__cvta_generic_to_shared(barriers)), q_empty = q_full + 8;
@@ -111,6 +121,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     auto v_full = [&](int s) { return q_full + 8 * (2 + STAGES + s); };
     auto k_empty = [&](int s) { return q_full + 8 * (2 + 2 * STAGES + s); };
     auto v_empty = [&](int s) { return q_full + 8 * (2 + 3 * STAGES + s); };
+    auto unit_full = [&](int n) { return q_full + 8 * (2 + 4 * STAGES + n % 2); };  // the n-th unit's slot
     if (threadIdx.x == 0) {
         sm90::mbarrier_init(q_full, 128);  // every producer thread's copies
         sm90::mbarrier_init(q_empty, 8);   // every consumer warp
@@ -120,6 +131,8 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             sm90::mbarrier_init(k_empty(s), 8);
             sm90::mbarrier_init(v_empty(s), 8);
         }
+        sm90::mbarrier_init(unit_full(0), 1);  // the claiming thread
+        sm90::mbarrier_init(unit_full(1), 1);
         sm90::mbarrier_init_fence();
     }
     __syncthreads();
@@ -163,6 +176,14 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         return ((long long)(w.q_first + i) * q_heads + w.kv_head * group + (p - i * group)) * HEAD_DIM;
     };
 
+    // The n-th unit handed to this block's warps (num_units or more: none is left). Its slot is written again
+    // for unit n + 2 only once the producer has waited for the consumers to be done with unit n + 1's Q tile: by
+    // then every warp has read it (the producer's before copying unit n's Q, the consumers' before using it).
+    auto take = [&](int n) {
+        sm90::mbarrier_wait(unit_full(n), (n / 2) & 1);
+        return slots[n % 2];
+    };
+
     if (threadIdx.x < 128) {
         // ---- producer ----
         sm90::setmaxnreg_dec<S::kProducerRegs>();
@@ -180,17 +201,25 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const int qrow0 = copy_row * QRPT;
         const unsigned qdst0 = panel_offset<TILE_M>(qrow0, chunk & ~7);
         int tiles = 0;  // tiles produced so far: stage tiles % STAGES, round tiles / STAGES
-        for (int u = blockIdx.x, n = 0; u < num_units; u += gridDim.x) {
+        for (int n = 0;; ++n) {
+            if (tid == 0) {  // hand the block's n-th unit on: its own index first, then one claimed
+                slots[n % 2] = static_cast<int>(n == 0 ? blockIdx.x : gridDim.x + atomicAdd(queue, 1));
+                sm90::mbarrier_arrive(unit_full(n));
+            }
+            __syncwarp();
+            const int u = take(n);
+            if (u >= num_units) break;
             const Unit w = unit_of(u);
-            if (w.split >= w.live) continue;  // a segment past the keys
-            // The Q tile, rows past the tile zero-filled, once the consumers are done with the last unit's.
+            // The Q tile, rows past the tile zero-filled, once the consumers are done with the last unit's (also
+            // for a segment without keys, whose Q barriers keep the unit slots in step).
             // This thread copies chunk `chunk` of the packed rows [qrow0, qrow0 + QRPT), stepping through them.
             sm90::mbarrier_wait(q_empty, (n & 1) ^ 1);
             {
                 const int p0 = w.p_first + qrow0, live_rows = w.p_end - p0;
                 int head = p0 % group;
                 const T* from = q + row_offset(w, p0) + chunk * 8;
-#pragma unroll
+                // not unrolled: unrolled, its addresses were hoisted out of the unit loop, and spilled
+#pragma unroll 1
                 for (int i = 0; i < QRPT; ++i) {
                     const bool live = i < live_rows;
                     cp_async16_shared(smem_q + qdst0 + i * 128 + ((swizzle ^ (i % 8)) << 4), live ? from : q,
@@ -200,7 +229,6 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 }
             }
             sm90::cp_async_arrive(q_full);
-            ++n;
 
             const int* const table_row = block_tables + w.seq * table_stride;
             // K/V that this unit alone reads (its sequence's only item: a decode's, or a prompt of at most
@@ -241,6 +269,10 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 issue(v, smem_v + s * S::kStageBytes, first_key, id);
                 sm90::cp_async_arrive(v_full(s));
             }
+        }
+        if (tid == 0) {  // this block claims no more; the last block to finish resets the queue
+            __threadfence();
+            if (atomicAdd(queue + 1, 1) == static_cast<int>(gridDim.x) - 1) queue[0] = queue[1] = 0;
         }
         sm90::cp_async_wait_all();
         return;
@@ -297,16 +329,16 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     // consumer 1's last arrival is taken at the end. At most one arrival is ever pending on either barrier.
     bool pinged = false;  // a pingpong unit has run
     int tiles = 0;        // tiles consumed so far, as the producer counts them
-    for (int u = blockIdx.x, n = -1; u < num_units; u += gridDim.x) {
+    for (int n = 0;; ++n) {
+        const int u = take(n);
+        if (u >= num_units) break;
         const Unit w = unit_of(u);
-        if (w.split >= w.live) continue;  // a segment past the keys
-        ++n;
         const int num_tiles = w.num_tiles, first = tiles;
         tiles += num_tiles;
         auto stage = [&](int t) { return (first + t) % STAGES; };
         auto round = [&](int t) { return unsigned((first + t) / STAGES) & 1; };
         sm90::mbarrier_wait(q_full, n & 1);
-        if (consumer >= w.consumers) {  // no live row: pass the unit's stages on
+        if (consumer >= w.consumers || w.split >= w.live) {  // no live row, or no keys: pass the stages on
             release(q_empty);
             for (int t = 0; t < num_tiles; ++t) {
                 sm90::mbarrier_wait(k_full(stage(t)), round(t));
@@ -344,35 +376,42 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         auto softmax = [&](int t, float (&alpha)[2], auto mask) {
             constexpr bool MASK = decltype(mask)::value;
             const int key0 = (w.tile0 + t) * TILE_N;
-            // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2
-            float top[2] = {neg_inf(), neg_inf()};
+            // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2. A row's max and sum
+            // run in four independent chains (chain (j % 2) * 2 + e % 2), not one of TILE_N / 4 dependent steps.
+            const float lowest = neg_inf();
+            float top[2][4] = {{lowest, lowest, lowest, lowest}, {lowest, lowest, lowest, lowest}};
 #pragma unroll
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     if (MASK && key0 + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
                         sc[4 * j + e] = neg_inf();
-                    top[e / 2] = fmaxf(top[e / 2], sc[4 * j + e]);
+                    float& chain = top[e / 2][(j % 2) * 2 + e % 2];
+                    chain = fmaxf(chain, sc[4 * j + e]);
                 }
             float shift[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
-                const float m_new = fmaxf(m[h], top[h]);
+                top[h][0] = fmaxf(fmaxf(top[h][0], top[h][1]), fmaxf(top[h][2], top[h][3]));
+                top[h][0] = fmaxf(top[h][0], __shfl_xor_sync(0xffffffffu, top[h][0], 1));
+                top[h][0] = fmaxf(top[h][0], __shfl_xor_sync(0xffffffffu, top[h][0], 2));
+                const float m_new = fmaxf(m[h], top[h][0]);
                 // m_new = -inf: the row has seen no key yet (its o and l are 0); m = -inf: exp2f gives 0
                 alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * scale_log2);
                 shift[h] = m_new == neg_inf() ? 0.f : m_new * scale_log2;
                 m[h] = m_new;
                 l[h] *= alpha[h];
             }
+            float sum[2][4] = {};
 #pragma unroll
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], scale_log2, -shift[e / 2]));
-                    l[e / 2] += sc[4 * j + e];
+                    sum[e / 2][(j % 2) * 2 + e % 2] += sc[4 * j + e];
                 }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) l[h] += (sum[h][0] + sum[h][1]) + (sum[h][2] + sum[h][3]);
         };
         auto softmax_of = [&](int t, float (&alpha)[2]) {
             if ((w.tile0 + t + 1) * TILE_N <= shared_keys) softmax(t, alpha, integral_constant<bool, false>());

@@ -10,17 +10,18 @@ long prompt beside long prefixes, so that key tiles wrap the stage ring many tim
 Inputs are fresh random data, unowned slots hold NaN and outputs are poisoned before each
 launch (test_prefill_gpu's helpers). The mma.sync kernel, which every other GPU (and a
 scale of 0 or below) runs, is checked here too, by a plan that is told the device is not
-9.0.
+9.0. A plan over more units than SMs, run again and replayed in a CUDA graph, checks that the kernel's unit
+queue is back at zero after each launch.
 """
 
 import numpy as np
 import pytest
 
-from helpers import compile_all
+from helpers import compile_all, to_host
 from kernel_cases import PrefillCase
-from pagedrt.attention import PrefillPlan, decode, prefill, prefill_sm90, reference
+from pagedrt.attention import PrefillPlan, decode, planner, prefill, prefill_sm90, reference
 from pagedrt.kernels.configs import Config
-from test_prefill_gpu import OnDevice, case_of, expected, poisoned, ragged, row_errors, run
+from test_prefill_gpu import OnDevice, case_of, expected, poisoned, ragged, replay_twice, row_errors, run
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +74,26 @@ def test_sm90_long_prompts_wrap_the_stage_ring(cfg):
     case = PrefillCase(cfg, [3000, 0, 700], [900, 1500, 1], kv_heads=2, seed=5)
     for causal in (True, False):
         assert not row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+
+
+def test_the_unit_queue_is_ready_again_for_each_run_and_graph_replay():
+    """More (item, KV head) units than SMs, so blocks claim units from the queue: every run of one plan, plain or
+    replayed from a CUDA graph, attends every row (a queue left past zero would skip units: NaN rows)."""
+    import cupy
+    cfg = Config("float16", 128, 16, 4)
+    case = PrefillCase(cfg, [0, 400, 2000, 0], [900, 500, 200, 40], kv_heads=4, seed=17)
+    dev, ref = OnDevice(case), expected(case)
+    plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
+    assert plan.kernel == prefill_sm90.kernel_name(cfg)
+    units = len(planner.prefill_items(case.query_lens, cfg.group, planner.SM90_TILE_M)) * 4  # 4 KV heads
+    assert units > cupy.cuda.Device().attributes["MultiProcessorCount"]
+    for _ in range(3):
+        out = poisoned(case.q.shape, case.q.dtype)
+        plan.run(dev.q, dev.k, dev.v, out=out)
+        assert not row_errors(to_host(out), ref, case)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        replay_twice(stream, plan, dev, [(dev.k, dev.v)], [poisoned(case.q.shape, case.q.dtype)], [ref], case)
 
 
 def test_a_scale_of_zero_or_below_takes_the_mma_sync_kernel():

@@ -5,7 +5,8 @@ planes, a positive scale) and for a :class:`~pagedrt.attention.DecodePlan` of a 
 (:func:`~pagedrt.attention.planner.wide_group`): there a sequence's one query token times the group's heads
 are the rows of its tile, and long sequences are cut into segments (split-K) merged in the kernel, over the
 decode plan's workspace. The grid is persistent: a thread block per SM, over the (work item, KV head,
-segment) units.
+segment) units, which a block claims from the launch's queue as it frees up (two int32 counters the launch
+owns; the kernel resets them, so replays need no memset, but launches over one queue must not overlap).
 """
 
 import functools
@@ -24,7 +25,8 @@ from .planner import prefill_sm90_geometry
 FILE = "prefill_sm90.cu"  # source.ARCHES compiles it for sm_90a
 SM90 = "90"  # CuPy's compute_capability of the devices that run it
 ALL_TILES = np.iinfo(np.int32).max  # an unsplit launch's segment: every key tile
-MAX_UNITS = np.iinfo(np.int32).max  # (item, KV head, segment) units the kernel counts in int
+# (item, KV head, segment) units the kernel counts in int, with room for each block's claim past the last
+MAX_UNITS = np.iinfo(np.int32).max - (1 << 16)
 
 
 def kernel_name(cfg: Config) -> str:
@@ -56,6 +58,7 @@ class Launch:
     threads: tuple
     smem: int
     middle: tuple  # the arguments between v and out
+    owns: tuple = ()  # device arrays the arguments point into (the sm_90a kernel's queue)
 
     def __call__(self, q: np.uint64, k: np.uint64, v: np.uint64, out: np.uint64, scales: tuple = ()) -> None:
         """Launch over one layer's pointers; ``scales``: FP8's (k_scale, v_scale) pointers, else nothing."""
@@ -67,14 +70,17 @@ def launch(cfg: Config, pk: Plane, block_tables: Array, kv_lens: Array, items: A
            parts: Tuple[np.uint64, np.uint64, np.uint64] = (NULL,) * 3) -> Launch:
     """The :class:`Launch` over the work ``items`` (a device int32 [n, 4], n > 0) of planes ``pk``
     (:class:`~pagedrt.kernels.args.Plane`): unsplit, or cut into ``num_splits`` segments of ``split_tiles`` key
-    tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers."""
+    tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers. The launch
+    allocates its unit queue (zeroed once)."""
     geo = prefill_sm90_geometry(cfg)
     units = items.shape[0] * pk.num_kv_heads * num_splits
     check(units <= MAX_UNITS, lambda: f"{items.shape[0]} work items x {pk.num_kv_heads} KV heads x {num_splits} "
                                       f"segments are {units} units, over the kernel's {MAX_UNITS}: fewer splits")
+    import cupy
+    queue = cupy.zeros(2, np.int32)
     middle = (np.int64(pk.block_stride), ptr(block_tables), np.int64(block_tables.strides[0] // 4),
               np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
               np.float32(scale * LOG2E), np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]),
-              np.int32(pk.num_kv_heads), np.int32(num_splits), np.int32(split_tiles), *parts)
+              np.int32(pk.num_kv_heads), np.int32(num_splits), np.int32(split_tiles), *parts, ptr(queue))
     return Launch(_kernel(cfg, device), (min(units, multiprocessors(device)),), (geo.threads,), geo.smem_bytes,
-                  middle)
+                  middle, (queue,))
