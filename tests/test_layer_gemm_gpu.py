@@ -106,7 +106,7 @@ def decode(gguf, backend, batch, fed, graphs=False, fused=True, steps=4):
     return out, inputs, kinds
 
 
-@pytest.mark.parametrize("batch", [12, 40, 130])
+@pytest.mark.parametrize("batch", [12, 40])
 def test_decode_steps_match_cublas_and_the_host(batch):
     gguf = model()
     host, fed, _ = decode(gguf, "host", batch, None)

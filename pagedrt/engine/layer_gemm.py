@@ -11,8 +11,8 @@ Given CuPy arrays a function launches the kernel (through ``cuLaunchKernelEx``, 
 serialization on compute capability 9.0 and later: it requests its first weight tiles before it waits for the
 kernel before it); given NumPy arrays it runs its reference, in float64 with those roundings. A launch's
 configuration (tile rows and columns, weight stages, k-split over warps) is :data:`TABLE`'s first entry for its
-variant that covers its rows and depth and fits in shared memory: the fastest measured on an H200 at SmolLM2-135M's
-shapes (docs/ENGINE.md, "Speed").
+variant that covers its rows and depth and fits in shared memory: the fastest of those measured on an H200 at
+SmolLM2-135M's shapes (docs/ENGINE.md, "Speed").
 """
 
 import functools
@@ -39,7 +39,7 @@ TABLE = {(NORM, STORE): ((32, 4096, (16, 32, 10, 4)), (128, 4096, (16, 64, 10, 2
                         (128, 4096, (32, 32, 24, 4)), (256, 4096, (32, 64, 12, 2)))}
 FALLBACK: Config = (16, 32, 2, 4)  # the least shared memory: when no entry fits
 VARIANTS = tuple(TABLE)
-MIN_ROWS, MAX_ROWS = 9, 256  # the decode steps the layered path runs with these (smaller ones: the fused step)
+MIN_ROWS, MAX_ROWS = 9, 64  # the decode steps the layered path runs with these (fewer rows: the fused step)
 DTYPES = ("float16", "bfloat16")
 MIN_CAPABILITY, PDL_CAPABILITY = 80, 90  # mma.m16n8k16 for bfloat16; griddepcontrol
 
@@ -219,6 +219,6 @@ def _launch(prologue, epilogue, x, norm_weight, a, w, out, residual, n, eps):
 
 
 def step_rows_fit(rows: int) -> bool:
-    """Whether a decode step of ``rows`` rows runs these kernels (beside cuBLAS, they win from MIN_ROWS to
-    MAX_ROWS: docs/ENGINE.md, "Speed")."""
+    """Whether a decode step of ``rows`` rows runs these kernels: from MIN_ROWS to MAX_ROWS, where they beat cuBLAS
+    and the unfused ops (at 128 and 256 rows they lose: docs/ENGINE.md, "Speed")."""
     return MIN_ROWS <= rows <= MAX_ROWS

@@ -22,7 +22,7 @@ when it was captured; replays trust the tables and slots ``cache.step()`` wrote 
 A decode step of at most ``fused.MAX_ROWS`` rows runs as one launch instead
 (:class:`~pagedrt.engine.fused.FusedDecode`, the same arithmetic), unless the model was made with
 ``fused=False`` or :func:`~pagedrt.engine.fused.unsupported` names a reason (an FP8 cache, say).
-Larger decode steps (``layer_gemm.step_rows_fit``) run the layers with :mod:`.layer_gemm`'s GEMMs,
+Decode steps of 9 to 64 rows (``layer_gemm.step_rows_fit``) run the layers with :mod:`.layer_gemm`'s GEMMs,
 which fuse the norms, SwiGLU and the residual adds (six launches a layer instead of nine), unless the model
 was made with ``fused=False`` (tensor-parallel shards are: their o and down outputs are summed over the shards
 before the residual add) or :func:`~pagedrt.engine.layer_gemm.unsupported` names a reason. Prefill steps keep
