@@ -1,5 +1,6 @@
 """The engine on a GPU against its NumPy path: every op against its reference, the forward pass of the tiny model
-and of the real one (when its file is here), CUDA graphs against eager steps, and generation end to end."""
+and of the real one (when its file is here), also in decode steps of more rows than the one-launch step takes,
+CUDA graphs against eager steps, and generation end to end."""
 
 import os
 
@@ -127,6 +128,60 @@ def test_real_model_gpu_matches_host():
     if not os.path.isfile(path):
         pytest.skip(f"the model file is not at {path}: pagedrt generate fetches it")
     compare(loader.load(path), 0.05)
+
+
+def drive_batch(gguf, backend, graphs, batch, fed=None, steps=4):
+    """``batch`` prompts, then ``steps`` decode steps of ``batch`` rows (more than the one-launch step takes: the
+    layered step, on the fused GEMMs), greedy or fed ``fed``. Returns (logits per decode step, tokens fed)."""
+    from pagedrt import PagedKVCache
+    from pagedrt.engine.model import LlamaModel
+    c = gguf.config
+    rng = np.random.default_rng(batch)
+    with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=8192, max_seqs=batch,
+                      backend=backend) as cache:
+        model = LlamaModel(gguf, cache, graphs=graphs)
+        xp = cache.xp
+        with model.stream:
+            prompts = [rng.integers(0, c.vocab_size, n) for n in rng.integers(1, 30, batch)]
+            step = cache.step([], arrivals=prompts)
+            tokens = to_host(model.forward(step, xp.asarray(np.concatenate(prompts)))).argmax(1)
+            logits, inputs = [], []
+            for i in range(steps):
+                tokens = tokens if fed is None else fed[i]
+                inputs.append(tokens)
+                logits.append(to_host(model.forward(cache.step(None, 1, tokens), xp.asarray(tokens))).copy())
+                tokens = logits[-1].argmax(1)
+    return logits, inputs
+
+
+def compare_batch(gguf, batch, tolerance):
+    """Decode steps of ``batch`` rows on the GPU (graphs and eager) against the host path on the host's tokens."""
+    host, fed = drive_batch(gguf, "host", False, batch)
+    results = {}
+    for graphs in (False, True):
+        gpu, _ = drive_batch(gguf, "cuda", graphs, batch, fed)
+        worst = max(float(np.abs(g - h).max() / h.std()) for g, h in zip(gpu, host))
+        agree = np.mean(np.concatenate([g.argmax(1) == h.argmax(1) for g, h in zip(gpu, host)]))
+        print(f"{gguf.config.name} x {batch}: graphs={graphs}: max |gpu - host| / std = {worst:.4f}, "
+              f"greedy agree {agree:.3f}")
+        assert worst < tolerance and agree >= 0.9
+        results[graphs] = gpu
+    for e, g in zip(results[False], results[True]):
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("batch", [24, 200])
+def test_tiny_model_decode_batches_gpu_match_host(tiny, batch):
+    from pagedrt.engine import loader
+    compare_batch(loader.load(tiny), batch, 0.02)
+
+
+def test_real_model_decode_batch_gpu_matches_host():
+    from pagedrt.engine import fetch, loader
+    path = os.environ.get("PAGEDRT_TEST_MODEL") or fetch.default_path()
+    if not os.path.isfile(path):
+        pytest.skip(f"the model file is not at {path}: pagedrt generate fetches it")
+    compare_batch(loader.load(path), 24, 0.05)
 
 
 def test_generate_on_gpu(tiny, tmp_path):

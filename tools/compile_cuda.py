@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedrt.attention import decode, prefill  # noqa: E402
 from pagedrt import kernels  # noqa: E402
-from pagedrt.engine import fused, ops, rope_write  # noqa: E402
+from pagedrt.engine import fused, layer_gemm, ops, rope_write  # noqa: E402
 from pagedrt.source import ARCHES, CUDA_SRC, text  # noqa: E402
 
 PER_UNIT = 12  # instances per translation unit
@@ -36,9 +36,9 @@ NVCC_OPTIONS = ("-std=c++17", "-ftz=true")  # as CuPy compiles RawModules with N
 
 def instances():
     """{cuda_src file: name expressions} of every launcher: pagedrt.kernels', pagedrt.attention's (decode with
-    its indexed variant, and prefill) and the engine's (pagedrt.engine.ops, .rope_write and .fused)."""
+    its indexed variant, and prefill) and the engine's (pagedrt.engine.ops, .rope_write, .fused and .layer_gemm)."""
     return {**kernels.instances(), **decode.instances(indexed=(False, True)), **prefill.instances(), **ops.instances(),
-            **rope_write.instances(), **fused.instances()}
+            **rope_write.instances(), **fused.instances(), **layer_gemm.instances()}
 
 
 def units(tmp):

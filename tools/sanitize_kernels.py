@@ -8,7 +8,8 @@ r"""Run every kernel once on small data, for compute-sanitizer.
 errors that memcheck would count; pagedrt checks its own driver calls itself.)
 
 Write (with padding slots), the fused rotary embeddings + write (padding slots too; FP8 planes on 8.9 or
-later), the one-launch decode step of a small model against the layered step, decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
+later), the one-launch decode step of a small model against the layered step, the fused-epilogue GEMMs (under
+programmatic dependent launch on 9.0), decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
 both again over FP8 K/V (compute capability 8.9 or later; prefill too, causal and not), the contiguous
 baseline, prefill (causal and not, over a ragged batch with a one-token row; on compute capability 9.0 both
 the sm_90a kernel and the mma.sync one, and an sm_90a plan run twice), mixed steps (decode rows split, around a prompt chunk and after it),
@@ -125,6 +126,7 @@ def run():
     expect("write_kv (with padding slots)", same())
     rope_writes(expect, rng, slots, num_blocks, fp8_cfg is not None)
     fused_steps(expect, rng)
+    layer_gemms(expect, rng)
 
     ref = reference.paged_decode(q.astype(np.float64), host_k, host_v, table, lens, 1 / math.sqrt(DIM))
     for geometry_name in planner.GEOMETRIES:
@@ -261,6 +263,29 @@ def fused_steps(expect, rng):
             cupy.cuda.get_current_stream().synchronize()
             del model
     expect("the fused decode step against the layered one", rel_error(logits[0], logits[1]) <= 2e-2)
+
+
+def layer_gemms(expect, rng):
+    """The fused-epilogue GEMMs (pagedrt.engine.layer_gemm), fp16, at SmolLM2-135M's shapes, 37 rows (no tile's
+    multiple) and 200 (another table entry each), against their references."""
+    import cupy
+    from pagedrt.engine import layer_gemm as lg
+    for m in (37, 200):
+        x = rng.standard_normal((m, 576)).astype(np.float32)
+        g = np.ones(576, np.float32)
+        for name, rows, n in (("norm_gemm", 960, 960), ("norm_gemm_silu", 3072, 1536)):
+            w = (rng.standard_normal((rows, 576)) / 24).astype(np.float16)
+            fn = getattr(lg, name)
+            ref = fn(x, g, w, np.empty((m, n), np.float16), 1e-5)
+            out = fn(cupy.asarray(x), cupy.asarray(g), cupy.asarray(w), cupy.empty((m, n), np.float16), 1e-5)
+            expect(f"layer_gemm {name} ({m} rows)", rel_error(cupy.asnumpy(out), ref) <= 2e-3)
+        for k in (576, 1536):
+            a = rng.standard_normal((m, k)).astype(np.float16)
+            w = (rng.standard_normal((576, k)) / np.sqrt(k)).astype(np.float16)
+            residual = x.copy()
+            added = cupy.asnumpy(lg.gemm_add(cupy.asarray(a), cupy.asarray(w), cupy.asarray(residual))) - residual
+            expect(f"layer_gemm gemm_add ({m} rows, k {k})",
+                   rel_error(added, lg.gemm_add(a, w, residual.copy()) - residual) <= 2e-3)
 
 
 def wide_groups(expect, rng, fp8):

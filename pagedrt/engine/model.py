@@ -22,6 +22,11 @@ when it was captured; replays trust the tables and slots ``cache.step()`` wrote 
 A decode step of at most ``fused.MAX_ROWS`` rows runs as one launch instead
 (:class:`~pagedrt.engine.fused.FusedDecode`, the same arithmetic), unless the model was made with
 ``fused=False`` or :func:`~pagedrt.engine.fused.unsupported` names a reason (an FP8 cache, say).
+Decode steps of 9 to 64 rows (``layer_gemm.step_rows_fit``) run the layers with :mod:`.layer_gemm`'s GEMMs,
+which fuse the norms, SwiGLU and the residual adds (six launches a layer instead of nine), unless the model
+was made with ``fused=False`` (tensor-parallel shards are: their o and down outputs are summed over the shards
+before the residual add) or :func:`~pagedrt.engine.layer_gemm.unsupported` names a reason. Prefill steps keep
+cuBLAS.
 """
 
 import contextlib
@@ -33,7 +38,7 @@ import numpy as np
 from .. import attention, kernels
 from ..errors import UnsupportedModelError
 from . import fused as fused_step
-from . import ops
+from . import layer_gemm, ops
 from .rope_write import RopeWritePlan
 
 MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used dropped first
@@ -70,6 +75,8 @@ class LlamaModel:
         use_fused = (fused and not host and fused_step.unsupported(
             c, spec, int(self.xp.cuda.Device().compute_capability)) is None)
         self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
+        self.fused_gemms = fused and not host and layer_gemm.unsupported(
+            c, spec, *_device_limits(self.xp)) is None  # larger decode steps: layer_gemm's GEMMs
 
     @property
     def weight_bytes(self):
@@ -135,18 +142,29 @@ class LlamaModel:
     def launches(self, step, ids, b, plan, writer):
         """The step's launches in order, as (kind, call) pairs: what :meth:`forward` runs, and what the benchmark
         times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and rotary + write plans."""
-        c, cache = self.config, self.cache
-        n, eps = step.num_tokens, c.rms_eps
+        c = self.config
+        n = step.num_tokens
         if self.fused is not None and n == len(step.seqs) <= fused_step.MAX_ROWS:
             yield "fused_step", partial(self.fused.run, step, ids, b["logits"])
             return
-        attn = b["attn"].reshape(n, c.q_heads * c.head_dim)  # hidden, but for a tensor-parallel shard
         yield "embed", partial(ops.embed, ids, self.embedding, b["residual"])
+        fused_gemms = self.fused_gemms and n == len(step.seqs) and layer_gemm.step_rows_fit(n)
+        delta = yield from (self._fused_layers if fused_gemms else self._layers)(n, b, plan, writer)
+        yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, self.output_norm, b["last"], c.rms_eps,
+                                  rows=step.qo_indptr)
+        yield "gemm_logits", partial(ops.gemm, b["last"], self.output, b["logits"])
+
+    def _scales(self, layer):
+        cache = self.cache
+        return {"k_scale": cache.k_scale(layer), "v_scale": cache.v_scale(layer)} if cache.spec.is_fp8 else {}
+
+    def _layers(self, n, b, plan, writer):
+        """Every layer's launches, the GEMMs cuBLAS's; returns the last layer's output, which the final norm adds."""
+        c, cache, eps = self.config, self.cache, self.config.rms_eps
+        attn = b["attn"].reshape(n, c.q_heads * c.head_dim)  # hidden, but for a tensor-parallel shard
         delta = None
         for layer, w in enumerate(self.layers):
-            k, v = cache.k(layer), cache.v(layer)
-            scales = ({"k_scale": cache.k_scale(layer), "v_scale": cache.v_scale(layer)} if cache.spec.is_fp8
-                      else {})
+            k, v, scales = cache.k(layer), cache.v(layer), self._scales(layer)
             yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, w["attn_norm"], b["h"], eps)
             yield "gemm_qkv", partial(ops.gemm, b["h"], w["qkv"], b["qkv"])
             yield "rope_write", partial(writer.run, b["qkv"], b["q"], k, v, **scales)
@@ -157,9 +175,24 @@ class LlamaModel:
             yield "silu_mul", partial(ops.silu_mul, b["gate_up"], b["mlp"])
             yield "gemm_down", partial(ops.gemm, b["mlp"], w["down"], b["delta"])
             delta = b["delta"]
-        yield "rms_norm", partial(ops.add_rms_norm, b["residual"], delta, self.output_norm, b["last"], eps,
-                                  rows=step.qo_indptr)
-        yield "gemm_logits", partial(ops.gemm, b["last"], self.output, b["logits"])
+        return delta
+
+    def _fused_layers(self, n, b, plan, writer):
+        """Every layer's launches, the norms, SwiGLU and the residual adds inside the GEMMs (:mod:`.layer_gemm`);
+        returns None: the residual holds every layer's output."""
+        c, cache, eps = self.config, self.cache, self.config.rms_eps
+        attn = b["attn"].reshape(n, c.q_heads * c.head_dim)
+        for layer, w in enumerate(self.layers):
+            k, v, scales = cache.k(layer), cache.v(layer), self._scales(layer)
+            yield "norm_gemm_qkv", partial(layer_gemm.norm_gemm, b["residual"], w["attn_norm"], w["qkv"], b["qkv"],
+                                           eps)
+            yield "rope_write", partial(writer.run, b["qkv"], b["q"], k, v, **scales)
+            yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"], **scales)
+            yield "gemm_o_add", partial(layer_gemm.gemm_add, attn, w["o"], b["residual"])
+            yield "norm_gemm_gate_up_silu", partial(layer_gemm.norm_gemm_silu, b["residual"], w["ffn_norm"],
+                                                    w["gate_up"], b["mlp"], eps)
+            yield "gemm_down_add", partial(layer_gemm.gemm_add, b["mlp"], w["down"], b["residual"])
+        return None
 
     def _capture(self, step, ids):
         """Run this decode step, then capture it as the graph of its batch size; returns its logits."""
@@ -179,6 +212,12 @@ class LlamaModel:
         if len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
         return buffers["logits"]
+
+
+def _device_limits(cupy):
+    """(compute capability, shared memory a block may opt into) of the current device."""
+    device = cupy.cuda.Device()
+    return int(device.compute_capability), device.attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 class _Graph:

@@ -1,0 +1,241 @@
+// The GEMMs of a layered decode step with what sits between them fused in: out = epilogue(prologue(A) @ W.T)
+// (pagedrt/engine/layer_gemm.py launches them, each variant beside its NumPy reference there).
+//
+// W: a weight [rows, K] in T (__half or __nv_bfloat16), row-major. Float32 accumulation on tensor cores
+// (mma.m16n8k16). M rows of A, K a multiple of 64, N (the output's columns) a multiple of 8.
+//
+// Prologue NORM:   A[m] = round_T(x[m] * rsqrt(mean(x[m]^2) + eps) * norm_weight), x the float32 residual
+//                  [M, K] (add_rms_norm's arithmetic: every CTA computes its rows' RMS in the same order).
+// Prologue PLAIN:  A = a [M, K] in T.
+// Epilogue STORE:  out[m, n] = round_T(acc)                                          (W [N, K])
+// Epilogue SILU_UP: W [2N, K] is gate rows then up rows; out[m, j] = round_T(silu(round_T(g)) * round_T(u)),
+//                  g of W row j and u of row N + j (silu_mul over the rounded gate_up GEMM).
+// Epilogue ADD:    residual[m, n] += round_T(acc) in float32 (each element read, right after the wait, and
+//                  written by one thread)                                           (W [N, K])
+//
+// These GEMMs are small (M <= 256, K of 576 or 1536 for a 135M model): what they take is latency, not FLOPs.
+// So a CTA (8 warps) keeps its BM rows of A in shared memory for the whole K, requested in one go (NORM: the
+// float32 rows, normalised in place into T, the norm's weights beside them; PLAIN: the T rows); W streams through STAGES buffers of BN rows x
+// BK with cp.async, the first STAGES - 1 requested before grid_dependency_wait (weights never depend on the
+// kernel before, so under PDL they arrive while it finishes). The warps split the tile WARPS_M x WARPS_N and
+// each BK's four k-steps WARPS_K ways (shorter chains of dependent mma); the WARPS_K partial sums are added in
+// warp order through shared memory, so the result does not depend on timing. For SILU_UP a tile's BN rows are
+// BN / 2 gate rows and their BN / 2 up rows, arranged so that each warp's accumulators hold a gate column and its
+// up column. Shared rows are 16-byte chunks at swizzle<8>(chunk, row).
+#include "common.cuh"
+
+namespace pagedrt {
+
+namespace layer {
+constexpr int THREADS = 256, WARPS = THREADS / 32, BK = 64;
+constexpr int NORM = 0, PLAIN = 1;             // prologues
+constexpr int STORE = 0, SILU_UP = 1, ADD = 2;  // epilogues
+}  // namespace layer
+
+// x rounded to T, as a float.
+template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// NORM: the CTA's float32 rows (staged at sa, rows of K floats) become their normalised T values (g: the norm's
+// weight, staged in shared memory too), in place: T
+// chunk c of row r at byte (swizzle<8>(c, r) << 4) of the row. A warp a row; a row's 256-value segments in order,
+// each read whole before it is written (segment s writes bytes below 1024 s, which segments < s have read).
+template <typename T>
+__device__ __forceinline__ void normalise_rows(unsigned char* smem, const float* g, int rows, int K, float eps) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int r = warp; r < rows; r += layer::WARPS) {
+        unsigned char* row = smem + (long long)r * K * 4;
+        float sum = 0.0f;
+        for (int k = lane * 4; k < K; k += 128) {
+            const float4 v = *reinterpret_cast<const float4*>(row + k * 4);
+            sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        const float scale = rsqrtf(sum / K + eps);
+        for (int k0 = 0; k0 < K; k0 += 256) {
+            const int k = k0 + lane * 8;
+            uint4 packed = make_uint4(0u, 0u, 0u, 0u);
+            if (k < K) {
+                const float4 v0 = *reinterpret_cast<const float4*>(row + k * 4);
+                const float4 v1 = *reinterpret_cast<const float4*>(row + k * 4 + 16);
+                const float4 g0 = *reinterpret_cast<const float4*>(g + k);
+                const float4 g1 = *reinterpret_cast<const float4*>(g + k + 4);
+                packed.x = pack2<T>(v0.x * scale * g0.x, v0.y * scale * g0.y);
+                packed.y = pack2<T>(v0.z * scale * g0.z, v0.w * scale * g0.w);
+                packed.z = pack2<T>(v1.x * scale * g1.x, v1.y * scale * g1.y);
+                packed.w = pack2<T>(v1.z * scale * g1.z, v1.w * scale * g1.w);
+            }
+            __syncwarp();
+            if (k < K) *reinterpret_cast<uint4*>(row + (swizzle<8>(k / 8, r) << 4)) = packed;
+            __syncwarp();
+        }
+    }
+}
+
+template <typename T, int PROLOGUE, int EPILOGUE, int BM, int BN, int STAGES, int WARPS_K>
+__global__ void __launch_bounds__(layer::THREADS)
+layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, const T* __restrict__ a,
+           const T* __restrict__ w, T* __restrict__ out, float* __restrict__ residual, int M, int N, int K,
+           float eps) {
+    using namespace layer;
+    constexpr int WARPS_MN = WARPS / WARPS_K, WARPS_M = BM / 16 < WARPS_MN ? BM / 16 : WARPS_MN;
+    constexpr int WARPS_N = WARPS_MN / WARPS_M, WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NI = WN / 8;
+    static_assert(WARPS_K == 1 || WARPS_K == 2 || WARPS_K == 4, "a BK's four k-steps split evenly");
+    static_assert(WM % 16 == 0 && WN % 16 == 0 && WARPS_M * WARPS_N == WARPS_MN, "whole 16x16 fragments a warp");
+    static_assert(STAGES >= 2, "a ring of at least two buffers");
+    extern __shared__ __align__(128) unsigned char smem[];
+    const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int row_bytes = K * (PROLOGUE == NORM ? 4 : 2);  // A's rows in shared memory
+    const unsigned sw = sa + BM * row_bytes;               // STAGES buffers of BN rows x BK
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int wk = warp / WARPS_MN, wm = (warp % WARPS_MN) / WARPS_N, wn = warp % WARPS_N;
+    const int m0 = blockIdx.y * BM, KT = K / BK;
+    const int n0 = blockIdx.x * (EPILOGUE == SILU_UP ? BN / 2 : BN);  // the tile's first output column
+
+    // The weight row of tile row L, or -1 past the weight.
+    auto w_row = [&](int L) {
+        if constexpr (EPILOGUE == SILU_UP) {
+            const int u = L % WN, half = WN / 2, j = n0 + (L / WN) * half + u % half;
+            return j < N ? (u < half ? j : N + j) : -1;
+        } else {
+            return n0 + L < N ? n0 + L : -1;
+        }
+    };
+    auto load_w = [&](int kt) {  // one commit group, empty past the last tile
+        if (kt < KT) {
+            const unsigned base = sw + (kt % STAGES) * BN * BK * 2;
+            for (int i = tid; i < BN * BK / 8; i += THREADS) {
+                const int L = i / 8, c = i % 8, row = w_row(L);
+                cp_async16_shared(base + L * BK * 2 + (swizzle<8>(c, L) << 4),
+                                  w + (long long)max(row, 0) * K + kt * BK + c * 8, row >= 0 ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+
+    const int g_offset = BM * row_bytes + STAGES * BN * BK * 2;  // NORM: the norm's K weights, after W's buffers
+    if constexpr (PROLOGUE == NORM)
+        for (int i = tid; i < K / 4; i += THREADS) cp_async16_shared(sa + g_offset + i * 16, norm_weight + i * 4, 16);
+    for (int s = 0; s < STAGES - 1; ++s) load_w(s);  // (the first group holds g too)
+    launch_dependents();
+    grid_dependency_wait();
+    // ADD: this thread's residual values, requested now and added after the GEMM (each read and written by one
+    // thread of the warps with wk == 0, which sum the partials).
+    float2 res[MI][2][EPILOGUE == ADD ? NI : 1];
+    if constexpr (EPILOGUE == ADD) {
+        if (wk == 0) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni) {
+                        const int m = m0 + wm * WM + mi * 16 + lane / 4 + h * 8;
+                        const int n = n0 + wn * WN + ni * 8 + 2 * (lane % 4);
+                        res[mi][h][ni] = m < M && n < N
+                                             ? *reinterpret_cast<const float2*>(residual + (long long)m * N + n)
+                                             : make_float2(0.0f, 0.0f);
+                    }
+        }
+    }
+    if constexpr (PROLOGUE == NORM) {  // the float32 rows, as they are; normalised below
+        for (int i = tid; i < BM * (K / 4); i += THREADS) {
+            const int r = i / (K / 4), c = i % (K / 4), m = m0 + r;
+            cp_async16_shared(sa + r * row_bytes + c * 16, x + (long long)min(m, M - 1) * K + c * 4, m < M ? 16 : 0);
+        }
+    } else {
+        for (int i = tid; i < BM * (K / 8); i += THREADS) {
+            const int r = i / (K / 8), c = i % (K / 8), m = m0 + r;
+            cp_async16_shared(sa + r * row_bytes + (swizzle<8>(c, r) << 4), a + (long long)min(m, M - 1) * K + c * 8,
+                              m < M ? 16 : 0);
+        }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if constexpr (PROLOGUE == NORM) {
+        normalise_rows<T>(smem, reinterpret_cast<const float*>(smem + g_offset), BM, K, eps);
+        __syncthreads();
+    }
+
+    float acc[MI][NI][4] = {};
+    for (int kt = 0; kt < KT; ++kt) {
+        if (kt > 0) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+        }
+        load_w(kt + STAGES - 1);  // into the buffer every warp finished reading in iteration kt - 1
+        const unsigned base = sw + (kt % STAGES) * BN * BK * 2;
+#pragma unroll
+        for (int q = 0; q < BK / 16 / WARPS_K; ++q) {
+            const int ks = q * WARPS_K + wk;
+            unsigned af[MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                const int r = wm * WM + mi * 16 + lane % 16, c = (kt * BK + ks * 16) / 8 + lane / 16;
+                ldmatrix_x4(af[mi], sa + r * row_bytes + (swizzle<8>(c, r) << 4));
+            }
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; ++nj) {
+                unsigned bf[4];
+                const int L = wn * WN + nj * 16 + (lane / 16) * 8 + lane % 8, c = ks * 2 + (lane / 8) % 2;
+                ldmatrix_x4(bf, base + L * BK * 2 + (swizzle<8>(c, L) << 4));
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    mma_16816<T>(acc[mi][2 * nj], af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf[0], bf[1]);
+                    mma_16816<T>(acc[mi][2 * nj + 1], af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf[2], bf[3]);
+                }
+            }
+        }
+    }
+
+    if constexpr (WARPS_K > 1) {  // the partial sums of warps wk > 0, added in warp order by warps wk == 0
+        float* red = reinterpret_cast<float*>(smem);
+        constexpr int VALUES = MI * NI * 4;
+        __syncthreads();  // every warp is done with A and W
+        if (wk > 0) {
+#pragma unroll
+            for (int i = 0; i < VALUES; ++i)
+                red[(((wk - 1) * WARPS_MN + warp % WARPS_MN) * VALUES + i) * 32 + lane] = (&acc[0][0][0])[i];
+        }
+        __syncthreads();
+        if (wk > 0) return;
+        for (int s = 1; s < WARPS_K; ++s)
+#pragma unroll
+            for (int i = 0; i < VALUES; ++i)
+                (&acc[0][0][0])[i] += red[(((s - 1) * WARPS_MN + warp) * VALUES + i) * 32 + lane];
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int m = m0 + wm * WM + mi * 16 + lane / 4 + h * 8;
+            if (m >= M) continue;
+#pragma unroll
+            for (int ni = 0; ni < (EPILOGUE == SILU_UP ? NI / 2 : NI); ++ni) {
+                const float c0 = acc[mi][ni][2 * h], c1 = acc[mi][ni][2 * h + 1];
+                if constexpr (EPILOGUE == SILU_UP) {
+                    const int j = n0 + wn * (WN / 2) + ni * 8 + 2 * (lane % 4);
+                    if (j >= N) continue;
+                    const float* u = acc[mi][ni + NI / 2] + 2 * h;
+                    const float g0 = round_to<T>(c0), g1 = round_to<T>(c1);
+                    *reinterpret_cast<unsigned*>(out + (long long)m * N + j) =
+                        pack2<T>(g0 / (1.0f + __expf(-g0)) * round_to<T>(u[0]),
+                                 g1 / (1.0f + __expf(-g1)) * round_to<T>(u[1]));
+                } else {
+                    const int n = n0 + wn * WN + ni * 8 + 2 * (lane % 4);
+                    if (n >= N) continue;
+                    if constexpr (EPILOGUE == STORE) {
+                        *reinterpret_cast<unsigned*>(out + (long long)m * N + n) = pack2<T>(c0, c1);
+                    } else {
+                        const float2 v = res[mi][h][ni];
+                        *reinterpret_cast<float2*>(residual + (long long)m * N + n) =
+                            make_float2(v.x + round_to<T>(c0), v.y + round_to<T>(c1));
+                    }
+                }
+            }
+        }
+}
+
+}  // namespace pagedrt
