@@ -185,18 +185,19 @@ def gemm_add(a: Array, w: Array, residual: Array) -> Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _device(device_id: int) -> Tuple[int, int]:
-    """(shared memory a block may opt into, compute capability) of a device."""
+def device_limits(device_id: int) -> Tuple[int, int]:
+    """(compute capability, shared memory a block may opt into) of a device: :func:`unsupported`'s last two
+    arguments."""
     import cupy
     device = cupy.cuda.Device(device_id)
-    return device.attributes["MaxSharedMemoryPerBlockOptin"], int(device.compute_capability)
+    return int(device.compute_capability), device.attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(dtype: str, prologue: int, epilogue: int, m: int, n: int, k: int, device_id: int) -> Tuple[Any, tuple, int,
                                                                                                       bool]:
     """(kernel, grid, shared memory, programmatic) of one launch shape on one device."""
-    smem_limit, capability = _device(device_id)
+    capability, smem_limit = device_limits(device_id)
     config = choose(prologue, epilogue, m, k, smem_limit)
     fn = source.function(FILE, kernel_name(dtype, prologue, epilogue, config))
     fn.max_dynamic_shared_size_bytes = smem_limit  # not this launch's: plans of other depths share the kernel

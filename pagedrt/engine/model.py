@@ -76,7 +76,7 @@ class LlamaModel:
             c, spec, int(self.xp.cuda.Device().compute_capability)) is None)
         self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
         self.fused_gemms = fused and not host and layer_gemm.unsupported(
-            c, spec, *_device_limits(self.xp)) is None  # larger decode steps: layer_gemm's GEMMs
+            c, spec, *layer_gemm.device_limits(self.xp.cuda.Device().id)) is None  # larger decode steps: layer_gemm's GEMMs
 
     @property
     def weight_bytes(self):
@@ -212,12 +212,6 @@ class LlamaModel:
         if len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
         return buffers["logits"]
-
-
-def _device_limits(cupy):
-    """(compute capability, shared memory a block may opt into) of the current device."""
-    device = cupy.cuda.Device()
-    return int(device.compute_capability), device.attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 class _Graph:
