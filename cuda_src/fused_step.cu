@@ -389,6 +389,7 @@ __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T*
             scores[g * TILE + lane] = p0;
             scores[g * TILE + lane + 32] = p1;
             const float sum = warp_sum(p0 + p1);
+            __syncwarp();  // every lane has read m[g] before lane 0 writes it
             if (lane == 0) {
                 const float a = exp2f(m_old - m_new);
                 alpha[g] = a;
