@@ -205,8 +205,13 @@ def test_work_items_cover_every_packed_row_once(counts, group, tile):
         assert (first, n) == (starts[b], counts[b]) and p % tile == 0 and 0 <= p < n * group
         covered[b].extend(range(p, min(p + tile, n * group)))
     assert all(sorted(covered[b]) == list(range(counts[b] * group)) for b in covered)
-    index = items[:, 3] // tile
-    assert (np.diff(index) <= 0).all()  # later tiles of their sequences first
+    # a sequence at a time, those with more queries first (the earlier among equals), its later tiles first
+    seqs = items[:, 0]
+    firsts = [b for i, b in enumerate(seqs.tolist()) if i == 0 or seqs[i - 1] != b]
+    assert len(firsts) == len(set(firsts))  # each sequence's items adjacent
+    assert firsts == sorted(firsts, key=lambda b: (-counts[b], b))
+    for b in firsts:
+        assert (np.diff(items[seqs == b, 3]) < 0).all()
 
 
 def test_instances_name_every_prefill_capable_config_of_the_sweep():

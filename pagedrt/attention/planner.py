@@ -207,9 +207,11 @@ def prefill_items(query_lens: Sequence[int], group: int, tile_m: int = PREFILL_T
     Sequence b's packed rows are its query tokens times the group's query heads
     (``query_lens[b] * group``), cut into items of ``tile_m``; rows without queries
     have none, nor have the rows in ``skip`` (a mixed step's decode rows, which the
-    decode kernel takes). Items later in their sequence come first (stable within a
-    position): under a causal mask they see the most keys, and the long items then
-    start in the first wave rather than run alone at the end.
+    decode kernel takes). The items come a sequence at a time, the sequences with the
+    most query tokens first (stable among equals), and within a sequence its later
+    items first: under a causal mask they see the most keys. So the units in flight
+    share one sequence's K/V in L2, and the long items start early rather than run
+    alone at the end (docs/KERNELS.md, "Work items").
     """
     counts = np.asarray(query_lens, np.int64)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])) if counts.size else counts
@@ -218,7 +220,9 @@ def prefill_items(query_lens: Sequence[int], group: int, tile_m: int = PREFILL_T
     rows = np.repeat(np.arange(counts.size), tiles)
     index = np.arange(rows.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)  # item's tile in its sequence
     items = np.stack([rows, starts[rows], counts[rows], index * tile_m], axis=1).astype(np.int32)
-    return items[np.argsort(-index, kind="stable")]
+    rank = np.empty(counts.size, np.int64)
+    rank[np.argsort(-counts, kind="stable")] = np.arange(counts.size)  # sequence b's place: most queries first
+    return items[np.lexsort((-index, rank[rows]))]
 
 
 def decode_rows(query_lens: Sequence[int]) -> np.ndarray:
