@@ -312,8 +312,13 @@ struct TileCopy {
     }
 };
 
-// Shared memory of the attention phase: STAGED buffers of a tile's K and V rows, then the float state. Tile i of
-// an item goes to buffer i % STAGED; a block's first item's first STAGED tiles are copied at the barrier.
+// Shared memory of the attention phase: STAGED buffers of a tile's K and V rows (after the last tile, the warps'
+// outputs: attend), then the float state. Tile i of an item goes to buffer i % STAGED; a block's first item's
+// first STAGED tiles are copied at the barrier.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ int attention_front(int group) {  // bytes before the float state
+    return max(STAGED * 2 * TILE * HEAD_DIM * (int)sizeof(T), WARPS * group * HEAD_DIM * (int)sizeof(float));
+}
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ T* tile_k(void* smem, int i) {
     return reinterpret_cast<T*>(smem) + (i % STAGED) * 2 * TILE * HEAD_DIM;
@@ -326,7 +331,8 @@ __device__ __forceinline__ T* tile_v(void* smem, int i) { return tile_k<T, HEAD_
 // already when `staged` (copied at the barrier, but for the newest token's, which the qkv phase wrote).
 // Scores: 4 threads a token (K read once, every query head of the group from shared memory). P . V: warp w takes
 // the tile's tokens [w * TILE / WARPS, (w + 1) * TILE / WARPS), its lanes a V row's dims, and keeps every head's
-// output for its tokens in registers; the warps' sums meet in shared memory in warp order (the same sum every run).
+// output for its tokens in registers. The warps' outputs meet in shared memory (over the K/V tiles, free after the
+// last one), each in a slice of its own, and are summed in warp order after one barrier (the same sum every run).
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T* v_plane, const T* q, float* partial,
                                        const Item& it, const TileCopy<T, HEAD_DIM> (&first)[STAGED], bool staged,
@@ -334,9 +340,8 @@ __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T*
     constexpr int PART = HEAD_DIM / 4, LANE_DIMS = HEAD_DIM / 32, MAX_GROUP = MAX_GROUP_DIMS / HEAD_DIM;
     constexpr int PER_WARP = TILE / WARPS;
     const int group = s.q_heads / s.kv_heads;
-    float* qs = reinterpret_cast<float*>(tile_k<T, HEAD_DIM>(smem, 0) + STAGED * 2 * TILE * HEAD_DIM);  // [group][D]
-    float* out = qs + group * HEAD_DIM;                          // [group][HEAD_DIM]: the warps' sums
-    float* scores = out + group * HEAD_DIM;                      // [group][TILE]
+    float* qs = reinterpret_cast<float*>(static_cast<char*>(smem) + attention_front<T, HEAD_DIM>(group));  // [group][D]
+    float* scores = qs + group * HEAD_DIM;                       // [group][TILE]
     float* m = scores + group * TILE;                            // [group]
     float* l = m + group;                                        // [group]
     float* alpha = l + group;                                    // [group]
@@ -352,7 +357,6 @@ __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T*
         for (int e = 0; e < LANE_DIMS; ++e) o[g][e] = 0.0f;
     for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS) {
         qs[i] = to_float(__ldcg(q + (long long)head0 * HEAD_DIM + i)) * scale_log2;
-        out[i] = 0.0f;
     }
     if (threadIdx.x < group) m[threadIdx.x] = neg_inf(), l[threadIdx.x] = 0.0f;
     for (int tile = it.start, i = 0; tile < it.end; tile += TILE, ++i) {
@@ -420,23 +424,26 @@ __device__ __forceinline__ void attend(const Step& s, const T* k_plane, const T*
         }
         __syncthreads();
     }
-    for (int w = 0; w < WARPS; ++w) {
-        if (warp == w && it.start < it.end)
-#pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g) {
-                if (g >= group) break;
-#pragma unroll
-                for (int e = 0; e < LANE_DIMS; ++e) out[g * HEAD_DIM + lane * LANE_DIMS + e] += o[g][e];
-            }
-        __syncthreads();
-    }
     // partial[(head, split)] = o[HEAD_DIM], m, l (an empty split: o = 0, m = -inf, l = 0)
-    for (int i = threadIdx.x; i < group * HEAD_DIM; i += THREADS)
-        partial[((long long)(head0 + i / HEAD_DIM) * s.splits + it.split) * partial_stride(HEAD_DIM) + i % HEAD_DIM] =
-            out[i];
     if (threadIdx.x < group) {
         float* dst = partial + ((long long)(head0 + threadIdx.x) * s.splits + it.split) * partial_stride(HEAD_DIM);
         *reinterpret_cast<float2*>(dst + HEAD_DIM) = make_float2(m[threadIdx.x], l[threadIdx.x]);
+    }
+    float* slices = reinterpret_cast<float*>(smem);  // [WARPS][group][HEAD_DIM]
+    const int dims = group * HEAD_DIM;
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g >= group) break;
+#pragma unroll
+        for (int e = 0; e < LANE_DIMS; ++e) slices[warp * dims + g * HEAD_DIM + lane * LANE_DIMS + e] = o[g][e];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < dims; i += THREADS) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += slices[w * dims + i];
+        partial[((long long)(head0 + i / HEAD_DIM) * s.splits + it.split) * partial_stride(HEAD_DIM) + i % HEAD_DIM] =
+            total;
     }
     __syncthreads();
 }

@@ -46,3 +46,14 @@ def test_the_norm_instance_is_the_smallest_that_holds_the_row():
 def test_shared_memory_grows_with_rows_and_fits_smollm2():
     sizes = [fused.smem_bytes(SMOL, rows) for rows in fused.ROWS]
     assert sizes == sorted(sizes) and sizes[-1] <= fused.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("head_dim", fused.HEAD_DIMS)
+def test_the_widest_group_fits_its_warps_outputs_in_shared_memory(head_dim):
+    """Attention's 8 warps each keep a slice of group x head_dim floats (over the K/V tiles, or a front that large):
+    the widest group the kernel takes still fits."""
+    group = fused.MAX_GROUP_DIMS // head_dim
+    config = replace(SMOL, head_dim=head_dim, q_heads=group, kv_heads=1, hidden=fused.MAX_HIDDEN)
+    slices, state = fused.WARPS * group * head_dim * 4, group * (head_dim + fused.TILE + 3) * 4
+    assert fused.smem_bytes(config, fused.MAX_ROWS) >= slices + state
+    assert fused.unsupported(config, spec(head_dim=head_dim), 90) is None

@@ -52,12 +52,14 @@ def norm_per(hidden: int) -> int:
 
 def smem_bytes(config, rows: int) -> int:
     """Dynamic shared memory of the instance for ``rows``: the normalised or gathered rows of a GEMV phase, or
-    the attention's STAGED buffers of a K and V tile and its float state, whichever is larger."""
+    the attention's STAGED buffers of a K and V tile (or its warps' outputs, whichever is larger) and its float
+    state, whichever is larger."""
     c = config
     widest = max(c.hidden, c.ffn, c.q_heads * c.head_dim)
     gemv = WARPS * rows * 4 + (WARPS + 1) * 128 * 4 + rows * (widest + PAD) * 2
     group = c.q_heads // c.kv_heads
-    attention = STAGED * 2 * TILE * c.head_dim * 2 + group * (2 * c.head_dim + TILE + 3) * 4
+    front = max(STAGED * 2 * TILE * c.head_dim * 2, WARPS * group * c.head_dim * 4)
+    attention = front + group * (c.head_dim + TILE + 3) * 4
     return max(gemv, attention)
 
 
