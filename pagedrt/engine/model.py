@@ -77,6 +77,8 @@ class LlamaModel:
         self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
         self.fused_gemms = fused and not host and layer_gemm.unsupported(
             c, spec, *layer_gemm.device_limits(self.xp.cuda.Device().id)) is None  # larger decode steps: layer_gemm's GEMMs
+        if not host:  # a non-blocking stream: it waits for what came before it (the weights, the cache's buffers)
+            self.stream.wait_event(self.xp.cuda.get_current_stream().record())
 
     @property
     def weight_bytes(self):
