@@ -109,9 +109,10 @@ def compare(gguf, tolerance, kv_dtype=None):
 
 def test_the_models_stream_waits_for_what_came_before_the_model(tiny):
     """The model's stream does not block on the default stream, so it must wait for what was queued before the
-    model existed (its weights, the cache's step buffers): a value written after a 50 ms sleep on the
-    constructing stream is what a copy on the model's stream reads. (The sanitizer once read a step's offsets
-    before the cache's zero-fill of them had run.)"""
+    model existed (its weights, the cache's step buffers): a value written after a 200 ms sleep on the
+    constructing stream is what a copy on the model's stream reads (the model built without the one-launch
+    step, whose kernel's compilation could outlast the sleep). The sanitizer once read a step's offsets before the
+    cache's zero-fill of them had run."""
     import cupy
     from pagedrt import PagedKVCache
     from pagedrt.engine import loader
@@ -119,14 +120,14 @@ def test_the_models_stream_waits_for_what_came_before_the_model(tiny):
     gguf = loader.load(tiny)
     c = gguf.config
     late = cupy.RawKernel(r"""extern "C" __global__ void late(long long* x) {
-        for (int i = 0; i < 500; ++i) __nanosleep(100000);
+        for (int i = 0; i < 2000; ++i) __nanosleep(100000);
         x[0] = 7;
     }""", "late")
     marker = cupy.zeros(1, np.int64)
     with PagedKVCache(c.num_layers, c.kv_heads, c.head_dim, 16, "float16", max_tokens=256, max_seqs=2,
                       backend="cuda") as cache:
         late((1,), (1,), (marker,))
-        model = LlamaModel(gguf, cache, graphs=False)
+        model = LlamaModel(gguf, cache, graphs=False, fused=False)
         with model.stream:
             seen = marker.copy()
         model.stream.synchronize()
