@@ -137,6 +137,8 @@ class StepMetadata:
         self._padded = (0, 0)    # (tokens, batch) of the last step; slots and rows are padded past them
         self._views: Dict[Tuple[str, int], Array] = {}  # (name, size) -> a view of that buffer's first size rows
         self._grid = (4 * _multiprocessors(xp),)
+        # The uploads and fills above are queued on this stream; steps may run on another that does not wait for it.
+        xp.cuda.get_current_stream().synchronize()
 
     def upload(self) -> None:
         """Bring ``block_table`` and ``seq_lens`` up to date (and the last step's arrays with them): one copy and
