@@ -131,7 +131,7 @@ def test_the_models_stream_waits_for_what_came_before_the_model(tiny):
         with model.stream:
             seen = marker.copy()
         model.stream.synchronize()
-        assert int(seen.get()) == 7
+        assert int(seen.get()[0]) == 7
 
 
 def test_tiny_model_gpu_matches_host(tiny):

@@ -445,6 +445,7 @@ def test_growth_on_the_cuda_backend():
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_growth_meets_real_device_out_of_memory():
     from pagedrt.driver import current_device
     chunk = 4 << 30

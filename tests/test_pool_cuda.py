@@ -6,7 +6,7 @@ import pytest
 from pagedrt import Pool
 from pagedrt.errors import DeviceOutOfMemoryError, MappingLimitError
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]  # every test here reads device-wide free memory
 MiB, GiB = 1 << 20, 1 << 30
 
 
