@@ -184,6 +184,14 @@ def test_the_prefill_items_leave_out_exactly_the_decode_rows(counts, group):
     assert np.array_equal(items, kept)  # the same items, starts and order as without the decode rows
 
 
+@given(sms=st.integers(1, 1000))
+def test_a_mixed_prompt_takes_its_share_of_the_sms(sms):
+    blocks = planner.mixed_prompt_blocks(sms)
+    assert 1 <= blocks <= sms and blocks == math.ceil(planner.MIXED_PROMPT_SHARE * sms)
+    with pytest.raises(LaunchArgumentError):
+        planner.mixed_prompt_blocks(0)
+
+
 def test_workspace_errors(case):
     with pytest.raises(LaunchArgumentError, match="workspace must be a contiguous 1-D uint8"):
         PrefillPlan(case.q, case.k, case.table, case.lens, case.qo_indptr, workspace=np.zeros(8, np.float32))

@@ -96,6 +96,32 @@ def test_the_unit_queue_is_ready_again_for_each_run_and_graph_replay():
         replay_twice(stream, plan, dev, [(dev.k, dev.v)], [poisoned(case.q.shape, case.q.dtype)], [ref], case)
 
 
+@pytest.mark.parametrize("share", [None, 1e-9], ids=["its share", "one SM"])
+def test_a_mixed_steps_prompt_runs_on_the_sms_the_planner_gives_it(share, monkeypatch):
+    """Beside decode rows the prompt's persistent grid takes mixed_prompt_blocks' SMs (one at the least, its
+    units at the most), and every row, prompt and decode, still matches the reference, run after run and
+    replayed in a CUDA graph."""
+    import cupy
+    if share is not None:
+        monkeypatch.setattr(planner, "MIXED_PROMPT_SHARE", share)
+    cfg = Config("float16", 128, 16, 4)
+    case = PrefillCase(cfg, [0, 3000, 500, 2047, 9], [1500, 1, 1, 1, 900], kv_heads=2, seed=23)
+    dev, ref = OnDevice(case), expected(case)
+    stream = cupy.cuda.Stream(non_blocking=True)  # the decode rows split: the plan runs on the stream it is made on
+    with stream:
+        plan = PrefillPlan(dev.q, dev.k, dev.table, dev.lens, dev.qo_indptr, query_lens=case.query_lens)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        units = len(planner.prefill_items(case.query_lens, 4, planner.SM90_TILE_M, skip=[1, 2, 3])) * 2
+        assert units > sms  # the prompt's blocks claim units from the queue
+        grid = plan._prefill.grid
+        assert grid == (planner.mixed_prompt_blocks(sms),) and (share is None) == (grid[0] > 1)
+        for _ in range(2):
+            out = poisoned(case.q.shape, case.q.dtype)
+            plan.run(dev.q, dev.k, dev.v, out=out)
+            assert not row_errors(to_host(out), ref, case)
+        replay_twice(stream, plan, dev, [(dev.k, dev.v)], [poisoned(case.q.shape, case.q.dtype)], [ref], case)
+
+
 def test_a_scale_of_zero_or_below_takes_the_mma_sync_kernel():
     """The sm_90a kernel takes the max over unscaled scores (the scale folded into exp2), so it needs scale > 0."""
     cfg = FALLBACK_CONFIGS[-1]

@@ -49,6 +49,7 @@ MAX_DECODE_ROWS = 65535         # a mixed step's decode rows are the decode kern
 WIDE_GROUP = 16                 # decode of wider groups runs on the sm_90a prefill kernel (wide_group)
 WGMMA = "wgmma"                 # the SplitPlan geometry of such a decode
 WIDE_SEGMENT_BYTES = 512 << 10  # K+V of its shortest segment: 8 key tiles at head_dim 128 (wide_split)
+MIXED_PROMPT_SHARE = 2 / 3      # of the SMs, a mixed step's prompt rows take on the sm_90a kernel (mixed_prompt_blocks)
 
 
 def _unknown(name: object) -> Callable[[], str]:
@@ -223,6 +224,18 @@ def prefill_items(query_lens: Sequence[int], group: int, tile_m: int = PREFILL_T
     rank = np.empty(counts.size, np.int64)
     rank[np.argsort(-counts, kind="stable")] = np.arange(counts.size)  # sequence b's place: most queries first
     return items[np.lexsort((-index, rank[rows]))]
+
+
+def mixed_prompt_blocks(multiprocessors: int) -> int:
+    """The SMs a mixed step's prompt rows take on the sm_90a kernel's persistent grid (a block an SM, launched
+    before the decode rows): MIXED_PROMPT_SHARE of ``multiprocessors``. The decode rows' blocks stream their K/V
+    on the other SMs at once and take the prompt's as it frees them. Given every SM, the prompt's blocks held
+    the device until its units ran out, and the two parts ran one after the other; given less, a prompt
+    shorter than the decode rows finishes beside them. Two thirds measured best of the shares tried on the
+    H200's mixed shapes (docs/KERNELS.md, "Mixed steps").
+    """
+    check(multiprocessors > 0, lambda: f"{multiprocessors} SMs")
+    return max(1, int(np.ceil(MIXED_PROMPT_SHARE * multiprocessors)))
 
 
 def decode_rows(query_lens: Sequence[int]) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import source
 from ..errors import BlockTableError
-from ..kernels.args import array_module, c_contiguous, check, int_array, plane, ptr, RunArrays
+from ..kernels.args import array_module, c_contiguous, check, int_array, multiprocessors, plane, ptr, RunArrays
 from ..kernels.configs import Config, config, fp8_sweep, sweep
 from ..kernels.validate import Spans, check_block_tables
 from ..spec import Array, plane_kv_dtype
@@ -24,7 +24,7 @@ from ..supported import PREFILL_HEAD_DIMS, check as check_supported
 from . import decode, prefill_sm90, reference
 from .plan_base import (LOG2E, Plan, check_block_mask, check_workspace, default_scale, table_args,
                         table_width)
-from .planner import (PREFILL_DTYPES, decode_rows, prefill_geometry, prefill_items,
+from .planner import (PREFILL_DTYPES, decode_rows, mixed_prompt_blocks, prefill_geometry, prefill_items,
                       prefill_sm90_geometry)
 from .prefill_sm90 import Launch
 
@@ -71,12 +71,12 @@ def _kernel(cfg, device_id):
     return fn
 
 
-def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, sm90):
+def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, sm90, blocks=None):
     """The prefill kernel's :class:`~pagedrt.attention.prefill_sm90.Launch` over the work ``items`` (a device
-    int32 [n, 4], n > 0): the sm_90a kernel's when ``sm90``, else the mma.sync kernel's (a thread block per
-    (item, KV head))."""
+    int32 [n, 4], n > 0): the sm_90a kernel's when ``sm90`` (on at most ``blocks`` SMs), else the mma.sync
+    kernel's (a thread block per (item, KV head))."""
     if sm90:
-        return prefill_sm90.launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device)
+        return prefill_sm90.launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device, blocks=blocks)
     geo = prefill_geometry(cfg)
     middle = (np.int64(pk.block_stride), *table_args(block_tables), np.int32(block_tables.shape[1]), ptr(kv_lens),
               ptr(items), np.int32(cfg.group), np.int32(bool(causal)), np.float32(scale * LOG2E))
@@ -84,8 +84,9 @@ def _prefill_launch(cfg, pk, block_tables, kv_lens, items, causal, scale, device
 
 
 class _Fork:
-    """A mixed step's two launches side by side: the decode rows on this object's own side stream, beside the
-    prompt rows on the current stream, an event each way (so a CUDA graph captures both)."""
+    """A mixed step's two launches side by side: the prompt rows on the current stream first, so that their
+    blocks hold their SMs, then the decode rows on this object's own side stream, which fill the others; an
+    event each way (so a CUDA graph captures both)."""
 
     def __init__(self) -> None:
         import cupy
@@ -93,16 +94,16 @@ class _Fork:
         self._side = cupy.cuda.Stream(non_blocking=True)
 
     def __call__(self, side_launch: Callable[[], None], main_launch: Callable[[], None]) -> None:
-        """Run ``side_launch()`` on the side stream and ``main_launch()`` on the current one; the current stream
-        goes on once both are done."""
+        """Run ``main_launch()`` on the current stream, then ``side_launch()`` on the side stream (which waits
+        only for what came before ``main_launch``); the current stream goes on once both are done."""
         import cupy
         main = cupy.cuda.get_current_stream()
         self._fork.record(main)
+        main_launch()
         self._side.wait_event(self._fork)
         with self._side:
             side_launch()
         self._join.record(self._side)
-        main_launch()
         main.wait_event(self._join)
 
 
@@ -296,14 +297,17 @@ class PrefillPlan(Plan):
 
     def _choose_prefill(self, cfg, pk, block_tables, kv_lens, counts, causal, scale):
         """The prefill kernel and its work items for the rows that are not decode rows: the sm_90a kernel on
-        compute capability 9.0 for a positive scale over fp16/bf16 planes, else the mma.sync kernel."""
+        compute capability 9.0 for a positive scale over fp16/bf16 planes, else the mma.sync kernel. Beside
+        decode rows the sm_90a kernel takes the SMs :func:`~pagedrt.attention.planner.mixed_prompt_blocks`
+        gives it."""
         import cupy
         sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not cfg.fp8
         tile_m = (prefill_sm90_geometry if sm90 else prefill_geometry)(cfg).tile_m
         self._items = cupy.asarray(prefill_items(counts, cfg.group, tile_m, skip=self._decode_rows))
+        blocks = mixed_prompt_blocks(multiprocessors(self._device)) if self._decode_rows.size else None
         if self._items.shape[0]:
             self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device,
-                                            sm90)
+                                            sm90, blocks)
             self.kernel = (prefill_sm90.kernel_name if sm90 else kernel_name)(cfg)
 
     @property

@@ -11,7 +11,7 @@ owns; the kernel resets them, so replays need no memset, but launches over one q
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -67,11 +67,11 @@ class Launch:
 
 def launch(cfg: Config, pk: Plane, block_tables: Array, kv_lens: Array, items: Array, causal: bool, scale: float,
            device: int, num_splits: int = 1, split_tiles: int = ALL_TILES,
-           parts: Tuple[np.uint64, np.uint64, np.uint64] = (NULL,) * 3) -> Launch:
+           parts: Tuple[np.uint64, np.uint64, np.uint64] = (NULL,) * 3, blocks: Optional[int] = None) -> Launch:
     """The :class:`Launch` over the work ``items`` (a device int32 [n, 4], n > 0) of planes ``pk``
     (:class:`~pagedrt.kernels.args.Plane`): unsplit, or cut into ``num_splits`` segments of ``split_tiles`` key
-    tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers. The launch
-    allocates its unit queue (zeroed once)."""
+    tiles, whose partials go to ``parts``, the workspace's (part_o, part_ml, arrivals) pointers; a block an SM,
+    on at most ``blocks`` SMs (None: every SM). The launch allocates its unit queue (zeroed once)."""
     geo = prefill_sm90_geometry(cfg)
     units = items.shape[0] * pk.num_kv_heads * num_splits
     check(units <= MAX_UNITS, lambda: f"{items.shape[0]} work items x {pk.num_kv_heads} KV heads x {num_splits} "
@@ -82,5 +82,5 @@ def launch(cfg: Config, pk: Plane, block_tables: Array, kv_lens: Array, items: A
               np.int32(block_tables.shape[1]), ptr(kv_lens), ptr(items), np.int32(cfg.group), np.int32(bool(causal)),
               np.float32(scale * LOG2E), np.int32(pk.block_size.bit_length() - 1), np.int32(items.shape[0]),
               np.int32(pk.num_kv_heads), np.int32(num_splits), np.int32(split_tiles), *parts, ptr(queue))
-    return Launch(_kernel(cfg, device), (min(units, multiprocessors(device)),), (geo.threads,), geo.smem_bytes,
-                  middle, (queue,))
+    grid = min(units, multiprocessors(device), blocks or units)
+    return Launch(_kernel(cfg, device), (grid,), (geo.threads,), geo.smem_bytes, middle, (queue,))
