@@ -304,7 +304,7 @@ class PrefillPlan(Plan):
         sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not cfg.fp8
         tile_m = (prefill_sm90_geometry if sm90 else prefill_geometry)(cfg).tile_m
         self._items = cupy.asarray(prefill_items(counts, cfg.group, tile_m, skip=self._decode_rows))
-        blocks = mixed_prompt_blocks(multiprocessors(self._device)) if self._decode_rows.size else None
+        blocks = mixed_prompt_blocks(multiprocessors(self._device)) if sm90 and self._decode_rows.size else None
         if self._items.shape[0]:
             self._prefill = _prefill_launch(cfg, pk, block_tables, kv_lens, self._items, causal, scale, self._device,
                                             sm90, blocks)
