@@ -270,6 +270,22 @@ def test_wide_groups_and_their_split_on_the_sm90a_kernel():
     assert planner.wide_split(cfg, 3, 2, 1000, 132, num_splits=5) == SplitPlan(5, 2 * tile, planner.WGMMA)
 
 
+def test_an_unsplit_decode_of_at_most_32_heads_keeps_the_decode_kernel():
+    """wide_kernel: to WIDE_UNSPLIT_GROUP heads the decode kernel's split count decides (1: the decode kernel);
+    past it, or at WIDE_GROUP heads and fewer, the count is never asked for."""
+    def never():
+        raise AssertionError("the decode kernel's split was asked for")
+
+    for group in (planner.WIDE_GROUP + 1, 24, planner.WIDE_UNSPLIT_GROUP):
+        cfg = Config("bfloat16", 64, 16, group)
+        assert not planner.wide_kernel(cfg, lambda: 1)
+        assert planner.wide_kernel(cfg, lambda: 2)
+    assert planner.wide_kernel(Config("float16", 128, 16, planner.WIDE_UNSPLIT_GROUP + 1), never)
+    assert planner.wide_kernel(Config("float16", 128, 16, 64), never)
+    assert not planner.wide_kernel(Config("float16", 128, 16, planner.WIDE_GROUP), never)
+    assert not planner.wide_kernel(Config("float32", 128, 16, 24), never)
+
+
 def test_the_sm90a_launch_refuses_more_units_than_the_kernel_counts():
     """(item, KV head, segment) units are an int in the kernel: more is a named error before any device work."""
     from types import SimpleNamespace

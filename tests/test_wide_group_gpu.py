@@ -1,7 +1,8 @@
 """Decode of wide groups (more than planner.WIDE_GROUP query heads a KV head) on the sm_90a prefill kernel, on a
 device of compute capability 9.0 (skipped elsewhere), against the float64 reference.
 
-A DecodePlan of such a group (fp16/bf16 planes, a positive scale, the plan's geometry) runs
+A DecodePlan of such a group (fp16/bf16 planes, a positive scale, the plan's geometry; to 32 heads only when
+the decode kernel's own plan would split it: planner.wide_kernel) runs
 cuda_src/prefill_sm90.cu over one work item per sequence, split-K as planner.wide_split cuts it, merged in
 the kernel: every dtype x head_dim (64, 128) x block size at groups 17, 24, 40 and 64, split or not and into more
 segments than some sequences have keys; long sequences, a zero-length one, uneven lengths, lengths past the
@@ -40,13 +41,15 @@ def lengths(bs):
     return [1, bs - 1, bs, bs + 1, 1000]
 
 
-def test_a_plan_takes_the_sm90a_kernel_past_16_heads_only():
+def test_a_plan_takes_the_sm90a_kernel_past_16_heads_split_and_past_32_always():
     import cupy
-    for group, wide in ((16, False), (17, True), (64, True)):
-        case = Case(Config("float16", 128, 16, group), [40, 7], seed=group)
+    for group, lens, wide in ((16, [3000, 7], False), (17, [3000, 7], True), (17, [40, 7], False),
+                              (32, [40, 7], False), (33, [40, 7], True), (64, [40, 7], True)):
+        case = Case(Config("float16", 128, 16, group), lens, seed=group)
         dev = OnDevice(case)
         plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens)
-        assert (plan.split.geometry == planner.WGMMA) == wide, group
+        assert (plan.split.geometry == planner.WGMMA) == wide, (group, lens)
+        assert rel_error(run_plan(plan, dev, case), expected(case)) <= TOLERANCE["float16"], (group, lens)
     # a forced geometry, a scale of 0 or below, FP8 planes and float32 keep the decode kernel
     case = Case(Config("float16", 128, 16, 24), [40, 7], seed=1)
     dev = OnDevice(case)
@@ -71,7 +74,10 @@ def test_wide_groups_match_the_reference_split_or_not(dtype, head_dim, block_siz
         dev, ref = OnDevice(case), expected(case)
         for num_splits in (None, 1, 3, 40):  # 40: most segments of the short sequences hold no key
             plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens, num_splits=num_splits)
-            assert plan.split.geometry == planner.WGMMA
+            # to 32 heads the decode kernel runs what its own plan (a forced geometry keeps it) leaves unsplit
+            own = DecodePlan(dev.q, dev.k, dev.table, dev.lens, num_splits=num_splits, geometry="standard")
+            wide = group > planner.WIDE_UNSPLIT_GROUP or own.split.num_splits > 1
+            assert (plan.split.geometry == planner.WGMMA) == wide, (group, num_splits)
             out = run_plan(plan, dev, case)
             for row in range(len(case.lens)):
                 err = rel_error(out[row], ref[row])
@@ -98,7 +104,7 @@ def test_lengths_past_the_plans_hint_run_on_in_the_last_segment():
     cfg = Config("float16", 128, 16, 24)
     case = Case(cfg, [9000, 40, 3000], seed=21)
     dev, ref = OnDevice(case), expected(case)
-    for hints in (dict(max_seq_len=1024), dict(max_seq_len=2048, num_splits=3), dict(max_seq_len=600)):
+    for hints in (dict(max_seq_len=1024), dict(max_seq_len=2048, num_splits=3), dict(max_seq_len=1100)):
         plan = DecodePlan(dev.q, dev.k, dev.table, dev.lens, **hints)
         assert plan.split.geometry == planner.WGMMA
         assert plan.split.num_splits * plan.split.segment_tokens < 9000  # the hint's cut ends before the longest

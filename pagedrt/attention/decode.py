@@ -38,8 +38,8 @@ from . import reference
 from . import prefill_sm90
 from .plan_base import (LOG2E, Plan, Workspace, check_block_mask, check_workspace, default_scale, table_args,
                         table_width)
-from .planner import (GEOMETRIES, SplitPlan, check_geometry, geometry, kernel_group, plan_splits,
-                      prefill_sm90_geometry, split_residency, wide_group, wide_split, workspace_layout)
+from .planner import (GEOMETRIES, WGMMA, SplitPlan, check_geometry, geometry, kernel_group, plan_splits,
+                      prefill_sm90_geometry, split_residency, wide_kernel, wide_split, workspace_layout)
 
 FILE = "decode.cu"
 MAX_GRID_YZ = 65535  # batch and splits are grid dimensions y and z
@@ -191,14 +191,24 @@ def _prepare(cfg, batch, q_heads, paged, block_stride, table_args, max_blocks, l
     return _Bound(launch, workspace, stream, claim, rows)
 
 
-def _wide(cfg, scale, geometry_name, device_id):
-    """Whether a decode runs on the sm_90a prefill kernel (:func:`~pagedrt.attention.planner.wide_group`): the
-    plan's geometry, a positive scale, a device of compute capability 9.0."""
-    return geometry_name is None and scale > 0 and wide_group(cfg) and prefill_sm90.runs_on(device_id)
+def _device_plan(cfg, batch, q_heads, num_kv_heads, scale, max_seq_len, num_splits, mean_seq_len, geometry_name):
+    """The split plan on the current device, and its kernel: the sm_90a prefill kernel's plan
+    (:func:`~pagedrt.attention.planner.wide_split`, geometry ``"wgmma"``) where
+    :func:`~pagedrt.attention.planner.wide_kernel` says (the plan's geometry, a positive scale, compute
+    capability 9.0), else the decode kernel's."""
+    import cupy
+    device = cupy.cuda.Device().id
+    decode = functools.partial(_device_split, cfg, batch, q_heads, max_seq_len, num_splits, mean_seq_len,
+                               geometry_name)
+    if geometry_name is None and scale > 0 and prefill_sm90.runs_on(device) and wide_kernel(
+            cfg, lambda: decode().num_splits):
+        return wide_split(cfg, batch, num_kv_heads, max_seq_len, multiprocessors(device), num_splits=num_splits,
+                          mean_seq_len=mean_seq_len)
+    return decode()
 
 
 def _prepare_wide(cfg, q_heads, pk, block_tables, kv_lens, items, scale, split, layout, workspace):
-    """The :class:`_Bound` launch of a checked wide-group decode (:func:`~pagedrt.attention.planner.wide_group`)
+    """The :class:`_Bound` launch of a checked wide-group decode (:func:`~pagedrt.attention.planner.wide_kernel`)
     on the sm_90a prefill kernel over ``items``, a device int32 [n, 4] of work items of one query token each
     (table row, query token, 1 token, packed row 0: a decode's sequences, or a mixed step's decode rows),
     whose token times the group's heads are the rows of its tile, non-causal (one query token sees every key),
@@ -236,16 +246,13 @@ def rows_launch(cfg: Config, q_heads: int, pk: Plane, block_tables: Array, kv_le
     capability 9.0 runs where :class:`DecodePlan` runs it: on the sm_90a kernel, an item a row."""
     import cupy
     n = len(rows)
-    if _wide(cfg, scale, None, cupy.cuda.Device().id):
-        split = wide_split(cfg, n, pk.num_kv_heads, max_seq_len, multiprocessors(cupy.cuda.Device().id),
-                           mean_seq_len=mean_seq_len)
-        layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
+    split = _device_plan(cfg, n, q_heads, pk.num_kv_heads, scale, max_seq_len, None, mean_seq_len, None)
+    layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
+    if split.geometry == WGMMA:
         rows = np.asarray(rows, np.int64)
         items = cupy.asarray(np.stack([rows, np.asarray(tokens, np.int64), np.ones_like(rows), np.zeros_like(rows)],
                                       1).astype(np.int32))  # (table row, query token, 1 token, packed row 0)
         return _prepare_wide(cfg, q_heads, pk, block_tables, kv_lens, items, scale, split, layout, workspace)
-    split = _device_split(cfg, n, q_heads, max_seq_len, None, mean_seq_len, None)
-    layout = _workspace_fits(workspace, n, q_heads, cfg.head_dim, split)
     pairs = cupy.asarray(np.stack([rows, tokens], axis=1).astype(np.int32))
     return _prepare(cfg, n, q_heads, True, pk.block_stride, table_args(block_tables), int(block_tables.shape[1]),
                     ptr(kv_lens), scale, split, layout, workspace, rows=pairs)
@@ -330,9 +337,9 @@ class DecodePlan(_Plan):
     block in every plane at once, so that covers every layer); a run refuses planes whose pool was closed since
     (``PoolClosedError``). A split plan runs on the stream it was made on.
 
-    On compute capability 9.0, the plan's choice for a group of more than 16 query heads a KV head
-    (:func:`~pagedrt.attention.planner.wide_group`) is the sm_90a prefill kernel, split as
-    :func:`~pagedrt.attention.planner.wide_split` says (:attr:`split`'s geometry ``"wgmma"``). On NumPy arrays
+    On compute capability 9.0, the plan's choice for a group of more than 16 query heads a KV head, but for an
+    unsplit decode of at most 32 (:func:`~pagedrt.attention.planner.wide_kernel`), is the sm_90a prefill kernel,
+    split as :func:`~pagedrt.attention.planner.wide_split` says (:attr:`split`'s geometry ``"wgmma"``). On NumPy arrays
     the plan runs the float64 reference, cut as :func:`reference.split` says (``num_splits`` segments of whole
     blocks, unsplit by default), and :attr:`split` is that cut.
 
@@ -348,7 +355,6 @@ class DecodePlan(_Plan):
         reusable from step to step (one stream at a time) and fixed for graph capture. It holds one plan at a
         time: an earlier plan made on it then refuses to run (``LaunchArgumentError``), so plans that live side
         by side need a workspace each. None: a split plan allocates its own.
-
     Raises
     ------
     LaunchArgumentError
@@ -380,12 +386,12 @@ class DecodePlan(_Plan):
                                           workspace)
         _lens(seq_lens, q.shape[0])
         check_block_mask(block_mask, pk.num_blocks)
-        wide = xp is not np and _wide(cfg, scale, geometry, q.device.id)
-        if wide:
-            split = wide_split(cfg, q.shape[0], pk.num_kv_heads, max_seq_len, multiprocessors(q.device.id),
-                               num_splits=num_splits, mean_seq_len=mean_seq_len)
-        else:
+        if xp is np:
             split = _split(xp, cfg, q, max_seq_len, num_splits, mean_seq_len, geometry)
+        else:
+            split = _device_plan(cfg, q.shape[0], q.shape[1], pk.num_kv_heads, scale, max_seq_len, num_splits,
+                                 mean_seq_len, geometry)
+        wide = split.geometry == WGMMA
         layout = _workspace_fits(workspace, q.shape[0], q.shape[1], pk.head_dim, split)
         if xp is np or validate:
             check_block_tables(block_tables, seq_lens, pk.block_size, pk.num_blocks, block_mask, spans=spans)

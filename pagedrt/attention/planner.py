@@ -46,7 +46,8 @@ SM90_THREADS = 384              # sm_90a prefill: a producer warpgroup and two c
 SM90_TILE_M = 128               # packed query rows per work item: 64 per consumer warpgroup
 SM90_SMEM_LIMIT = 227 * 1024    # dynamic shared memory a thread block may have on compute capability 9.0
 MAX_DECODE_ROWS = 65535         # a mixed step's decode rows are the decode kernel's grid dimension y
-WIDE_GROUP = 16                 # decode of wider groups runs on the sm_90a prefill kernel (wide_group)
+WIDE_GROUP = 16                 # decode of wider groups runs on the sm_90a prefill kernel (wide_group),
+WIDE_UNSPLIT_GROUP = 32         # but one the decode kernel runs unsplit keeps it to this many heads (wide_kernel)
 WGMMA = "wgmma"                 # the SplitPlan geometry of such a decode
 WIDE_SEGMENT_BYTES = 512 << 10  # K+V of its shortest segment: 8 key tiles at head_dim 128 (wide_split)
 MIXED_PROMPT_SHARE = 2 / 3      # of the SMs, a mixed step's prompt rows take on the sm_90a kernel (mixed_prompt_blocks)
@@ -185,6 +186,16 @@ def wide_group(cfg: Config) -> bool:
     (m16) read it once per 16 heads; past 16 heads that made the decode kernel the slower
     (docs/KERNELS.md, "Any group size")."""
     return not cfg.fp8 and cfg.dtype in PREFILL_DTYPES and cfg.head_dim in MMA_HEAD_DIMS and cfg.group > WIDE_GROUP
+
+
+def wide_kernel(cfg: Config, decode_splits: Callable[[], int]) -> bool:
+    """Whether a decode of ``cfg`` that :func:`wide_group` admits runs on the sm_90a kernel: past
+    WIDE_UNSPLIT_GROUP heads always; to that many, only when the decode kernel's own split plan
+    (``decode_splits()``, asked for only then) cuts its sequences. Unsplit, every sequence a thread block and the
+    blocks filling the device, the decode kernel's two m16 tiles streamed 2-3% faster than the sm_90a kernel at 24
+    and 32 heads; split, or past 32 heads (four tiles), the sm_90a kernel was as fast or faster
+    (docs/KERNELS.md, "Any group size")."""
+    return wide_group(cfg) and (cfg.group > WIDE_UNSPLIT_GROUP or decode_splits() > 1)
 
 
 def wide_split(cfg: Config, batch: int, num_kv_heads: int, max_seq_len: int, multiprocessors: int, *,

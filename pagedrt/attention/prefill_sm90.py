@@ -2,7 +2,7 @@
 
 Devices of compute capability 9.0 (H100, H200) run it for :class:`~pagedrt.attention.PrefillPlan` (fp16/bf16
 planes, a positive scale) and for a :class:`~pagedrt.attention.DecodePlan` of a wide group
-(:func:`~pagedrt.attention.planner.wide_group`): there a sequence's one query token times the group's heads
+(:func:`~pagedrt.attention.planner.wide_kernel`): there a sequence's one query token times the group's heads
 are the rows of its tile, and long sequences are cut into segments (split-K) merged in the kernel, over the
 decode plan's workspace. The grid is persistent: a thread block per SM, over the (work item, KV head,
 segment) units, which a block claims from the launch's queue as it frees up (two int32 counters the launch
