@@ -136,6 +136,37 @@ def test_header_names_device_driver_commit_and_ceilings():
     assert "commit unknown" in line and "copy 4.30 TB/s" in line and "stream 4.54 TB/s" in line
 
 
+# --- the paged-read bound's chunks ---------------------------------------------------------------------------
+
+def chunks_one_by_one(table, lengths, block_size, kv_heads, chunk_bytes):
+    out = []
+    for row, length in zip(table, lengths):
+        for head in range(kv_heads):
+            for j in range(-(-length // block_size)):
+                out.append(int(row[j]) * kv_heads * chunk_bytes + head * chunk_bytes)
+    return out
+
+
+def test_chunk_offsets_walk_each_sequence_head_by_head_through_its_blocks():
+    table = np.array([[7, 3, -1], [5, -1, -1]], np.int32)  # 17 tokens: two blocks, the second with one token
+    offsets = harness.chunk_offsets(table, [17, 16], block_size=16, kv_heads=2, chunk_bytes=4096)
+    assert offsets.dtype == np.int64
+    assert offsets.tolist() == [7 * 8192, 3 * 8192, 7 * 8192 + 4096, 3 * 8192 + 4096, 5 * 8192, 5 * 8192 + 4096]
+    one, _ = cases.scattered_table([33])  # a batch of one
+    assert harness.chunk_offsets(one, [33], 16, 8, 4096).tolist() == chunks_one_by_one(one, [33], 16, 8, 4096)
+
+
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=8), block_size=st.sampled_from([1, 4, 16, 32]),
+       kv_heads=st.integers(1, 8), itemsize=st.sampled_from([1, 2]), shuffle=st.booleans(), spare=st.integers(0, 3))
+@settings(max_examples=80, deadline=None)
+def test_chunk_offsets_are_the_chunks_read_one_by_one(lengths, block_size, kv_heads, itemsize, shuffle, spare):
+    table, _ = cases.scattered_table(lengths, block_size, shuffle)
+    table = np.pad(table, ((0, 0), (0, spare)), constant_values=-1)  # a table wider than the longest sequence
+    chunk_bytes = block_size * cases.HEAD_DIM * itemsize
+    offsets = harness.chunk_offsets(table, lengths, block_size, kv_heads, chunk_bytes)
+    assert offsets.tolist() == chunks_one_by_one(table, lengths, block_size, kv_heads, chunk_bytes)
+
+
 # --- the commands ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", BENCHMARKS)

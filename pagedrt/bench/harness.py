@@ -11,7 +11,11 @@ times calls one at a time, for calls that synchronise inside.
 Ceilings. The bandwidth a memory-bound kernel is measured against, both over
 :data:`CEILING_BYTES` in the same run: a device-to-device copy (bytes read + written)
 and a read-only streaming kernel (``cuda_src/bench.cu``'s ``stream_read``). Decode
-reads almost only, so it is reported against both.
+reads almost only, so it is reported against both. Per case, two bounds at the case's
+own size: :func:`stream_us`, the streaming kernel over its bytes in one contiguous
+run, and :func:`paged_read_us`, a read-only kernel (``paged_read``) over exactly the
+K/V chunks paged decode reads, through the block table in decode's order
+(:func:`chunk_offsets`), doing no arithmetic.
 
 Every function that touches the GPU takes the ``cupy`` module from its caller, so the
 pure parts (tables, records) and every benchmark's ``--help`` work without CuPy.
@@ -126,6 +130,64 @@ def stream_us(timer, ptr, nbytes, repeats):
     sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
     sink = cp.zeros(1, np.uint32)
     args = (np.uint64(ptr), np.int64(nbytes // 16), np.uint32(0x9E3779B9), sink)
+    return timer.gpu_us(lambda: read((sms * STREAM_BLOCKS_PER_SM,), (STREAM_THREADS,), args), repeats)
+
+
+def chunk_offsets(table, lengths, block_size, kv_heads, chunk_bytes):
+    """Byte offsets in a K or V plane of the chunks paged decode reads, in its order: per sequence, per KV head,
+    the sequence's blocks in table order.
+
+    A chunk is one block's run of one KV head in a ``[num_blocks, kv_heads, block_size, head_dim]`` plane:
+    ``chunk_bytes`` (block_size x head_dim x itemsize) at ``block_id * kv_heads * chunk_bytes + head *
+    chunk_bytes``.
+
+    Parameters
+    ----------
+    table : numpy.ndarray
+        ``[batch, width]`` int block table (``cases.scattered_table``); entries past a sequence's blocks are
+        not read.
+    lengths : array-like
+        ``[batch]`` tokens per sequence: sequence b reads its first ``ceil(lengths[b] / block_size)`` blocks.
+    block_size, kv_heads, chunk_bytes : int
+        Tokens per block, KV heads, bytes of one chunk.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 ``[kv_heads * sum(ceil(lengths / block_size))]``.
+    """
+    table = np.asarray(table, np.int64)
+    used = -(-np.asarray(lengths, np.int64) // block_size)
+    every = table[:, None, :] * (kv_heads * chunk_bytes) + np.arange(kv_heads)[:, None] * chunk_bytes
+    read = np.arange(table.shape[1]) < used[:, None]  # [batch, width]
+    return every[np.broadcast_to(read[:, None, :], every.shape)]  # [batch, kv_heads, width] in row-major order
+
+
+def paged_read_us(timer, k_ptr, v_ptr, offsets, chunk_bytes, repeats):
+    """Median time of the read-only paged kernel over the chunks at ``offsets`` of both planes, each read once.
+
+    Launched as :func:`stream_us` launches the streaming kernel; each thread block reads a contiguous range of
+    the chunks, in order.
+
+    Parameters
+    ----------
+    timer : Timer
+    k_ptr, v_ptr : int
+        Device pointers of the K and V planes.
+    offsets : cupy.ndarray
+        ``[num_chunks]`` int64: each chunk's byte offset in either plane, a multiple of 16
+        (:func:`chunk_offsets`).
+    chunk_bytes : int
+        Bytes of one chunk, a multiple of 16.
+    repeats : int
+        Timed calls.
+    """
+    cp = timer.cp
+    read = source.function("bench.cu", "pagedrt::paged_read")
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    sink = cp.zeros(1, np.uint32)
+    args = (np.uint64(k_ptr), np.uint64(v_ptr), offsets, np.int64(offsets.size), np.int32(chunk_bytes // 16),
+            np.uint32(0x9E3779B9), sink)
     return timer.gpu_us(lambda: read((sms * STREAM_BLOCKS_PER_SM,), (STREAM_THREADS,), args), repeats)
 
 
