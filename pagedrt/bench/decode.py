@@ -22,7 +22,12 @@ imbalance. The contiguous K/V live in the same kind of memory as the paged
 planes (a pool), so the overhead is that of the addressing alone. It also times
 the streaming kernel reading the case's own K and V planes once (``strm us``, one
 launch over the same bytes: the ceiling at this size, with its launch ramp and
-tail) and gives the decode time as a share of it (``%size``).
+tail) and gives the decode time as a share of it (``%size``). And it times a
+read-only kernel over exactly the K/V chunks the decode reads (a block of a KV
+head each), through the block table in the decode's order (per sequence, per KV
+head, its blocks in table order), doing no arithmetic (``pread us``: the bound
+of a paged kernel at this size), and gives its time as a share of the decode's
+(``%pread``).
 
 The paged and contiguous times are those of a plan's ``run`` (the plans made once,
 as a step makes them): the kernel alone. validate=True reads a result back to the
@@ -33,7 +38,7 @@ run) is timed call by call with and without it, and the validation cost (validat
 ``--kv-dtype float8_e4m3`` runs the same cases over FP8 planes (random e4m3 bytes, scales per KV head, q
 and out in the case's dtype) and counts bandwidth in FP8 bytes: (K and V bytes of the valid tokens, one
 byte a value, + q + out) / time, against the same ceilings; no contiguous baseline and no validation
-figures (FP8 runs on the paged kernel only).
+figures (FP8 runs on the paged kernel only); ``pread us`` reads the FP8 chunks.
 """
 
 import contextlib
@@ -61,6 +66,8 @@ COLUMNS = (
     harness.Column("validate_us", "valid us", "{:.1f}"),
     harness.Column("size_stream_us", "strm us", "{:.1f}"),
     harness.Column("pct_size_stream", "%size", "{:.1f}", 6),
+    harness.Column("paged_read_us", "pread us", "{:.1f}"),
+    harness.Column("pct_paged_read", "%pread", "{:.1f}", 6),
     harness.Column("note", "note", width=0, left=True),
 )
 
@@ -87,6 +94,14 @@ def resident(dt, block):
     """{geometry: resident thread blocks} of the paged decode kernel of the standard shape at dtype ``dt``."""
     from ..kernels.configs import config
     return partition.device_resident(config(dt, HEAD_DIM, block, Q_HEADS // KV_HEADS))
+
+
+def paged_read_us(cp, timer, planes, table, lens, block, repeats):
+    """The read-only paged kernel's time over the chunks of ``planes`` (K and V, ``[num_blocks, KV_HEADS, block,
+    HEAD_DIM]``) that decode reads through ``table`` (``[batch, width]``) for ``lens`` (``[batch]``)."""
+    chunk_bytes = block * HEAD_DIM * planes[0].itemsize
+    offsets = cp.asarray(harness.chunk_offsets(table, lens, block, KV_HEADS, chunk_bytes))
+    return harness.paged_read_us(timer, planes[0].data.ptr, planes[1].data.ptr, offsets, chunk_bytes, repeats)
 
 
 def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order, memory, block):
@@ -134,6 +149,8 @@ def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order,
         # the streaming kernel over the same planes, one launch (the pool's planes are adjacent)
         size_us = (harness.stream_us(timer, bits[0].data.ptr, 2 * bits[0].nbytes, repeats)
                    if memory == "pool" else None)
+        # the read-only kernel over the chunks the decode reads, through the table in its order
+        read_us = paged_read_us(cp, timer, bits, table, lens, block, repeats) if memory == "pool" else None
         contiguous_us = timer.gpu_us(lambda: contiguous.run(q, k_contiguous, v_contiguous, contiguous_out), repeats)
         checked_us = timer.wall_us(call(validate=True), repeats)
         unchecked_us = timer.wall_us(call(validate=False), repeats)
@@ -150,7 +167,8 @@ def run_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, sweep, order,
         "case": case.name, "dtype": case.dtype, "batch": case.batch, "tokens": int(lens.sum()),
         "kv_mib": kv_bytes / 2**20, "us": paged_us, "tb_s": bw / 1e12, "pct_copy": 100 * bw / bandwidth["copy"],
         "pct_stream": 100 * bw / bandwidth["stream"], "size_stream_us": size_us,
-        "pct_size_stream": 100 * size_us / paged_us if size_us else None, "contiguous_us": contiguous_us,
+        "pct_size_stream": 100 * size_us / paged_us if size_us else None, "paged_read_us": read_us,
+        "pct_paged_read": 100 * read_us / paged_us if read_us else None, "contiguous_us": contiguous_us,
         "paging_overhead_pct": 100 * (paged_us / contiguous_us - 1), "num_splits": split.num_splits,
         "segment_tokens": split.segment_tokens, "geometry": split.geometry, "validate_us": checked_us - unchecked_us,
         "validated_wall_us": checked_us, "unvalidated_wall_us": unchecked_us,
@@ -176,6 +194,8 @@ FP8_COLUMNS = (
     harness.Column("geometry", "geometry", "{}", 8),
     harness.Column("size_stream_us", "strm us", "{:.1f}"),
     harness.Column("pct_size_stream", "%size", "{:.1f}", 6),
+    harness.Column("paged_read_us", "pread us", "{:.1f}"),
+    harness.Column("pct_paged_read", "%pread", "{:.1f}", 6),
     harness.Column("note", "note", width=0, left=True),
 )
 
@@ -199,6 +219,7 @@ def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
         plan = attention.DecodePlan(q, k, cp.asarray(table), cp.asarray(lens), validate=False, **hints)
         paged_us = timer.gpu_us(lambda: plan.run(q, k, v, out, k_scale=k_scale, v_scale=v_scale), repeats)
         size_us = harness.stream_us(timer, k.data.ptr, 2 * k.nbytes, repeats)
+        read_us = paged_read_us(cp, timer, (k, v), table, lens, block, repeats)
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2  # one byte a value, K and V
     moved = kv_bytes + 2 * case.batch * Q_HEADS * HEAD_DIM * dt.itemsize
     bw = moved / (paged_us * 1e-6)
@@ -208,7 +229,8 @@ def run_fp8_case(cp, timer, case, repeats, bandwidth, l2_bytes, chunk, block):
         "case": case.name, "dtype": case.dtype, "kv_dtype": FP8, "batch": case.batch,
         "tokens": int(lens.sum()), "kv_mib": kv_bytes / 2**20, "us": paged_us, "tb_s": bw / 1e12,
         "pct_copy": 100 * bw / bandwidth["copy"], "pct_stream": 100 * bw / bandwidth["stream"],
-        "size_stream_us": size_us, "pct_size_stream": 100 * size_us / paged_us, "num_splits": split.num_splits,
+        "size_stream_us": size_us, "pct_size_stream": 100 * size_us / paged_us, "paged_read_us": read_us,
+        "pct_paged_read": 100 * read_us / paged_us, "num_splits": split.num_splits,
         "segment_tokens": split.segment_tokens, "geometry": split.geometry, "fits_l2": kv_bytes <= l2_bytes,
         "note": note.strip(), "chunk_mib": chunk >> 20, "block_size": block,
     }
@@ -219,11 +241,13 @@ def table(rows):
     first = rows[0]
     if first.get("kv_dtype") == FP8:
         return "\n".join([f"K/V float8_e4m3 (TB/s in FP8 bytes); pool chunks of {first['chunk_mib']} MiB; block size "
-                          f"{first['block_size']}; strm us: the streaming kernel over the case's own FP8 planes",
+                          f"{first['block_size']}; strm us: the streaming kernel over the case's own FP8 planes, "
+                          "pread us: the read-only paged kernel over the FP8 chunks the decode reads",
                           harness.format_table(FP8_COLUMNS, rows)])
     lines = [f"pool chunks of {first['chunk_mib']} MiB (0: cudaMalloc); block order {first['order']}; "
              f"block size {first['block_size']}; strm us: the streaming kernel over the case's own planes, "
-             "%size: its time over the decode's",
+             "%size: its time over the decode's; pread us: a read-only kernel over the K/V chunks the decode "
+             "reads, through the table in its order, %pread: its time over the decode's",
              harness.format_table(COLUMNS, rows)]
     plans = [{"case": r["case"], **r["plan"], "measured_pct": 100 * r["plan"]["floor_us"] / r["us"]} for r in rows]
     lines += ["", f"split plans ({PLAN_LEGEND})", harness.format_table(PLAN_COLUMNS, plans)]
