@@ -81,8 +81,9 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 
 // Arguments as prefill.cu's, but the block size is a run-time power of two (block_shift = log2), and the
 // grid is persistent: thread block b takes unit b, then those it claims from the queue, of the num_items *
-// num_kv_heads * num_splits units (unit u: segment u % num_splits of work item u / num_splits / num_kv_heads
-// for KV head u / num_splits % num_kv_heads).
+// num_kv_heads * num_splits units (unit u: segment u % num_splits of work item u / num_splits % num_items for
+// KV head u / num_splits / num_items: a KV head's items in their order, then the next head's, so the units in
+// flight share one KV head's K/V of a sequence or two in L2).
 // q, out:       [num_tokens, num_kv_heads * group, HEAD_DIM], contiguous
 // k, v:         planes; element (block b, kv head h, slot s, dim d) at
 //               b*block_stride + ((h << block_shift) + s)*HEAD_DIM + d
@@ -147,13 +148,14 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     auto unit_of = [&](int u) {
         const int splits = S::kSplitK ? num_splits : 1, seg_tiles = S::kSplitK ? split_tiles : 0x7fffffff;
         const int pair = u / splits;
-        const int4 item = items[pair / num_kv_heads];
+        const int item_index = pair % num_items;
+        const int4 item = items[item_index];
         Unit w;
         w.seq = item.x, w.q_first = item.y, w.q_len = item.z, w.p_first = item.w;
         w.p_end = min(w.p_first + TILE_M, w.q_len * group);
-        w.kv_head = pair % num_kv_heads;
+        w.kv_head = pair / num_items;
         w.split = u % splits;
-        w.part_row = (long long)(pair / num_kv_heads) * q_heads + w.kv_head * group;
+        w.part_row = (long long)item_index * q_heads + w.kv_head * group;
         w.kv_len = min(max(kv_lens[w.seq], 0), max_blocks << block_shift);
         // the tile's last row sees the most keys
         const int tile_keys = causal ? min(w.kv_len, w.kv_len - w.q_len + (w.p_end - 1) / group + 1) : w.kv_len;

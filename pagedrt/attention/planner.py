@@ -221,9 +221,10 @@ def prefill_items(query_lens: Sequence[int], group: int, tile_m: int = PREFILL_T
     have none, nor have the rows in ``skip`` (a mixed step's decode rows, which the
     decode kernel takes). The items come a sequence at a time, the sequences with the
     most query tokens first (stable among equals), and within a sequence its later
-    items first: under a causal mask they see the most keys. So the units in flight
-    share one sequence's K/V in L2, and the long items start early rather than run
-    alone at the end (docs/KERNELS.md, "Work items").
+    items first: under a causal mask they see the most keys. Both kernels take a KV
+    head's items in this order before the next head's, so the units in flight share
+    one KV head's K/V of a sequence or two in L2, and the long items start early rather
+    than run alone at the end (docs/KERNELS.md, "Work items").
     """
     counts = np.asarray(query_lens, np.int64)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])) if counts.size else counts
