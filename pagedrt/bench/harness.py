@@ -36,6 +36,9 @@ from .. import source
 
 CEILING_BYTES = 4 << 30
 STREAM_BLOCKS_PER_SM, STREAM_THREADS = 8, 256
+# the paged read's grid: small ranges of chunks, many blocks (on the H200 32 x 512 read long-1's pages 6% faster
+# and b8's 8% faster than 8 x 256, as fast as the streaming kernel over the same bytes; docs/KERNELS.md)
+PAGED_READ_BLOCKS_PER_SM, PAGED_READ_THREADS = 32, 512
 
 
 def event_seconds(cp, fn, repeats, warmup=0):
@@ -166,7 +169,7 @@ def chunk_offsets(table, lengths, block_size, kv_heads, chunk_bytes):
 def paged_read_us(timer, k_ptr, v_ptr, offsets, chunk_bytes, repeats):
     """Median time of the read-only paged kernel over the chunks at ``offsets`` of both planes, each read once.
 
-    Launched as :func:`stream_us` launches the streaming kernel; each thread block reads a contiguous range of
+    PAGED_READ_BLOCKS_PER_SM blocks of PAGED_READ_THREADS an SM; each thread block reads a contiguous range of
     the chunks, in order.
 
     Parameters
@@ -188,7 +191,7 @@ def paged_read_us(timer, k_ptr, v_ptr, offsets, chunk_bytes, repeats):
     sink = cp.zeros(1, np.uint32)
     args = (np.uint64(k_ptr), np.uint64(v_ptr), offsets, np.int64(offsets.size), np.int32(chunk_bytes // 16),
             np.uint32(0x9E3779B9), sink)
-    return timer.gpu_us(lambda: read((sms * STREAM_BLOCKS_PER_SM,), (STREAM_THREADS,), args), repeats)
+    return timer.gpu_us(lambda: read((sms * PAGED_READ_BLOCKS_PER_SM,), (PAGED_READ_THREADS,), args), repeats)
 
 
 def ceilings(timer, repeats):
