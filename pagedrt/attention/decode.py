@@ -198,8 +198,8 @@ def _device_plan(cfg, batch, q_heads, num_kv_heads, scale, max_seq_len, num_spli
     capability 9.0), else the decode kernel's."""
     import cupy
     device = cupy.cuda.Device().id
-    decode = functools.partial(_device_split, cfg, batch, q_heads, max_seq_len, num_splits, mean_seq_len,
-                               geometry_name)
+    decode = functools.cache(functools.partial(_device_split, cfg, batch, q_heads, max_seq_len, num_splits,
+                                               mean_seq_len, geometry_name))  # asked for at most once
     if geometry_name is None and scale > 0 and prefill_sm90.runs_on(device) and wide_kernel(
             cfg, lambda: decode().num_splits):
         return wide_split(cfg, batch, num_kv_heads, max_seq_len, multiprocessors(device), num_splits=num_splits,

@@ -192,9 +192,9 @@ def wide_kernel(cfg: Config, decode_splits: Callable[[], int]) -> bool:
     """Whether a decode of ``cfg`` that :func:`wide_group` admits runs on the sm_90a kernel: past
     WIDE_UNSPLIT_GROUP heads always; to that many, only when the decode kernel's own split plan
     (``decode_splits()``, asked for only then) cuts its sequences. Unsplit, every sequence a thread block and the
-    blocks filling the device, the decode kernel's two m16 tiles streamed 2-3% faster than the sm_90a kernel at 24
-    and 32 heads; split, or past 32 heads (four tiles), the sm_90a kernel was as fast or faster
-    (docs/KERNELS.md, "Any group size")."""
+    blocks filling the device, the decode kernel's two m16 tiles streamed faster than the sm_90a kernel at 24 and
+    32 heads; split, or past 32 heads (four tiles), the sm_90a kernel was as fast or faster (docs/KERNELS.md,
+    "Any group size", has the figures)."""
     return wide_group(cfg) and (cfg.group > WIDE_UNSPLIT_GROUP or decode_splits() > 1)
 
 

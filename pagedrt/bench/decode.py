@@ -22,7 +22,7 @@ imbalance. The contiguous K/V live in the same kind of memory as the paged
 planes (a pool), so the overhead is that of the addressing alone. It also times
 the streaming kernel reading the case's own K and V planes once (``strm us``, one
 launch over the same bytes: the ceiling at this size, with its launch ramp and
-tail) and gives the decode time as a share of it (``%size``). And it times a
+tail) and gives its time as a share of the decode's (``%size``). And it times a
 read-only kernel over exactly the K/V chunks the decode reads (a block of a KV
 head each), through the block table in the decode's order (per sequence, per KV
 head, its blocks in table order), doing no arithmetic (``pread us``: the bound

@@ -36,8 +36,8 @@ from .. import source
 
 CEILING_BYTES = 4 << 30
 STREAM_BLOCKS_PER_SM, STREAM_THREADS = 8, 256
-# the paged read's grid: small ranges of chunks, many blocks (on the H200 32 x 512 read long-1's pages 6% faster
-# and b8's 8% faster than 8 x 256, as fast as the streaming kernel over the same bytes; docs/KERNELS.md)
+# the paged read's grid: small ranges of chunks, many blocks, the fastest of the grids tried (docs/KERNELS.md,
+# "Decode", has the figures)
 PAGED_READ_BLOCKS_PER_SM, PAGED_READ_THREADS = 32, 512
 
 
