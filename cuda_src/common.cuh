@@ -269,4 +269,52 @@ __device__ __forceinline__ void pv_e4m3(unsigned sv, int key0, int lane, const u
         }
 }
 
+// --- mbarriers and bulk copies (compute capability 9.0) ------------------------------------------
+// A phase of an mbarrier completes when its expected count of arrivals has arrived and the bytes it
+// expects (expect_tx) have landed. `bar`: a shared-space address (see __cvta_generic_to_shared).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+namespace sm90 {
+
+__device__ __forceinline__ void mbarrier_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+
+// Make initialised mbarriers visible to every thread (and to the copy engine) before any use them.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+
+// Wait until the phase of parity `parity` (0 or 1) has completed. Before a barrier's first phase
+// completes, waiting on parity 1 returns at once (the phase "before" the first counts as done).
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n"
+                 "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// One arrival on `bar` that also expects `bytes` more to land in its current phase.
+__device__ __forceinline__ void mbarrier_expect_bytes(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// Order this thread's earlier generic accesses to shared memory before later bulk copies into it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by the copy
+// engine; they count against `bar`'s expected bytes as they land.
+__device__ __forceinline__ void bulk_copy(unsigned smem_dst, const void* gmem_src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_dst), "l"(gmem_src), "r"(bytes), "r"(bar) : "memory");
+}
+
+}  // namespace sm90
+#endif
+
 }  // namespace pagedrt

@@ -17,11 +17,14 @@
 //   gate_up   x = rmsnorm(residual[b]) * ffn_norm; mlp[b, j] = silu(round_T(gate_j . x)) * round_T(up_j . x)
 //   down      residual[b] += round_T(W_down . mlp[b])
 //   logits    x = rmsnorm(residual[b]) * output_norm; logits[b] = W_out . x (float32)
-// Weights are [out, in] (one output's weights a contiguous row). Between arriving at a barrier and waiting at it
-// a block loads its first chunk of the next phase's weights into registers (and prefetches the rest into L2), so
-// the weights stream while the grid gathers; a block's first attention tiles (all but the newest token's K/V
-// rows, which the qkv phase writes) go into shared memory the same way. NORM_PER: values of a row each thread
-// holds while it normalises it (hidden <= NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
+// Weights are [out, in] (one output's weights a contiguous row). On compute capability 9.0 a GEMV phase whose
+// tiles fit is staged: its weights sit in shared memory, copied there by bulk copies a layer ahead (Staged,
+// below). Otherwise, between arriving at a barrier and waiting at it, a block loads its first chunk of the next
+// phase's weights into registers (and prefetches the rest into L2), so the weights stream while the grid gathers.
+// The same time goes to the loads that wait for nothing else: the next norm's weights into registers, a block's
+// first attention tiles (all but the newest token's K/V rows, which the qkv phase writes) into shared memory.
+// Each row's rotations and new K/V row are worked out once, at the launch's start. NORM_PER: values of a row each
+// thread holds while it normalises it (hidden <= NORM_PER * THREADS); ROWS: the batch rows shared memory holds.
 //
 // Memory that a phase writes and a later phase reads (residual, q, the newest K/V rows, mlp, partial) is read
 // through L2 (__ldcg, cp.async.cg): another SM wrote it inside this launch. The barrier counter is zero at
@@ -37,6 +40,11 @@ constexpr int MAX_SPLITS = 16;        // attention splits of a (row, KV head), a
 constexpr int STAGED = 2;             // tiles of K/V a block copies at the barrier that opens attention
 // floats of a (query head, split)'s partial: its unnormalised output, then m and l (16-byte aligned rows)
 constexpr __host__ __device__ int partial_stride(int head_dim) { return head_dim + 4; }
+// Bytes of shared memory before the staged weights: the step's constants (each row's rotations and new K/V row)
+// and the staged phases' four mbarriers.
+constexpr __host__ __device__ int constants_bytes(int rows, int head_dim) {
+    return (rows * (head_dim / 2 * 8 + 8) + 4 * 8 + 15) / 16 * 16;
+}
 enum Weight { ATTN_NORM, QKV, O, FFN_NORM, GATE_UP, DOWN, K_PLANE, V_PLANE, PER_LAYER };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -85,13 +93,18 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 // w, w + 8, ...: lane (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at k0 + 8t and the same
 // 16 bytes of xs row g, which are the A and B fragments of two mmas once k is renumbered inside the step (the
 // sum does not depend on the order). The warps' partial tiles are summed in shared memory in warp order.
-// A warp holds STEPS k-steps a chunk and loads its next chunk while it computes this one; the first chunk is
-// loaded while the barrier that opens the phase gathers the grid, so its weights arrive meanwhile.
+// The weights come one of two ways. Staged (compute capability 9.0, where a layer's tiles fit): a block's tiles of
+// the phase sit in shared memory, copied there by bulk copies a layer ahead (Staging, below). Streamed: a warp holds
+// STEPS k-steps a chunk in registers and loads its next chunk while it computes this one; the first chunk is
+// loaded while the barrier that opens the phase gathers the grid, so its weights arrive meanwhile. Either way a
+// warp's mmas run in the same order: the same sums.
 // Gate/up tiles (`split` = ffn) are 8 gate rows j.. and the 8 up rows ffn + j.., so one tile holds both.
 struct Gemv {
     const void* w;
     int k, rows, split;
     __device__ int tiles() const { return split ? (split + 7) / 8 : (rows + 15) / 16; }
+    // Tiles of block 0, which has the most.
+    __device__ int most_tiles() const { return (tiles() + gridDim.x - 1) / gridDim.x; }
     // The weight row of tile u's row r (0..15), or -1 past the end.
     __device__ int row(int u, int r) const {
         if (split) {
@@ -158,15 +171,36 @@ __device__ __forceinline__ void prefetch_tiles(const Gemv& g, int skip) {
         }
 }
 
-// Run phase g over xs (rows of `stride` elements): epilogue(u, out) once per tile, by the whole block, with
-// out[r * 8 + b] the dot product of the tile's row r and xs row b (shared memory). `sums`: 8 x 128 floats of
-// shared memory for the warps' tiles, then the tile's 128.
+// The end of tile u: the warps' partial tiles (acc: rows lane / 4 and lane / 4 + 8, columns 2 (lane % 4) and + 1)
+// summed in warp order, then epilogue(u, out) by the whole block, with out[r * 8 + b] the dot product of the tile's
+// row r and xs row b (shared memory). `sums`: 8 x 128 floats of shared memory for the warps' tiles, then the
+// tile's 128. Every warp's reads of the tile's weights are done once it returns.
+template <typename Epilogue>
+__device__ __forceinline__ void finish_tile(int u, float (&acc)[4], float* sums, Epilogue& epilogue) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float* out = sums + WARPS * 128;
+    float* mine = sums + warp * 128;
+    const int r = lane / 4, col = 2 * (lane % 4);
+    mine[r * 8 + col] = acc[0], mine[r * 8 + col + 1] = acc[1];
+    mine[(r + 8) * 8 + col] = acc[2], mine[(r + 8) * 8 + col + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += sums[w * 128 + threadIdx.x];
+        out[threadIdx.x] = total;
+    }
+    __syncthreads();
+    epilogue(u, out);
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+}
+
+// Run phase g over xs (rows of `stride` elements), its weights streamed: epilogue(u, out) once per tile
+// (finish_tile).
 template <typename T, typename Epilogue>
 __device__ __forceinline__ void gemv(const Gemv& g, Chunk<T>& cur, const T* xs, int stride, int batch, float* sums,
                                      Epilogue epilogue) {
     const int chunks = (g.k / 32 + WARPS * STEPS - 1) / (WARPS * STEPS), tiles = g.tiles();
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float* out = sums + WARPS * 128;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int u = blockIdx.x, c = 0; u < tiles;) {
         int next_u = u, next_c = c + 1;
@@ -174,34 +208,96 @@ __device__ __forceinline__ void gemv(const Gemv& g, Chunk<T>& cur, const T* xs, 
         Chunk<T> next;
         if (next_u < tiles) next.load(g, next_u, next_c);
         cur.mma(xs, stride, g.k, c, batch, acc);
-        if (c == chunks - 1) {
-            // acc: rows lane / 4 and lane / 4 + 8, columns 2 (lane % 4) and + 1
-            float* mine = sums + warp * 128;
-            const int r = lane / 4, col = 2 * (lane % 4);
-            mine[r * 8 + col] = acc[0], mine[r * 8 + col + 1] = acc[1];
-            mine[(r + 8) * 8 + col] = acc[2], mine[(r + 8) * 8 + col + 1] = acc[3];
-            __syncthreads();
-            if (threadIdx.x < 128) {
-                float total = 0.0f;
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) total += sums[w * 128 + threadIdx.x];
-                out[threadIdx.x] = total;
-            }
-            __syncthreads();
-            epilogue(u, out);
-            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-        }
+        if (c == chunks - 1) finish_tile(u, acc, sums, epilogue);
         cur = next;
         u = next_u, c = next_c;
     }
 }
 
+// Shared-memory rows of a staged tile: k elements and a pad that puts row r + 1 64 bytes after row r in the banks,
+// so that a quarter warp's two rows (lanes 0-3 and 4-7) read disjoint banks.
+constexpr __host__ __device__ int staged_stride(int k) { return k % 64 ? k : k + 32; }
+
+// Run phase g over xs with its weights staged: this block's tiles [16][staged_stride(k)] one after another in `w`
+// (shared memory, landed). The same mmas in the same order as gemv's.
+template <typename T, typename Epilogue>
+__device__ __forceinline__ void gemv_staged(const Gemv& g, const T* w, const T* xs, int stride, int batch,
+                                            float* sums, Epilogue epilogue) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, steps = g.k / 32, n = lane / 4;
+    const int ws = staged_stride(g.k), col = 8 * (lane % 4);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int u = blockIdx.x; u < g.tiles(); u += gridDim.x, w += 16 * ws) {
+        const bool in0 = g.row(u, n) >= 0, in1 = g.row(u, n + 8) >= 0;
+        const T* a0 = w + n * ws + col;
+        const T* a1 = a0 + 8 * ws;
+        const T* x = xs + n * stride + col;
+#pragma unroll 3
+        for (int step = warp; step < steps; step += WARPS) {
+            const uint4 p = in0 ? *reinterpret_cast<const uint4*>(a0 + step * 32) : zero;
+            const uint4 q = in1 ? *reinterpret_cast<const uint4*>(a1 + step * 32) : zero;
+            const uint4 b = n < batch ? *reinterpret_cast<const uint4*>(x + step * 32) : zero;
+            mma_16816<T>(acc, p.x, q.x, p.y, q.y, b.x, b.y);
+            mma_16816<T>(acc, p.z, q.z, p.w, q.w, b.z, b.w);
+        }
+        finish_tile(u, acc, sums, epilogue);
+    }
+}
+
+// Weights staged a layer ahead. Phase p of `staged` (bit p: qkv, o, gate_up, down) has a buffer of most_tiles()
+// tiles in shared memory and an mbarrier; its fill for layer l is the barrier's phase l (parity l & 1). Warp 1
+// fills: for layer 0 at the launch's start, for layer l + 1 once the block's phase of layer l is done with it
+// (between arriving at the barrier that ends it and waiting there), a bulk copy a weight row (rows are padded in
+// shared memory, not in global memory).
+enum Staged { STAGE_QKV, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES_ };
+
+template <typename T>
+__device__ __forceinline__ void stage_fill(const Gemv& g, T* buf, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    const int lane = threadIdx.x - 32, tiles = g.tiles();
+    if (lane < 0 || lane >= 32 || (int)blockIdx.x >= tiles) return;
+    const unsigned b = (unsigned)__cvta_generic_to_shared(bar), row_bytes = g.k * (unsigned)sizeof(T);
+    if (lane == 0) {  // every row of the block's tiles but the last tile's past the end
+        const int mine = (tiles - 1 - blockIdx.x) / gridDim.x + 1, last = blockIdx.x + (mine - 1) * gridDim.x;
+        const int past = g.split ? 2 * max(0, last * 8 + 8 - g.split) : max(0, last * 16 + 16 - g.rows);
+        sm90::mbarrier_expect_bytes(b, (mine * 16 - past) * row_bytes);
+    }
+    __syncwarp();
+    const int ws = staged_stride(g.k);
+    const T* base = reinterpret_cast<const T*>(g.w);
+    for (int i = lane / 16; blockIdx.x + i * gridDim.x < tiles; i += 2) {
+        const int r = g.row(blockIdx.x + i * gridDim.x, lane % 16);
+        if (r >= 0)
+            sm90::bulk_copy((unsigned)__cvta_generic_to_shared(buf + (i * 16 + lane % 16) * ws),
+                            base + (long long)r * g.k, row_bytes, b);
+    }
+#endif
+}
+
+// Wait until this block's tiles of a staged phase for `layer` have landed.
+__device__ __forceinline__ void stage_wait(const Gemv& g, unsigned long long* bar, int layer) {
+#if __CUDA_ARCH__ >= 900
+    if ((int)blockIdx.x < g.tiles()) sm90::mbarrier_wait((unsigned)__cvta_generic_to_shared(bar), layer & 1);
+#endif
+}
+
+// A norm's weights this thread multiplies by (element threadIdx.x + v * THREADS of each row): loaded between
+// arriving at the barrier that opens the phase and waiting there, so the norm does not wait for them.
+template <int PER>
+__device__ __forceinline__ void load_norm_weight(const float* __restrict__ weight, int hidden, float (&wn)[PER]) {
+#pragma unroll
+    for (int v = 0; v < PER; ++v) {
+        const int j = threadIdx.x + v * THREADS;
+        wn[v] = j < hidden ? __ldg(weight + j) : 0.0f;
+    }
+}
+
 // xs[b] = residual[b] / sqrt(mean(residual[b]^2) + eps) * weight, as T, for every row b < batch (xs rows
-// hidden + PAD apart: the padding spreads a GEMV's reads of 8 rows over the banks).
+// hidden + PAD apart: the padding spreads a GEMV's reads of 8 rows over the banks); wn: load_norm_weight's.
 // PER: values a thread holds of a row (hidden <= PER * THREADS).
 template <typename T, int ROWS, int PER>
-__device__ void load_normed(const float* residual, const float* __restrict__ weight, T* xs, float* reduce,
-                            int batch, int hidden, float eps) {
+__device__ void load_normed(const float* residual, const float (&wn)[PER], T* xs, float* reduce, int batch,
+                            int hidden, float eps) {
     float x[ROWS][PER], sum[ROWS];
 #pragma unroll
     for (int b = 0; b < ROWS; ++b)
@@ -232,7 +328,7 @@ __device__ void load_normed(const float* residual, const float* __restrict__ wei
 #pragma unroll
         for (int v = 0; v < PER; ++v) {
             const int j = threadIdx.x + v * THREADS;
-            if (j < hidden) xs[b * (hidden + PAD) + j] = from_float<T>(x[b][v] * scale * weight[j]);
+            if (j < hidden) xs[b * (hidden + PAD) + j] = from_float<T>(x[b][v] * scale * wn[v]);
         }
     }
     __syncthreads();
@@ -493,9 +589,48 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const long long* __restrict__ ids, const int* __restrict__ tables, long long table_stride,
     const int* __restrict__ seq_lens, const long long* __restrict__ slots, long long block_stride, int block_size,
     float* residual, T* q, T* mlp, float* partial, unsigned* barrier, float* logits, int batch, int hidden,
-    int ffn, int q_heads, int kv_heads, int max_splits, float eps, float scale_log2) {
+    int ffn, int q_heads, int kv_heads, int max_splits, float eps, float scale_log2, int staged_phases) {
     using namespace fused;
-    extern __shared__ uint4 smem_raw[];
+    extern __shared__ uint4 smem_front[];
+    // The step's constants, for the whole launch: each row's rotation (cos, sin) of every pair of a head, and
+    // the offset of its new token's K/V row in a layer's plane (-1: a padding row); the staged phases' mbarriers
+    // and buffers; then what phases share.
+    float2* rotation = reinterpret_cast<float2*>(smem_front);                       // [ROWS][HEAD_DIM / 2]
+    long long* kv_row = reinterpret_cast<long long*>(rotation + ROWS * HEAD_DIM / 2);  // [ROWS]
+    unsigned long long* stage_bar = reinterpret_cast<unsigned long long*>(kv_row + ROWS);  // [STAGES_]
+    const int qkv_rows = (q_heads + 2 * kv_heads) * HEAD_DIM, attn_width = q_heads * HEAD_DIM;
+    // phase p's GEMV in a layer whose weight pointers are w
+    auto phase = [&](const unsigned long long* w, int p) {
+        return p == STAGE_QKV ? Gemv{(const void*)w[QKV], hidden, qkv_rows, 0}
+               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0}
+               : p == STAGE_GATE_UP ? Gemv{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn}
+                                    : Gemv{(const void*)w[DOWN], ffn, hidden, 0};
+    };
+    T* stage_buf[STAGES_];
+    T* at = reinterpret_cast<T*>(smem_front + constants_bytes(ROWS, HEAD_DIM) / 16);
+#pragma unroll
+    for (int p = 0; p < STAGES_; ++p) {
+        const Gemv g = phase(layers, p);
+        stage_buf[p] = staged_phases >> p & 1 ? at : nullptr;
+        if (staged_phases >> p & 1) at += g.most_tiles() * 16 * staged_stride(g.k);
+    }
+    // every layer's staged weights, [num_layers][STAGES_] (a refill reads its pointer here, not from global memory)
+    unsigned long long* staged_weights = reinterpret_cast<unsigned long long*>(at);
+    if (staged_phases) at = reinterpret_cast<T*>(staged_weights + num_layers * STAGES_);
+    uint4* smem_raw = reinterpret_cast<uint4*>(at);
+    const int tid = threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+    if (staged_phases) {
+        for (int i = tid; i < num_layers * STAGES_; i += THREADS)
+            staged_weights[i] = (unsigned long long)phase(layers + i / STAGES_ * PER_LAYER, i % STAGES_).w;
+        if (tid < STAGES_) sm90::mbarrier_init((unsigned)__cvta_generic_to_shared(stage_bar + tid), 1);
+        sm90::mbarrier_init_fence();
+        __syncthreads();
+#pragma unroll
+        for (int p = 0; p < STAGES_; ++p)
+            if (staged_phases >> p & 1) stage_fill(phase(layers, p), stage_buf[p], stage_bar + p);
+    }
+#endif
     float* reduce = reinterpret_cast<float*>(smem_raw);  // load_normed's partial sums
     float* sums = reduce + WARPS * ROWS;                 // the GEMV's warp tiles and the block's tile
     T* xs = reinterpret_cast<T*>(sums + (WARPS + 1) * 128);
@@ -505,9 +640,6 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     const Step s{layers, ids, tables, table_stride, seq_lens, slots, block_stride, block_size, batch, hidden, ffn,
                  q_heads, kv_heads, splits};
     unsigned target = 0;
-    const int qkv_rows = (q_heads + 2 * kv_heads) * HEAD_DIM, attn_width = q_heads * HEAD_DIM;
-    const int tid = threadIdx.x;
-    auto qkv_phase = [&](int layer) { return Gemv{(const void*)layers[layer * PER_LAYER + QKV], hidden, qkv_rows, 0}; };
     Chunk<T> cur;
     // This block's first attention item and its first tiles' rows: the same plane offsets in every layer.
     const int items = batch * kv_heads * splits;
@@ -519,32 +651,60 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         for (int i = 0; i < STAGED; ++i) staged[i].locate(s, first, first.start + i * TILE);
     }
 
+    for (int i = tid; i < batch * HEAD_DIM / 2; i += THREADS) {
+        const int b = i / (HEAD_DIM / 2);
+        float sn, cs;
+        sincosf((float)(seq_lens[b] - 1) * inv_freq[i % (HEAD_DIM / 2)], &sn, &cs);
+        rotation[i] = make_float2(cs, sn);
+    }
+    if (tid < batch) {
+        const long long slot = slots[tid];
+        kv_row[tid] = slot < 0 ? -1 : (slot / block_size) * block_stride + (slot % block_size) * HEAD_DIM;
+    }
     for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);
-    grid_arrive(barrier, target);
-    first_chunk(qkv_phase(0), cur);
+    float norm_weight[NORM_PER];
+    grid_arrive(barrier, target);  // (its __syncthreads makes the constants visible to the block)
+    if (!(staged_phases >> STAGE_QKV & 1)) first_chunk(phase(layers, STAGE_QKV), cur);
+    load_norm_weight(reinterpret_cast<const float*>(layers[ATTN_NORM]), hidden, norm_weight);
     grid_wait(barrier, target);
 
     for (int layer = 0; layer < num_layers; ++layer) {
         const unsigned long long* w = layers + layer * PER_LAYER;
         T* k_plane = reinterpret_cast<T*>(w[K_PLANE]);
         T* v_plane = reinterpret_cast<T*>(w[V_PLANE]);
-        const Gemv o_phase{(const void*)w[O], attn_width, hidden, 0};
-        const Gemv gate_up_phase{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn};
-        const Gemv down_phase{(const void*)w[DOWN], ffn, hidden, 0};
+        const Gemv qkv_phase = phase(w, STAGE_QKV), o_phase = phase(w, STAGE_O);
+        const Gemv gate_up_phase = phase(w, STAGE_GATE_UP), down_phase = phase(w, STAGE_DOWN);
+        // warp 1 refills the staged phases' buffers for the next layer
+        auto refill = [&](int p) {
+            if (layer + 1 < num_layers && tid / 32 == 1 && (staged_phases >> p & 1)) {
+                Gemv g = phase(w, p);
+                g.w = (const void*)staged_weights[(layer + 1) * STAGES_ + p];
+                stage_fill(g, stage_buf[p], stage_bar + p);
+            }
+        };
+        // phase p's GEMV over xs, its weights staged or streamed
+        auto run_gemv = [&](int p, const Gemv& g, int stride, auto epilogue) {
+            if (staged_phases >> p & 1) {
+                stage_wait(g, stage_bar + p, layer);
+                gemv_staged(g, stage_buf[p], xs, stride, batch, sums, epilogue);
+            } else {
+                gemv(g, cur, xs, stride, batch, sums, epilogue);
+            }
+        };
+        auto streams = [&](int p) { return !(staged_phases >> p & 1); };
 
         // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes. The
         // block's first attention tiles are copied at the barrier, all but the newest token's row (written here).
-        load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[ATTN_NORM]), xs, reduce, batch,
-                                       hidden, eps);
-        gemv(qkv_phase(layer), cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
+        load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
+        run_gemv(STAGE_QKV, qkv_phase, hidden + PAD, [&](int u, const float* out) {
             const int pair = tid / 8, b = tid % 8, col = u * 16 + 2 * pair;
             if (tid >= 64 || b >= batch || col >= qkv_rows) return;
             const int head = col / HEAD_DIM, i = (col % HEAD_DIM) / 2;
             float x0 = round_to<T>(out[2 * pair * 8 + b]), x1 = round_to<T>(out[(2 * pair + 1) * 8 + b]);
             if (head < q_heads + kv_heads) {
-                float sn, cs;
-                sincosf((float)(seq_lens[b] - 1) * inv_freq[i], &sn, &cs);
+                const float2 r = rotation[b * (HEAD_DIM / 2) + i];
+                const float cs = r.x, sn = r.y;
                 const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
                 x0 = y0, x1 = y1;
             }
@@ -552,12 +712,10 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             if (head < q_heads) {
                 dst = q + ((long long)b * q_heads + head) * HEAD_DIM;
             } else {
-                const long long slot = slots[b];
-                if (slot < 0) return;
+                if (kv_row[b] < 0) return;
                 const bool is_k = head < q_heads + kv_heads;
                 const int kh = head - q_heads - (is_k ? 0 : kv_heads);
-                dst = (is_k ? k_plane : v_plane) + (slot / block_size) * block_stride +
-                      ((long long)kh * block_size + slot % block_size) * HEAD_DIM;
+                dst = (is_k ? k_plane : v_plane) + kv_row[b] + (long long)kh * block_size * HEAD_DIM;
             }
             dst[2 * i] = from_float<T>(x0);
             dst[2 * i + 1] = from_float<T>(x1);
@@ -568,6 +726,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             for (int i = 0; i < STAGED; ++i)
                 staged[i].copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw, i), tile_v<T, HEAD_DIM>(smem_raw, i),
                                first.len - 1, -1);
+        refill(STAGE_QKV);
         grid_wait(barrier, target);
 
         // attention: each split's partial (the o phase merges them)
@@ -575,7 +734,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item == (int)blockIdx.x ? first : Item(s, item),
                                 staged, item == (int)blockIdx.x, scale_log2, smem_raw);
         grid_arrive(barrier, target);
-        first_chunk(o_phase, cur);
+        if (streams(STAGE_O)) first_chunk(o_phase, cur);
         grid_wait(barrier, target);
 
         // o: residual += W_o . merged attention (one add to each element in the phase: the same sum every run)
@@ -585,42 +744,49 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
                 atomicAdd(residual + (long long)b * hidden + col, round_to<T>(out[r * 8 + b]));
         };
         if ((int)blockIdx.x < o_phase.tiles()) load_merged<T, HEAD_DIM>(partial, xs, batch, q_heads, splits);
-        gemv(o_phase, cur, xs, attn_width + PAD, batch, sums, add_to_residual);
+        run_gemv(STAGE_O, o_phase, attn_width + PAD, add_to_residual);
         grid_arrive(barrier, target);
-        first_chunk(gate_up_phase, cur);
-        prefetch_tiles<T>(gate_up_phase, 1);
+        if (streams(STAGE_GATE_UP)) first_chunk(gate_up_phase, cur);
+        load_norm_weight(reinterpret_cast<const float*>(w[FFN_NORM]), hidden, norm_weight);
+        refill(STAGE_O);
+        if (streams(STAGE_GATE_UP)) prefetch_tiles<T>(gate_up_phase, 1);
         grid_wait(barrier, target);
 
         // gate_up: norm, SiLU(gate) * up
-        load_normed<T, ROWS, NORM_PER>(residual, reinterpret_cast<const float*>(w[FFN_NORM]), xs, reduce, batch,
-                                       hidden, eps);
-        gemv(gate_up_phase, cur, xs, hidden + PAD, batch, sums, [&](int u, const float* out) {
+        load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
+        run_gemv(STAGE_GATE_UP, gate_up_phase, hidden + PAD, [&](int u, const float* out) {
             const int j = tid / 8, b = tid % 8, col = u * 8 + j;
             if (tid >= 64 || b >= batch || col >= ffn) return;
             const float g = round_to<T>(out[j * 8 + b]), up = round_to<T>(out[(j + 8) * 8 + b]);
             mlp[(long long)b * ffn + col] = from_float<T>(g / (1.0f + __expf(-g)) * up);
         });
         grid_arrive(barrier, target);
-        first_chunk(down_phase, cur);
-        prefetch_tiles<T>(down_phase, 0);  // the first tile's later chunks too
+        if (streams(STAGE_DOWN)) {
+            first_chunk(down_phase, cur);
+            prefetch_tiles<T>(down_phase, 0);  // the first tile's later chunks too
+        }
+        refill(STAGE_GATE_UP);
         grid_wait(barrier, target);
 
         // down: residual += W_down . mlp
         load_rows<T>(mlp, xs, batch, ffn);
-        gemv(down_phase, cur, xs, ffn + PAD, batch, sums, add_to_residual);
+        run_gemv(STAGE_DOWN, down_phase, ffn + PAD, add_to_residual);
         const Gemv logits_phase{(const void*)output, hidden, vocab, 0};
         grid_arrive(barrier, target);
+        refill(STAGE_DOWN);
         if (layer + 1 < num_layers) {
-            first_chunk(qkv_phase(layer + 1), cur);
+            if (streams(STAGE_QKV)) first_chunk(phase(w + PER_LAYER, STAGE_QKV), cur);
+            load_norm_weight(reinterpret_cast<const float*>(w[PER_LAYER + ATTN_NORM]), hidden, norm_weight);
         } else {
             first_chunk(logits_phase, cur);
+            load_norm_weight(output_norm, hidden, norm_weight);
             prefetch_tiles<T>(logits_phase, 1);
         }
         grid_wait(barrier, target);
     }
 
     // logits = W_out . norm(residual), float32
-    load_normed<T, ROWS, NORM_PER>(residual, output_norm, xs, reduce, batch, hidden, eps);
+    load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
     gemv(Gemv{(const void*)output, hidden, vocab, 0}, cur, xs, hidden + PAD, batch, sums,
          [&](int u, const float* out) {
              const int r = tid / 8, b = tid % 8, row = u * 16 + r;

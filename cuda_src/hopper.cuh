@@ -1,5 +1,5 @@
-// Hopper (sm_90a) device helpers: mbarriers, cp.async completion on an mbarrier, warpgroup register
-// reallocation, named barriers, shared-memory matrix descriptors and the warpgroup MMA (wgmma).
+// Hopper (sm_90a) device helpers: cp.async completion on an mbarrier (the mbarriers are common.cuh's), warpgroup
+// register reallocation, named barriers, shared-memory matrix descriptors and the warpgroup MMA (wgmma).
 //
 // Only for files compiled with -arch=sm_90a (pagedrt/source.py: ARCHES): wgmma and setmaxnreg exist
 // on no other target. Everything here must compile under both nvcc and NVRTC: no standard headers.
@@ -8,32 +8,6 @@
 
 namespace pagedrt {
 namespace sm90 {
-
-// --- mbarriers: a phase completes when its expected count of arrivals has arrived --------------
-
-__device__ __forceinline__ void mbarrier_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-
-// Make initialised mbarriers visible to every thread (and to the copy engine) before any use them.
-__device__ __forceinline__ void mbarrier_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
-}
-
-// Wait until the phase of parity `parity` (0 or 1) has completed. Before a barrier's first phase
-// completes, waiting on parity 1 returns at once (the phase "before" the first counts as done).
-__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
-    asm volatile("{\n"
-                 ".reg .pred done;\n"
-                 "WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n"
-                 "}\n" :: "r"(bar), "r"(parity) : "memory");
-}
 
 // One arrival on `bar` once every cp.async this thread issued so far has landed (the barrier's
 // expected count includes it: .noinc).

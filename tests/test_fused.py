@@ -19,9 +19,9 @@ def spec(dtype="float16", kv_dtype=None, head_dim=64):
 
 def test_smollm2_runs_fused_in_fp16_and_bf16():
     pytest.importorskip("ml_dtypes", reason="bfloat16 is ml_dtypes'")
-    assert fused.unsupported(SMOL, spec(), 90) is None
-    assert fused.unsupported(SMOL, spec("bfloat16"), 80) is None
-    assert "compute capability 75" in fused.unsupported(SMOL, spec(), 75)
+    assert fused.unsupported(SMOL, spec(), 90, 227 << 10) is None
+    assert fused.unsupported(SMOL, spec("bfloat16"), 80, 99 << 10) is None
+    assert "compute capability 75" in fused.unsupported(SMOL, spec(), 75, 64 << 10)
 
 
 @pytest.mark.parametrize("change,kv,why", [
@@ -33,7 +33,7 @@ def test_smollm2_runs_fused_in_fp16_and_bf16():
 ])
 def test_other_models_and_caches_are_refused_with_a_reason(change, kv, why):
     config = replace(SMOL, **change)
-    assert why in fused.unsupported(config, spec(kv_dtype=kv, head_dim=config.head_dim), 90)
+    assert why in fused.unsupported(config, spec(kv_dtype=kv, head_dim=config.head_dim), 90, 227 << 10)
 
 
 def test_the_norm_instance_is_the_smallest_that_holds_the_row():
@@ -45,7 +45,7 @@ def test_the_norm_instance_is_the_smallest_that_holds_the_row():
 
 def test_shared_memory_grows_with_rows_and_fits_smollm2():
     sizes = [fused.smem_bytes(SMOL, rows) for rows in fused.ROWS]
-    assert sizes == sorted(sizes) and sizes[-1] <= fused.SMEM_LIMIT
+    assert sizes == sorted(sizes) and sizes[-1] <= 99 << 10  # what every device of compute capability 8.x allows
 
 
 @pytest.mark.parametrize("head_dim", fused.HEAD_DIMS)
@@ -56,4 +56,42 @@ def test_the_widest_group_fits_its_warps_outputs_in_shared_memory(head_dim):
     config = replace(SMOL, head_dim=head_dim, q_heads=group, kv_heads=1, hidden=fused.MAX_HIDDEN)
     slices, state = fused.WARPS * group * head_dim * 4, group * (head_dim + fused.TILE + 3) * 4
     assert fused.smem_bytes(config, fused.MAX_ROWS) >= slices + state
-    assert fused.unsupported(config, spec(head_dim=head_dim), 90) is None
+    assert fused.unsupported(config, spec(head_dim=head_dim), 90, 227 << 10) is None
+
+
+H200 = (132, 90, 227 << 10)  # SMs, compute capability, shared memory a block may opt in to
+
+
+def test_smollm2_stages_every_phase_on_an_h200():
+    """q/k/v (60 tiles), o (36), gate/up (192: two on block 0) and down (36): one tile a block each but gate/up's
+    two, rows padded to 576 + 32 (q/k/v, o, gate/up) and 1536 + 32 (down) elements, two bytes each; then the 30
+    layers' four pointers."""
+    mask, size = fused.staging(SMOL, 2, *H200)
+    assert mask == 0b1111
+    assert size == 2 * 16 * (608 + 608 + 2 * 608 + 1568) + 30 * 4 * 8
+
+
+def test_nothing_is_staged_before_compute_capability_9():
+    assert fused.staging(SMOL, 2, 108, 80, 163 << 10) == (0, 0)
+
+
+@pytest.mark.parametrize("ffn", [320, 1536, 4096, 5376])
+@pytest.mark.parametrize("grid", [16, 66, 132])
+def test_staged_weights_fit_beside_the_rest_and_leave_no_phase_that_would_fit(ffn, grid):
+    """Phases are staged in order while they fit: what is staged fits beside the phases' own shared memory, and a
+    phase left out would not have fitted."""
+    config = replace(SMOL, ffn=ffn)
+    sms, capability, limit = H200
+    mask, size = fused.staging(config, 2, grid, capability, limit)
+    rest = fused.smem_bytes(config, fused.MAX_ROWS) + config.num_layers * 4 * 8
+    w = config.q_heads * config.head_dim
+    ks = (config.hidden, w, config.hidden, config.ffn)
+    tiles = (-(-(w + 2 * config.kv_heads * config.head_dim) // 16), -(-config.hidden // 16), -(-config.ffn // 8),
+             -(-config.hidden // 16))
+    sizes = [-(-t // grid) * 16 * fused.staged_stride(k) * 2 for k, t in zip(ks, tiles)]
+    staged = sum(s for p, s in enumerate(sizes) if mask >> p & 1)
+    assert size == (staged + config.num_layers * 4 * 8 if mask else 0)
+    assert rest + staged <= limit
+    for p, s in enumerate(sizes):
+        if not mask >> p & 1:
+            assert rest + sum(sizes[q] for q in range(p) if mask >> q & 1) + s > limit

@@ -12,11 +12,11 @@ from helpers import to_host
 pytestmark = pytest.mark.gpu
 
 
-def model(head_dim, q_heads, kv_heads, seed=0):
+def model(head_dim, q_heads, kv_heads, seed=0, ffn=320):
     """A GGUFModel of random weights: 3 layers, hidden = q_heads * head_dim, an odd vocabulary."""
     from pagedrt.engine.config import ModelConfig
     from pagedrt.engine.loader import GGUFModel, Weights
-    hidden, ffn, vocab = q_heads * head_dim, 320, 517
+    hidden, vocab = q_heads * head_dim, 517
     c = ModelConfig(name="fused test", num_layers=3, hidden=hidden, ffn=ffn, q_heads=q_heads, kv_heads=kv_heads,
                     head_dim=head_dim, vocab_size=vocab, context_length=4096, rope_theta=10000.0, rope_scale=1.0,
                     rms_eps=1e-5)
@@ -80,6 +80,28 @@ def test_fused_step_matches_the_layered_step(dtype, head_dim, q_heads, kv_heads,
         assert differ.mean() < 0.05
         spread = np.abs(ref.astype(np.float32)).max()
         assert np.abs(f.astype(np.float32) - ref.astype(np.float32)).max() < 0.05 * spread
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fused_step_with_weights_staged_and_streamed(batch):
+    """A feed-forward too wide to stage: on a device that stages weights (compute capability 9.0, 227 KiB of shared
+    memory a block), q/k/v's and o's weights are staged a layer ahead while gate/up's (eight tiles a block) and
+    down's stream through registers, in one step that still matches the layered one."""
+    import cupy as cp
+    from pagedrt.engine import fused
+    gguf = model(64, 9, 3, ffn=8192)
+    device = cp.cuda.Device()
+    mask, _ = fused.staging(gguf.config, 2, device.attributes["MultiProcessorCount"],
+                            int(device.compute_capability), device.attributes["MaxSharedMemoryPerBlockOptin"])
+    if int(device.compute_capability) >= fused.STAGING_CAPABILITY:
+        assert mask == 0b0011
+    layered, fed, _ = run(gguf, "float16", batch, False, False, CONTEXTS)
+    fused_out, _, _ = run(gguf, "float16", batch, True, False, CONTEXTS, fed=fed)
+    for f, ref in zip(fused_out, layered):
+        tol = 0.02 * ref.std()
+        assert np.abs(f - ref).max() < tol
+        chosen = ref[np.arange(batch), f.argmax(1)]
+        assert (chosen >= ref.max(1) - 2 * tol).all()  # the fused step's choice is the layered one's or a near tie
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

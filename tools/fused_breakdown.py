@@ -81,11 +81,12 @@ def compiled(edit):
     import cupy as cp
     text, kernels = edit(source.text(fused.FILE)), {}
 
-    def kernel(dtype, head_dim, rows, per):
+    def kernel(dtype, head_dim, rows, per, smem_limit):
         key = (dtype, head_dim, rows, per)
         if key not in kernels:
             name = fused._name(dtype, head_dim, rows, per)
             kernels[key] = cp.RawModule(code=text, options=source.OPTIONS, name_expressions=(name,)).get_function(name)
+            kernels[key].max_dynamic_shared_size_bytes = smem_limit
         return kernels[key]
     return kernel
 
@@ -141,7 +142,9 @@ def main():
         text = stamped(source.text(fused.FILE))
         name = fused._name(model.fused.dtype, gguf.config.head_dim, 1, fused.norm_per(gguf.config.hidden))
         module = cp.RawModule(code=text, options=source.OPTIONS, name_expressions=(name,))
-        launcher, fused._kernel = fused._kernel, lambda *key: module.get_function(name)
+        function = module.get_function(name)
+        function.max_dynamic_shared_size_bytes = model.fused.smem_limit
+        launcher, fused._kernel = fused._kernel, lambda *key: function
         for _ in range(3):
             model.fused.run(step, ids, out)
         cp.cuda.get_current_stream().synchronize()

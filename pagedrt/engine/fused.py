@@ -6,12 +6,14 @@ runs the same arithmetic (each rounding where the layered path rounds) as one co
 are separated by grid-wide barriers; docs/ENGINE.md ("One launch a step") has the design and the figures.
 
 :class:`FusedDecode` is made once per model (when :func:`unsupported` says nothing against it) and owns the
-workspace every batch size shares; :meth:`FusedDecode.run` launches one step of ``batch <= MAX_ROWS`` rows.
+workspace every batch size shares; :meth:`FusedDecode.run` launches one step of ``batch <= MAX_ROWS`` rows. On
+compute capability 9.0 the phases whose weight tiles fit in shared memory (:func:`staging`) have them copied there
+a layer ahead; the others stream their weights through registers.
 """
 
 import functools
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -31,9 +33,10 @@ MAX_HIDDEN = NORM_PER[-1] * THREADS
 ROWS = (1, 2, 4, 8)  # the kernel's instances: a batch runs on the smallest that holds it
 MAX_ROWS = ROWS[-1]
 HEAD_DIMS = (64, 128)
-SMEM_LIMIT = 99 << 10  # dynamic shared memory every device of compute capability 8.0 or later lets a block opt in to
 MIN_CAPABILITY = 80
+STAGING_CAPABILITY = 90  # bulk copies into shared memory that land on an mbarrier
 PER_LAYER = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")  # then the K and V planes
+STAGED_PHASES = ("qkv", "o", "gate_up", "down")  # the phases whose weights may be staged: bit p of the kernel's mask
 
 
 def instances(dtypes=("float16", "bfloat16"), per=(3,)):
@@ -51,21 +54,53 @@ def norm_per(hidden: int) -> int:
 
 
 def smem_bytes(config, rows: int) -> int:
-    """Dynamic shared memory of the instance for ``rows``: the normalised or gathered rows of a GEMV phase, or
-    the attention's STAGED buffers of a K and V tile (or its warps' outputs, whichever is larger) and its float
-    state, whichever is larger."""
+    """Dynamic shared memory of the instance for ``rows`` but the staged weights (:func:`staging`): the step's
+    constants (each row's rotations and new K/V row, the staged phases' mbarriers), then the normalised or
+    gathered rows of a GEMV phase, or the attention's STAGED buffers of a K and V tile (or its warps' outputs,
+    whichever is larger) and its float state, whichever is larger."""
     c = config
+    constants = -(-(rows * (c.head_dim // 2 * 8 + 8) + 4 * 8) // 16) * 16  # the kernel's constants_bytes
     widest = max(c.hidden, c.ffn, c.q_heads * c.head_dim)
     gemv = WARPS * rows * 4 + (WARPS + 1) * 128 * 4 + rows * (widest + PAD) * 2
     group = c.q_heads // c.kv_heads
     front = max(STAGED * 2 * TILE * c.head_dim * 2, WARPS * group * c.head_dim * 4)
     attention = front + group * (c.head_dim + TILE + 3) * 4
-    return max(gemv, attention)
+    return constants + max(gemv, attention)
 
 
-def unsupported(config, spec, capability: int) -> Optional[str]:
+def staged_stride(k: int) -> int:
+    """Elements between a staged weight tile's rows in shared memory (the kernel's ``staged_stride``)."""
+    return k if k % 64 else k + 32
+
+
+def staging(config, itemsize: int, grid: int, capability: int, smem_limit: int) -> Tuple[int, int]:
+    """Which phases' weights the kernel stages in shared memory a layer ahead, and the bytes they take.
+
+    Phase p (:data:`STAGED_PHASES`) is staged, in order, when its buffer (the tiles block 0 takes: 16 weight rows
+    each) fits in what ``smem_limit`` leaves beside :func:`smem_bytes` at MAX_ROWS and a table of every layer's
+    staged weights (four pointers a layer); the others stream their weights through registers. Returns (the
+    kernel's mask, bytes, the table's included).
+    """
+    c = config
+    if capability < STAGING_CAPABILITY:
+        return 0, 0
+    table = 4 * 8 * c.num_layers
+    budget = smem_limit - smem_bytes(c, MAX_ROWS) - table
+    width = c.q_heads * c.head_dim
+    phases = ((c.hidden, -(-(width + 2 * c.kv_heads * c.head_dim) // 16)), (width, -(-c.hidden // 16)),
+              (c.hidden, -(-c.ffn // 8)), (c.ffn, -(-c.hidden // 16)))  # (k, tiles) of each phase
+    mask = used = 0
+    for p, (k, tiles) in enumerate(phases):
+        size = -(-tiles // grid) * 16 * staged_stride(k) * itemsize
+        if used + size <= budget:
+            mask, used = mask | 1 << p, used + size
+    return (mask, used + table) if mask else (0, 0)
+
+
+def unsupported(config, spec, capability: int, smem_limit: int) -> Optional[str]:
     """Why the fused step cannot run a model of ``config`` over a cache of ``spec`` on a device of compute
-    capability ``capability`` (e.g. 90), or None when it can."""
+    capability ``capability`` (e.g. 90) whose blocks may opt in to ``smem_limit`` bytes of shared memory
+    (``layer_gemm.device_limits``), or None when it can."""
     c = config
     group = c.q_heads // c.kv_heads
     reasons = [(capability < MIN_CAPABILITY, f"compute capability {capability} has no mma.m16n8k16 for bfloat16"),
@@ -76,14 +111,14 @@ def unsupported(config, spec, capability: int) -> Optional[str]:
                 "hidden, ffn or the attention's width is not a multiple of 32"),
                (c.hidden > MAX_HIDDEN, f"hidden {c.hidden} is over {MAX_HIDDEN}"),
                (group * c.head_dim > MAX_GROUP_DIMS, f"a group of {group} query heads of {c.head_dim}"),
-               (smem_bytes(c, MAX_ROWS) > SMEM_LIMIT, "its rows do not fit in shared memory")]
+               (smem_bytes(c, MAX_ROWS) > smem_limit, "its rows do not fit in shared memory")]
     return next((why for bad, why in reasons if bad), None)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(dtype: str, head_dim: int, rows: int, per: int) -> Any:
+def _kernel(dtype: str, head_dim: int, rows: int, per: int, smem_limit: int) -> Any:
     fn = source.function(FILE, _name(dtype, head_dim, rows, per))
-    fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
+    fn.max_dynamic_shared_size_bytes = smem_limit
     return fn
 
 
@@ -117,6 +152,9 @@ class FusedDecode:
         self.inv_freq, self.block_size = model.inv_freq, cache.block_size
         device = cupy.cuda.Device()
         self.grid = device.attributes["MultiProcessorCount"]
+        self.smem_limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+        self.staged, self.staged_bytes = staging(c, np.dtype(model.act_dtype).itemsize, self.grid,
+                                                 int(device.compute_capability), self.smem_limit)
         act = model.act_dtype
         self.residual = cupy.empty((MAX_ROWS, c.hidden), np.float32)
         self.q = cupy.empty((MAX_ROWS, c.q_heads * c.head_dim), act)
@@ -158,8 +196,9 @@ class FusedDecode:
                 np.int64(self.block_stride), np.int32(self.block_size), ptr(self.residual), ptr(self.q),
                 ptr(self.mlp), ptr(self.partial), ptr(self.barrier), ptr(logits), np.int32(batch),
                 np.int32(c.hidden), np.int32(c.ffn), np.int32(c.q_heads), np.int32(c.kv_heads),
-                np.int32(self.max_splits(batch)), np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)))
-        kernel = _kernel(self.dtype, c.head_dim, rows, norm_per(c.hidden))
-        launch_ex(kernel, (self.grid,), (THREADS,), args, smem_bytes(c, rows), programmatic_serialization=False,
-                  cooperative=True)
+                np.int32(self.max_splits(batch)), np.float32(c.rms_eps), np.float32(LOG2E / math.sqrt(c.head_dim)),
+                np.int32(self.staged))
+        kernel = _kernel(self.dtype, c.head_dim, rows, norm_per(c.hidden), self.smem_limit)
+        launch_ex(kernel, (self.grid,), (THREADS,), args, smem_bytes(c, rows) + self.staged_bytes,
+                  programmatic_serialization=False, cooperative=True)
         return logits

@@ -73,7 +73,7 @@ class LlamaModel:
         self._graphs = None if host or not graphs else OrderedDict()  # batch size -> _Graph
         self._last_decode = 0  # the batch size of the last decode step
         use_fused = (fused and not host and fused_step.unsupported(
-            c, spec, int(self.xp.cuda.Device().compute_capability)) is None)
+            c, spec, *layer_gemm.device_limits(self.xp.cuda.Device().id)) is None)
         self.fused = fused_step.FusedDecode(self) if use_fused else None  # decode steps of <= MAX_ROWS rows
         self.fused_gemms = fused and not host and layer_gemm.unsupported(
             c, spec, *layer_gemm.device_limits(self.xp.cuda.Device().id)) is None  # larger decode steps: layer_gemm's GEMMs
