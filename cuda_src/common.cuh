@@ -304,9 +304,6 @@ __device__ __forceinline__ void mbarrier_expect_bytes(unsigned bar, unsigned byt
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
 
-// Order this thread's earlier generic accesses to shared memory before later bulk copies into it.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by the copy
 // engine; they count against `bar`'s expected bytes as they land.
 __device__ __forceinline__ void bulk_copy(unsigned smem_dst, const void* gmem_src, unsigned bytes, unsigned bar) {

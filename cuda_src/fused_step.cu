@@ -94,7 +94,7 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 // 16 bytes of xs row g, which are the A and B fragments of two mmas once k is renumbered inside the step (the
 // sum does not depend on the order). The warps' partial tiles are summed in shared memory in warp order.
 // The weights come one of two ways. Staged (compute capability 9.0, where a layer's tiles fit): a block's tiles of
-// the phase sit in shared memory, copied there by bulk copies a layer ahead (Staging, below). Streamed: a warp holds
+// the phase sit in shared memory, copied there by bulk copies a layer ahead (Staged, below). Streamed: a warp holds
 // STEPS k-steps a chunk in registers and loads its next chunk while it computes this one; the first chunk is
 // loaded while the barrier that opens the phase gathers the grid, so its weights arrive meanwhile. Either way a
 // warp's mmas run in the same order: the same sums.
