@@ -219,8 +219,16 @@ def _int(value, where, lo=0, hi=ADDRESS_LIMIT):
     return value
 
 
+def _same(value, expected) -> bool:
+    """value == expected, and of its type (2.0 and True are not 2), list by list."""
+    if isinstance(expected, list):
+        return (isinstance(value, list) and len(value) == len(expected)
+                and all(_same(v, e) for v, e in zip(value, expected)))
+    return type(value) is type(expected) and value == expected
+
+
 def _equal(value, expected, where, why):
-    if value != expected:
+    if not _same(value, expected):
         _fail(where, f"is {_show(value)} but {why} make it {expected}")
 
 
