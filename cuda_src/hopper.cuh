@@ -17,6 +17,15 @@ __device__ __forceinline__ void cp_async_arrive(unsigned bar) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// 16 bytes (four words, 16-byte aligned) to a shared-space address.
+__device__ __forceinline__ void store_shared4(unsigned addr, unsigned a, unsigned b, unsigned c, unsigned d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// Order this thread's ordinary (generic-proxy) writes to shared memory before the async proxy's reads of them
+// (wgmma's operands): after the writes, before the barrier that hands them on.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // --- warpgroups ---------------------------------------------------------------------------------
 
 // The calling warpgroup's register budget per thread: lowered for a producer, raised for consumers.

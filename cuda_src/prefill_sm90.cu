@@ -43,14 +43,25 @@
 // a mixed step's decode rows) and counts itself in on the arrival count of its first row; the consumer
 // that arrives last merges the segments of its rows and resets the count. Unsplit (num_splits 1) the
 // workspace pointers are null.
+//
+// FP8 K/V (prefill_sm90_fp8: float8 e4m3 planes, float32 scales per KV head; prefill.cu's prefill_fp8
+// semantics): both products are f16 wgmma, whatever q's type, as in prefill_fp8 (sm_90 turns e4m3 into f16
+// by one exact instruction, into bf16 by none). The producer cp.async's a key tile's K and V bytes into one
+// of STAGING slots of its own and, STAGING - 1 tiles later, converts them (cvt.rn.f16x2.e4m3x2, exact) into
+// the stage the consumers read, then arrives on the stage's full barrier. Each thread converts exactly the
+// bytes it copied, so it waits for its own copies only (cp.async groups). A consumer first turns its rows of
+// the Q tile into f16 in place, q * scale * log2(e) * the K scale (prefill_fp8's rounding), so its softmax
+// takes exp2 of the scores as they are; the V scale multiplies the output once. No split-K: wide-group
+// decodes over FP8 run on the decode kernel.
 #include "common.cuh"
 #include "hopper.cuh"
 
 namespace pagedrt {
 
-// Work decomposition of one thread block; TILE_N and STAGES come from the planner
-// (pagedrt/attention/planner.py: prefill_sm90_geometry), which also sizes shared memory.
-template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
+// Work decomposition of one thread block; TILE_N, STAGES and STAGING come from the planner
+// (pagedrt/attention/planner.py: prefill_sm90_geometry), which also sizes shared memory. STAGING > 0: FP8 K/V,
+// whose e4m3 bytes land in that many slots (after the stages) before their conversion.
+template <typename T, int HEAD_DIM, int TILE_N, int STAGES, int STAGING = 0>
 struct PrefillSm90Shape {
     static constexpr int kThreads = 384;               // a producer warpgroup, two consumer warpgroups
     static constexpr int kTileM = 128;                 // packed query rows: 64 per consumer
@@ -61,16 +72,23 @@ struct PrefillSm90Shape {
     static constexpr int kStageBytes = TILE_N * HEAD_DIM * 2;  // one stage of K (and again of V)
     static constexpr int kKOffset = kQBytes;
     static constexpr int kVOffset = kKOffset + STAGES * kStageBytes;
-    static constexpr int kSmemBytes = kVOffset + STAGES * kStageBytes + 1024;  // + the 1024-byte alignment
+    static constexpr int kStagingOffset = kVOffset + STAGES * kStageBytes;
+    static constexpr int kStagingBytes = 2 * TILE_N * HEAD_DIM;  // FP8: a key tile's e4m3 K, then its V
+    static constexpr int kSmemBytes = kStagingOffset + STAGING * kStagingBytes + 1024;  // + the 1024-byte alignment
     static constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 = 384 x 168
-    // Split-K up to head_dim 128: at 256 a consumer thread holds 128 floats of output, and the merge spilled
-    static constexpr bool kSplitK = HEAD_DIM <= 128;
+    // Split-K up to head_dim 128 (at 256 a consumer thread holds 128 floats of output, and the merge spilled), not
+    // over FP8 K/V (no plan splits it)
+    static constexpr bool kSplitK = HEAD_DIM <= 128 && STAGING == 0;
+    // FP8: a producer thread's 16-byte copy covers 16 dims of a key row; a copy round covers kFp8Rows rows
+    static constexpr int kFp8RowVecs = HEAD_DIM / 16, kFp8Rows = 128 / kFp8RowVecs;
 
     static_assert(sizeof(T) == 2, "tensor cores: half or bfloat16");
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 128-byte panels; wgmma N <= 256");
     static_assert(TILE_N % 16 == 0 && TILE_N >= 64 && TILE_N <= 256, "whole k-steps of keys; wgmma N <= 256");
     static_assert(TILE_N % kRowsPerRound == 0 && kTileM % kRowsPerRound == 0, "whole copy rounds");
     static_assert(STAGES >= 2, "the ring needs at least two stages");
+    static_assert(STAGING == 0 || (STAGING >= 2 && HEAD_DIM <= 128 && TILE_N % kFp8Rows == 0),
+                  "FP8: a tile's bytes land while the one before is converted; whole copy rounds of 8-row groups");
 };
 
 // Byte offset of 16-byte chunk x of row r in a tile of ROWS rows stored as 128-byte panels, swizzled.
@@ -99,16 +117,22 @@ __device__ __forceinline__ unsigned panel_offset(int row, int chunk) {
 //               when unsplit
 // queue:        int [2] (units claimed past the first gridDim.x, blocks finished), zeroed before the first
 //               launch (the last block resets them); the launches over one queue run one at a time
-template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
-__global__ void __launch_bounds__(384, 1)
-prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
-             const int* __restrict__ block_tables, long long table_stride, int max_blocks,
-             const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
-             float scale_log2, int block_shift, int num_items, int num_kv_heads, int num_splits, int split_tiles,
-             float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
-             int* __restrict__ queue, T* __restrict__ out) {
-    using S = PrefillSm90Shape<T, HEAD_DIM, TILE_N, STAGES>;
+// k_scales, v_scales: FP8 only (KV = e4m3, STAGING > 0): float32 [num_kv_heads], as prefill_fp8's; the element
+//               type of k, v and block_stride is KV.
+template <typename T, typename KV, int HEAD_DIM, int TILE_N, int STAGES, int STAGING>
+__device__ __forceinline__ void
+prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v, long long block_stride,
+                  const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+                  const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+                  float scale_log2, int block_shift, int num_items, int num_kv_heads, int num_splits,
+                  int split_tiles, float* __restrict__ part_o, float2* __restrict__ part_ml,
+                  int* __restrict__ arrivals, int* __restrict__ queue, T* __restrict__ out,
+                  const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
+    using S = PrefillSm90Shape<T, HEAD_DIM, TILE_N, STAGES, STAGING>;
     constexpr int NV = S::kRowVecs, RPR = S::kRowsPerRound, TILE_M = S::kTileM;
+    constexpr bool FP8 = STAGING > 0;
+    static_assert(FP8 ? same_type<KV, e4m3>::value : same_type<KV, T>::value, "K/V: e4m3 when staged, else T");
+    using MT = typename conditional_type<FP8, __half, T>::type;  // the wgmma's input type
 
     extern __shared__ unsigned char smem_raw[];
     // mbarriers: Q landed, Q free; per stage: K landed, V landed, K free, V free; per unit slot: written
@@ -117,6 +141,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     __shared__ int slots[2];   // the units handed to the warps, in turn
     const unsigned smem = (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
     const unsigned smem_q = smem, smem_k = smem + S::kKOffset, smem_v = smem + S::kVOffset;
+    const unsigned smem_staging = smem + S::kStagingOffset;  // FP8
     const unsigned q_full = static_cast<unsigned>(__cvta_generic_to_shared(barriers)), q_empty = q_full + 8;
     auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
     auto v_full = [&](int s) { return q_full + 8 * (2 + STAGES + s); };
@@ -202,6 +227,12 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         constexpr int QRPT = TILE_M / RPR;  // the same for the Q tile's rows
         const int qrow0 = copy_row * QRPT;
         const unsigned qdst0 = panel_offset<TILE_M>(qrow0, chunk & ~7);
+        // FP8: this thread's copy i of a tile's e4m3 K (and V) bytes is dims [16 c8, 16 c8 + 16) of key row
+        // i * R8 + r8, into its own 16 bytes of the staging slot. The 8 threads of one shared-memory phase take 8
+        // consecutive rows, so the two f16 chunks each converts (wide0, wide1 in the stage) lie in 8 bank groups.
+        constexpr int C8 = S::kFp8RowVecs, R8 = S::kFp8Rows;
+        const int r8 = tid / (8 * C8) * 8 + tid % 8, c8 = tid / 8 % C8;
+        const unsigned wide0 = panel_offset<TILE_N>(r8, 2 * c8), wide1 = panel_offset<TILE_N>(r8, 2 * c8 + 1);
         int tiles = 0;  // tiles produced so far: stage tiles % STAGES, round tiles / STAGES
         for (int n = 0;; ++n) {
             if (tid == 0) {  // hand the block's n-th unit on: its own index first, then one claimed
@@ -237,39 +268,107 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             // TILE_M / group tokens) are streamed evict-first, as the decode kernel streams them; other items of
             // the sequence read them again.
             const bool read_once = w.q_len * group <= TILE_M;
-            const long long within = ((long long)w.kv_head << block_shift) * HEAD_DIM + chunk * 8;  // in a block
-            auto issue = [&](const T* plane, unsigned stage, int first_key, int id) {
-                const int key0 = first_key + row0, slot0 = key0 & block_mask;
-                const int split = min(RPT, block_mask + 1 - slot0);  // rows [0, split) lie in key0's block
-                const int id0 = __shfl_sync(0xffffffffu, id, row0 >> block_shift);
-                const int id1 = __shfl_sync(0xffffffffu, id, (row0 + RPT - 1) >> block_shift);
-                const T* const from0 = plane + id0 * block_stride + within + slot0 * HEAD_DIM;
-                const T* const from1 = plane + id1 * block_stride + within - split * HEAD_DIM;  // row split: slot 0
-                const int live_rows = w.kv_len - key0;  // rows past the sequence are zero-filled, reading nothing
-#pragma unroll
-                for (int i = 0; i < RPT; ++i) {
-                    const bool live = i < live_rows;
-                    const T* const from = (i < split ? from0 : from1) + i * HEAD_DIM;
-                    const unsigned dst = stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4);
-                    if (read_once)
-                        cp_async16_shared(dst, live ? from : q, live ? 16 : 0, stream_policy);
-                    else
-                        cp_async16_shared(dst, live ? from : q, live ? 16 : 0);
-                }
-            };
-            for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
-                const int s = tiles % STAGES, first_key = (w.tile0 + t) * TILE_N;
-                const unsigned parity = ((tiles / STAGES) & 1) ^ 1;  // the stage's previous round was released
-                // lane j: the id of the tile's j-th block (-1 past the sequence: never read)
+            // lane j: the id of the tile's j-th block (-1 past the sequence: never read)
+            auto block_id = [&](int first_key) {
                 const int block = (first_key >> block_shift) + lane;
-                const int id = lane < tile_blocks && (block << block_shift) < w.kv_len ? __ldg(table_row + block)
-                                                                                       : -1;
-                sm90::mbarrier_wait(k_empty(s), parity);
-                issue(k, smem_k + s * S::kStageBytes, first_key, id);
-                sm90::cp_async_arrive(k_full(s));
-                sm90::mbarrier_wait(v_empty(s), parity);
-                issue(v, smem_v + s * S::kStageBytes, first_key, id);
-                sm90::cp_async_arrive(v_full(s));
+                return lane < tile_blocks && (block << block_shift) < w.kv_len ? __ldg(table_row + block) : -1;
+            };
+            if constexpr (FP8) {
+                const long long within = ((long long)w.kv_head << block_shift) * HEAD_DIM + c8 * 16;  // in a block
+                // Tile `tiles`'s K and V bytes into its staging slot (one cp.async group), rows past the sequence
+                // zero-filled, reading nothing. The slot's last tile is converted: by this thread, its only reader.
+                auto stage_bytes = [&](int first_key, int id) {
+                    const unsigned slot = smem_staging + (tiles % STAGING) * S::kStagingBytes + tid * 16;
+                    // four copies at a time: all eight at head_dim 128 spilled the producer's 56 registers
+#pragma unroll 4
+                    for (int i = 0; i < TILE_N / R8; ++i) {
+                        const int row = i * R8 + r8;  // in a block: 8-row groups do not cross blocks (8 or more)
+                        const bool live = first_key + row < w.kv_len;
+                        const long long at = __shfl_sync(0xffffffffu, id, row >> block_shift) * block_stride + within
+                                             + (row & block_mask) * HEAD_DIM;
+                        const void* const from_k = live ? static_cast<const void*>(k + at) : q;
+                        const void* const from_v = live ? static_cast<const void*>(v + at) : q;
+                        const unsigned dst = slot + i * 128 * 16;
+                        if (read_once) {
+                            cp_async16_shared(dst, from_k, live ? 16 : 0, stream_policy);
+                            cp_async16_shared(dst + S::kStagingBytes / 2, from_v, live ? 16 : 0, stream_policy);
+                        } else {
+                            cp_async16_shared(dst, from_k, live ? 16 : 0);
+                            cp_async16_shared(dst + S::kStagingBytes / 2, from_v, live ? 16 : 0);
+                        }
+                    }
+                    cp_async_commit();
+                };
+                // e4m3 bytes this thread copied (at `from`) as f16 in the stage, then visible to wgmma
+                auto widen = [&](unsigned from, unsigned stage) {
+#pragma unroll
+                    for (int i = 0; i < TILE_N / R8; ++i) {
+                        unsigned b[4], h[8];
+                        load_shared<4>(b, from + i * 128 * 16);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            h[2 * e] = e4m3x2_to_half2(b[e] & 0xffffu);
+                            h[2 * e + 1] = e4m3x2_to_half2(b[e] >> 16);
+                        }
+                        sm90::store_shared4(stage + wide0 + i * R8 * 128, h[0], h[1], h[2], h[3]);
+                        sm90::store_shared4(stage + wide1 + i * R8 * 128, h[4], h[5], h[6], h[7]);
+                    }
+                    sm90::fence_proxy_async();
+                };
+                // Tile j (its bytes landed) into its stage, K then V, each once the consumers are done with it
+                auto convert = [&](int j) {
+                    const int s = j % STAGES;
+                    const unsigned parity = ((j / STAGES) & 1) ^ 1, from = smem_staging + (j % STAGING)
+                                                                              * S::kStagingBytes + tid * 16;
+                    sm90::mbarrier_wait(k_empty(s), parity);
+                    widen(from, smem_k + s * S::kStageBytes);
+                    sm90::mbarrier_arrive(k_full(s));
+                    sm90::mbarrier_wait(v_empty(s), parity);
+                    widen(from + S::kStagingBytes / 2, smem_v + s * S::kStageBytes);
+                    sm90::mbarrier_arrive(v_full(s));
+                };
+                for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
+                    stage_bytes((w.tile0 + t) * TILE_N, block_id((w.tile0 + t) * TILE_N));
+                    if (t >= STAGING - 1) {  // the tile STAGING - 1 before this one has landed
+                        cp_async_wait<STAGING - 1>();
+                        convert(tiles - (STAGING - 1));
+                    }
+                }
+                // the unit's last tiles now: the next unit's Q waits for the consumers, who wait for these
+                cp_async_wait<0>();
+                for (int j = tiles - min(w.num_tiles, STAGING - 1); j < tiles; ++j) convert(j);
+            } else {
+                const long long within = ((long long)w.kv_head << block_shift) * HEAD_DIM + chunk * 8;  // in a block
+                auto issue = [&](const T* plane, unsigned stage, int first_key, int id) {
+                    const int key0 = first_key + row0, slot0 = key0 & block_mask;
+                    const int split = min(RPT, block_mask + 1 - slot0);  // rows [0, split) lie in key0's block
+                    const int id0 = __shfl_sync(0xffffffffu, id, row0 >> block_shift);
+                    const int id1 = __shfl_sync(0xffffffffu, id, (row0 + RPT - 1) >> block_shift);
+                    const T* const from0 = plane + id0 * block_stride + within + slot0 * HEAD_DIM;
+                    const T* const from1 = plane + id1 * block_stride + within - split * HEAD_DIM;  // the split: slot 0
+                    const int live_rows = w.kv_len - key0;  // rows past the sequence are zero-filled, reading nothing
+#pragma unroll
+                    for (int i = 0; i < RPT; ++i) {
+                        const bool live = i < live_rows;
+                        const T* const from = (i < split ? from0 : from1) + i * HEAD_DIM;
+                        const unsigned dst = stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4);
+                        if (read_once)
+                            cp_async16_shared(dst, live ? from : q, live ? 16 : 0, stream_policy);
+                        else
+                            cp_async16_shared(dst, live ? from : q, live ? 16 : 0);
+                    }
+                };
+                for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
+                    const int s = tiles % STAGES, first_key = (w.tile0 + t) * TILE_N;
+                    const unsigned parity = ((tiles / STAGES) & 1) ^ 1;  // the stage's last round was released
+                    const int id = block_id(first_key);
+                    sm90::mbarrier_wait(k_empty(s), parity);
+                    issue(k, smem_k + s * S::kStageBytes, first_key, id);
+                    sm90::cp_async_arrive(k_full(s));
+                    sm90::mbarrier_wait(v_empty(s), parity);
+                    issue(v, smem_v + s * S::kStageBytes, first_key, id);
+                    sm90::cp_async_arrive(v_full(s));
+                }
             }
         }
         if (tid == 0) {  // this block claims no more; the last block to finish resets the queue
@@ -300,7 +399,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const unsigned along = (kk % 4) * 32;  // 16 elements further in the panel
-            sm90::Wgmma<T, TILE_N>::ss(sc, sm90::advance(q_desc, (kk / 4) * TILE_M * S::kPanelBytes + along),
+            sm90::Wgmma<MT, TILE_N>::ss(sc, sm90::advance(q_desc, (kk / 4) * TILE_M * S::kPanelBytes + along),
                                        sm90::advance(kd, (kk / 4) * TILE_N * S::kPanelBytes + along), kk > 0);
         }
     };
@@ -308,7 +407,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         const unsigned long long vd = v_desc(s);
 #pragma unroll
         for (int kk = 0; kk < PSTEPS; ++kk)
-            sm90::Wgmma<T, HEAD_DIM>::rs(o, pa[kk], sm90::advance(vd, kk * 16 * S::kPanelBytes));
+            sm90::Wgmma<MT, HEAD_DIM>::rs(o, pa[kk], sm90::advance(vd, kk * 16 * S::kPanelBytes));
     };
     auto release = [&](unsigned bar) {  // this warp is done with a stage (or the Q tile)
         __syncwarp();
@@ -318,10 +417,10 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     auto to_operand = [&]() {
 #pragma unroll
         for (int kk = 0; kk < PSTEPS; ++kk) {
-            pa[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
-            pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
-            pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
-            pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+            pa[kk][0] = pack2<MT>(sc[8 * kk + 0], sc[8 * kk + 1]);
+            pa[kk][1] = pack2<MT>(sc[8 * kk + 2], sc[8 * kk + 3]);
+            pa[kk][2] = pack2<MT>(sc[8 * kk + 4], sc[8 * kk + 5]);
+            pa[kk][3] = pack2<MT>(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
     };
 
@@ -359,6 +458,29 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         };
         if (pingpong && !pinged && consumer == 0) sm90::named_barrier_arrive(1, 256);
         pinged |= pingpong;
+        if constexpr (FP8) {
+            // This consumer's rows of the Q tile as f16, in place, scaled as prefill_fp8 scales its fragments
+            // (16-byte chunk c of the rows' bytes in panel c / 512); then handed to wgmma (the async proxy)
+            const float q_scale = scale_log2 * __ldg(k_scales + w.kv_head);
+#pragma unroll
+            for (int i = 0; i < NV / 2; ++i) {
+                const int c = 128 * i + threadIdx.x % 128;
+                const unsigned at = smem_q + (c / 512) * (TILE_M * S::kPanelBytes) + row_base * S::kPanelBytes
+                                    + (c % 512) * 16;
+                unsigned x[4];
+                float f[8];
+                load_shared<4>(x, at);
+                unpack<T>(make_uint4(x[0], x[1], x[2], x[3]), f);
+                sm90::store_shared4(at, pack2<__half>(f[0] * q_scale, f[1] * q_scale),
+                                    pack2<__half>(f[2] * q_scale, f[3] * q_scale),
+                                    pack2<__half>(f[4] * q_scale, f[5] * q_scale),
+                                    pack2<__half>(f[6] * q_scale, f[7] * q_scale));
+            }
+            sm90::fence_proxy_async();
+            sm90::named_barrier_sync(3 + consumer, 128);
+        }
+        // FP8: the scale is in Q, so the softmax takes the scores as they are
+        const float softmax_scale = FP8 ? 1.f : scale_log2;
 
         const int shared_keys = limit(w, w.p_first + row_base);  // every row of this consumer sees these
         int row_keys[2];
@@ -374,7 +496,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         // probabilities; returns (through alpha) the factor the output rows must be rescaled by. MASK:
         // some key of the tile lies past some row's limit, so those scores become -inf. The scale is
         // positive (the plan sends other scales to prefill.cu), so the max is taken over the raw scores
-        // and the scale folds into the exponent: exp2(s * scale_log2 - m * scale_log2), one FFMA.
+        // and the scale folds into the exponent: exp2(s * softmax_scale - m * softmax_scale), one FFMA.
         auto softmax = [&](int t, float (&alpha)[2], auto mask) {
             constexpr bool MASK = decltype(mask)::value;
             const int key0 = (w.tile0 + t) * TILE_N;
@@ -399,8 +521,8 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 top[h][0] = fmaxf(top[h][0], __shfl_xor_sync(0xffffffffu, top[h][0], 2));
                 const float m_new = fmaxf(m[h], top[h][0]);
                 // m_new = -inf: the row has seen no key yet (its o and l are 0); m = -inf: exp2f gives 0
-                alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * scale_log2);
-                shift[h] = m_new == neg_inf() ? 0.f : m_new * scale_log2;
+                alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * softmax_scale);
+                shift[h] = m_new == neg_inf() ? 0.f : m_new * softmax_scale;
                 m[h] = m_new;
                 l[h] *= alpha[h];
             }
@@ -409,7 +531,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             for (int j = 0; j < TILE_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], scale_log2, -shift[e / 2]));
+                    sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], softmax_scale, -shift[e / 2]));
                     sum[e / 2][(j % 2) * 2 + e % 2] += sc[4 * j + e];
                 }
 #pragma unroll
@@ -491,7 +613,7 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                 for (int j = 0; j < HEAD_DIM / 8; ++j)
                     *reinterpret_cast<float2*>(po + 8 * j) = make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
                 if (quad_col == 0)
-                    part_ml[part] = make_float2(m[h] == neg_inf() ? neg_inf() : m[h] * scale_log2, l[h]);
+                    part_ml[part] = make_float2(m[h] == neg_inf() ? neg_inf() : m[h] * softmax_scale, l[h]);
             }
             __threadfence();
             sm90::named_barrier_sync(3 + consumer, 128);
@@ -535,12 +657,15 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                     }
                 }
         }
-        // Normalise and store this thread's two rows (4 bytes a column pair).
+        // Normalise (FP8: times the V scale) and store this thread's two rows (4 bytes a column pair).
+        float out_scale = 1.f;
+        if constexpr (FP8) out_scale = __ldg(v_scales + w.kv_head);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int p = w.p_first + row_c + 8 * h;
             if (p >= w.p_end) continue;
-            const float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;  // 0: a row that saw no key (an empty sequence)
+            // 0: a row that saw no key (an empty sequence)
+            const float inv = sum[h] > 0.f ? out_scale / sum[h] : 0.f;
             T* const row = out + row_offset(w, p) + 2 * quad_col;
 #pragma unroll
             for (int j = 0; j < HEAD_DIM / 8; ++j)  // o[4j + 2h + e]: column 8j + 2 * quad_col + e
@@ -549,6 +674,38 @@ prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
         }
     }
     if (pinged && consumer == 0) sm90::named_barrier_sync(1, 256);
+}
+
+// The kernel over K/V of q's type (arguments: see prefill_sm90_body).
+template <typename T, int HEAD_DIM, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(384, 1)
+prefill_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, long long block_stride,
+             const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+             const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+             float scale_log2, int block_shift, int num_items, int num_kv_heads, int num_splits, int split_tiles,
+             float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+             int* __restrict__ queue, T* __restrict__ out) {
+    prefill_sm90_body<T, T, HEAD_DIM, TILE_N, STAGES, 0>(
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, kv_lens, items, group, causal, scale_log2,
+        block_shift, num_items, num_kv_heads, num_splits, split_tiles, part_o, part_ml, arrivals, queue, out, nullptr,
+        nullptr);
+}
+
+// The kernel over float8 e4m3 K/V (q and out: __half or __nv_bfloat16): the arguments of prefill_sm90, then the
+// scales.
+template <typename T, int HEAD_DIM, int TILE_N, int STAGES, int STAGING>
+__global__ void __launch_bounds__(384, 1)
+prefill_sm90_fp8(const T* __restrict__ q, const e4m3* __restrict__ k, const e4m3* __restrict__ v,
+                 long long block_stride, const int* __restrict__ block_tables, long long table_stride, int max_blocks,
+                 const int* __restrict__ kv_lens, const int4* __restrict__ items, int group, int causal,
+                 float scale_log2, int block_shift, int num_items, int num_kv_heads, int num_splits, int split_tiles,
+                 float* __restrict__ part_o, float2* __restrict__ part_ml, int* __restrict__ arrivals,
+                 int* __restrict__ queue, T* __restrict__ out, const float* __restrict__ k_scales,
+                 const float* __restrict__ v_scales) {
+    prefill_sm90_body<T, e4m3, HEAD_DIM, TILE_N, STAGES, STAGING>(
+        q, k, v, block_stride, block_tables, table_stride, max_blocks, kv_lens, items, group, causal, scale_log2,
+        block_shift, num_items, num_kv_heads, num_splits, split_tiles, part_o, part_ml, arrivals, queue, out,
+        k_scales, v_scales);
 }
 
 }  // namespace pagedrt

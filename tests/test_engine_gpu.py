@@ -140,8 +140,9 @@ def test_tiny_model_gpu_matches_host(tiny):
 
 
 def test_tiny_model_over_an_fp8_cache_gpu_matches_host(tiny):
-    """The schedule over FP8 caches: the device's prefill_fp8 and decode_fp8 (in and out of graphs) against
-    the host's references on dequantised values; looser than fp16's, as fp16 activations round a few K/V
+    """The schedule over FP8 caches: the device's FP8 prefill (prefill_fp8; on compute capability 9.0 the sm_90a
+    kernel's FP8 twin) and decode_fp8 (in and out of graphs) against the host's references on dequantised
+    values; looser than fp16's, as fp16 activations round a few K/V
     values to the other side of an e4m3 step (an eighth of the value: one such flip moves a logit by far more
     than fp16's rounding does), and the flips compound over the layers. A wrong scale or a misread byte moves the
     logits by about their spread (1 here), and the greedy tokens with them."""

@@ -13,7 +13,7 @@ import pytest
 from helpers import compile_all, to_host
 from kernel_cases import rel_error
 from pagedrt import fp8, kernels
-from pagedrt.attention import DecodePlan, PrefillPlan, decode, planner, prefill, reference
+from pagedrt.attention import DecodePlan, PrefillPlan, decode, planner, prefill, prefill_sm90, reference
 from pagedrt.kernels import configs, validate, write
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,8 @@ def compiled():
     compile_all(decode.instances(CONFIGS, paged=(True,)), write.instances(CONFIGS), decode.instances(
         [configs.Config(d, h, 16, 4) for d in configs.FP8_DTYPES for h in configs.FP8_HEAD_DIMS], paged=(True,)),
         write.instances([configs.Config(d, h, 16, 1) for d in configs.FP8_DTYPES for h in configs.FP8_HEAD_DIMS]),
-        prefill.instances(PREFILL, capability="80"), decode.instances(PREFILL, paged=(True,), indexed=(True,)),
+        prefill.instances(PREFILL, capability=cupy.cuda.Device().compute_capability),
+        decode.instances(PREFILL, paged=(True,), indexed=(True,)),
         validate.instances())
 
 
@@ -93,7 +94,8 @@ def test_decode_equals_the_reference_on_dequantised_values(cfg, num_splits, geom
 @pytest.mark.parametrize("cfg", PREFILL, ids=lambda c: f"{c.dtype}-d{c.head_dim}-b{c.block_size}-g{c.group}")
 def test_prefill_equals_the_reference_on_dequantised_values(cfg, causal):
     """Rows of 1, 7, 17 and 130 new tokens after 0, 40, bs and 300 cached ones, a row with no queries, over FP8
-    planes; the one-token row on decode_fp8's indexed variant, the others on prefill_fp8; NaN-poisoned out."""
+    planes; the one-token row on decode_fp8's indexed variant, the others on prefill_fp8 (compute capability
+    9.0: the sm_90a kernel's FP8 twin, test_prefill_sm90_gpu.py); NaN-poisoned out."""
     import cupy
     bs = cfg.block_size
     prefixes, new = [300, 40, bs, 0, 5], [1, 7, 17, 130, 0]
@@ -103,7 +105,8 @@ def test_prefill_equals_the_reference_on_dequantised_values(cfg, causal):
     q = rng.standard_normal((int(qo[-1]),) + q1.shape[1:]).astype(np.float32).astype(q1.dtype)
     dev = [cupy.asarray(a) for a in (q, kc, vc, table, lens, qo, ks, vs)]
     plan = PrefillPlan(dev[0], dev[1], dev[3], dev[4], dev[5], query_lens=np.array(new), causal=causal)
-    assert plan.decode_rows.tolist() == [0] and plan.kernel.startswith("pagedrt::prefill_fp8<")
+    hopper = cupy.cuda.Device().compute_capability == prefill_sm90.SM90
+    assert plan.decode_rows.tolist() == [0] and plan.kernel == (prefill_sm90 if hopper else prefill).kernel_name(cfg)
     out = cupy.asarray(np.full(q.shape, np.nan, np.float32).astype(q.dtype))
     assert plan.run(dev[0], dev[1], dev[2], out, k_scale=dev[6], v_scale=dev[7]) is out
     got = to_host(out)

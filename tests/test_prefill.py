@@ -227,9 +227,7 @@ def test_instances_name_every_prefill_capable_config_of_the_sweep():
     capable = [c for c in configs.sweep() + configs.fp8_sweep()
                if c.dtype != "float32" and c.head_dim in PREFILL_HEAD_DIMS]
     assert set(names) == {prefill.kernel_name(c) for c in capable}
-    assert set(prefill.instances()["prefill_sm90.cu"]) == {prefill_sm90.kernel_name(c) for c in capable if not c.fp8}
-    assert set(prefill.instances(capability="90")["prefill.cu"]) == {prefill.kernel_name(c) for c in capable
-                                                                    if c.fp8}  # FP8 runs on mma.sync everywhere
+    assert set(prefill.instances()["prefill_sm90.cu"]) == {prefill_sm90.kernel_name(c) for c in capable}
     for cfg in capable:
         geo = planner.prefill_geometry(cfg)
         assert prefill.kernel_name(cfg).startswith("pagedrt::prefill_fp8<" if cfg.fp8 else "pagedrt::prefill<")
@@ -258,15 +256,20 @@ def test_prefill_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
 
 
 def test_sm90_instances_name_every_capable_config_and_a_device_gets_its_own():
-    capable = [c for c in configs.sweep() if c.dtype != "float32" and c.head_dim in PREFILL_HEAD_DIMS]
+    """Compute capability 9.0 compiles the sm_90a kernels only (FP8's twin too): the mma.sync one runs there for a
+    scale of 0 or below alone."""
+    capable = [c for c in configs.sweep() + configs.fp8_sweep()
+               if c.dtype != "float32" and c.head_dim in PREFILL_HEAD_DIMS]
     both = prefill.instances()
     assert set(both[prefill_sm90.FILE]) == {prefill_sm90.kernel_name(c) for c in capable}
     for cfg in capable:
         geo = planner.prefill_sm90_geometry(cfg)
-        args = prefill_sm90.kernel_name(cfg).split("<")[1][:-1].split(", ")
-        assert args == [cfg.cuda_type, str(cfg.head_dim), str(geo.tile_n), str(geo.stages)]
-    fp8 = tuple(prefill.kernel_name(c) for c in configs.fp8_sweep() if c.head_dim in PREFILL_HEAD_DIMS)
-    assert prefill.instances(capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE], prefill.FILE: fp8}
+        name, args = prefill_sm90.kernel_name(cfg)[:-1].split("<")
+        assert name == ("pagedrt::prefill_sm90_fp8" if cfg.fp8 else "pagedrt::prefill_sm90")
+        assert args.split(", ") == [cfg.cuda_type, str(cfg.head_dim), str(geo.tile_n), str(geo.stages)] + (
+            [str(geo.staging)] if cfg.fp8 else [])
+        assert (geo.staging > 0) == cfg.fp8
+    assert prefill.instances(capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE]}
     assert prefill.instances(capability="80") == {prefill.FILE: both[prefill.FILE]}
     assert prefill.instances(capable, capability="90") == {prefill_sm90.FILE: both[prefill_sm90.FILE]}
     assert source.options(prefill_sm90.FILE) == source.OPTIONS + ("-arch=sm_90a",)
@@ -286,6 +289,18 @@ def test_prefill_sm90_geometry_meets_the_kernel_static_asserts(dtype, head_dim):
     assert rows_per_thread % 8 == 0 and rows_per_thread <= 16 and geo.stages >= 2
     assert geo.smem_bytes == (geo.tile_m + 2 * geo.stages * geo.tile_n) * head_dim * 2 + 1024
     assert geo.smem_bytes + 8 * (1 + 4 * geo.stages) <= 227 * 1024
+    if head_dim in FP8_HEAD_DIMS:  # the FP8 twin: f16 stages, then staging slots of e4m3 K and V
+        fp8 = planner.prefill_sm90_geometry(Config(dtype, head_dim, 16, 4, "float8_e4m3"))
+        assert (fp8.threads, fp8.tile_m, fp8.tile_n) == (geo.threads, geo.tile_m, geo.tile_n)
+        assert 2 <= fp8.stages <= geo.stages and 2 <= fp8.staging <= 4
+        assert fp8.tile_n % (128 // (head_dim // 16)) == 0  # whole copy rounds of 16-byte e4m3 chunks
+        assert fp8.smem_bytes == ((fp8.tile_m + 2 * fp8.stages * fp8.tile_n) * head_dim * 2
+                                  + fp8.staging * 2 * fp8.tile_n * head_dim + 1024)
+        assert fp8.smem_bytes + 8 * (2 + 4 * fp8.stages + 2) + 16 <= 227 * 1024
+        # no room for one more stage beside the staging slots, nor (under the cap) one more slot
+        room = 227 * 1024 - fp8.smem_bytes
+        assert fp8.stages == 4 or room + (fp8.staging - 2) * 2 * fp8.tile_n * head_dim < 4 * fp8.tile_n * head_dim
+        assert fp8.staging == 4 or room < 2 * fp8.tile_n * head_dim
 
 
 # --- argument checks -----------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ errors that memcheck would count; pagedrt checks its own driver calls itself.)
 Write (with padding slots), the fused rotary embeddings + write (padding slots too; FP8 planes on 8.9 or
 later), the one-launch decode step of a small model against the layered step, the fused-epilogue GEMMs (under
 programmatic dependent launch on 9.0), decode unsplit and split with the last segment's merge (with empty segments), each in both geometries,
-both again over FP8 K/V (compute capability 8.9 or later; prefill too, causal and not), the contiguous
+both again over FP8 K/V (compute capability 8.9 or later; prefill too, causal and not: on 9.0 the sm_90a kernel's
+FP8 twin), the contiguous
 baseline, prefill (causal and not, over a ragged batch with a one-token row; on compute capability 9.0 both
 the sm_90a kernel and the mma.sync one, and an sm_90a plan run twice), mixed steps (decode rows split, around a prompt chunk and after it),
 block copy, and validation (a good table, then a bad one refused), on the base configuration; decode at groups
@@ -89,7 +90,7 @@ def run():
                  validate.instances(), rope_write.instances([base]), *(() if fp8_cfg is None else (
                      decode.instances([fp8_cfg, configs.Config("float16", DIM, BLOCK, 40, configs.FP8)],
                                       paged=(True,)), write.instances([fp8_cfg]), rope_write.instances([fp8_cfg]),
-                     prefill.instances([fp8_cfg], capability="80"),
+                     prefill.instances([fp8_cfg], capability),
                      decode.instances([fp8_cfg], paged=(True,), indexed=(True,))))):
         for file, names in part.items():
             source.preload(file, names)  # one NVRTC call per file

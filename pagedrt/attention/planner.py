@@ -45,6 +45,8 @@ PREFILL_STAGES = 2              # the key pipeline's depth
 SM90_THREADS = 384              # sm_90a prefill: a producer warpgroup and two consumer warpgroups
 SM90_TILE_M = 128               # packed query rows per work item: 64 per consumer warpgroup
 SM90_SMEM_LIMIT = 227 * 1024    # dynamic shared memory a thread block may have on compute capability 9.0
+SM90_MAX_STAGES = 4             # its K+V stages (and FP8's staging slots) at most
+SM90_FP8_STAGING = 2            # FP8: staging slots at least (a tile's e4m3 bytes land while the last is converted)
 MAX_DECODE_ROWS = 65535         # a mixed step's decode rows are the decode kernel's grid dimension y
 WIDE_GROUP = 16                 # decode of wider groups runs on the sm_90a prefill kernel (wide_group),
 WIDE_UNSPLIT_GROUP = 32         # but one the decode kernel runs unsplit keeps it to this many heads (wide_kernel)
@@ -145,8 +147,9 @@ class PrefillGeometry:
     tile_m: int      # packed query rows per work item
     tile_n: int      # keys per pipeline stage
     stages: int
-    smem_bytes: int  # dynamic shared memory: the Q tile and the stages of K and of V
+    smem_bytes: int  # dynamic shared memory: the Q tile and the stages of K and of V (and FP8's staging)
     threads: int = PREFILL_THREADS
+    staging: int = 0  # the sm_90a kernel over FP8 K/V: slots of a key tile's e4m3 K and V, converted into stages
 
 
 def prefill_geometry(cfg: Config) -> PrefillGeometry:
@@ -167,14 +170,20 @@ def prefill_sm90_geometry(cfg: Config) -> PrefillGeometry:
 
     Two consumer warpgroups of 64 packed rows (SM90_TILE_M = 128), key tiles of 128
     (64 at head_dim 256, where a consumer holds 128 floats of output), and as many K+V
-    stages as fit beside the Q tile in SM90_SMEM_LIMIT (at most 4). Shared memory: the
-    Q tile, the stages, and 1024 bytes to align the tiles for the 128-byte swizzle.
+    stages as fit beside the Q tile in SM90_SMEM_LIMIT (at most SM90_MAX_STAGES). Shared memory: the
+    Q tile, the stages, and 1024 bytes to align the tiles for the 128-byte swizzle. FP8 K/V: the
+    stages hold f16 (converted), and after them ``staging`` slots of a key tile's e4m3 K and V:
+    as many stages as fit beside SM90_FP8_STAGING slots, then as many slots as fit (at most
+    SM90_MAX_STAGES): 2 and 2 at head_dim 128, 4 and 4 at 64.
     """
-    row = cfg.head_dim * cfg.itemsize
+    row = cfg.head_dim * 2  # bytes of a row of Q or of a stage: fp16/bf16 (FP8's converted to f16)
     tile_n = 64 if cfg.head_dim > 128 else 128
-    stages = min(4, (SM90_SMEM_LIMIT - 1024 - SM90_TILE_M * row) // (2 * tile_n * row))
-    return PrefillGeometry(SM90_TILE_M, tile_n, stages, (SM90_TILE_M + 2 * stages * tile_n) * row + 1024,
-                           SM90_THREADS)
+    free = SM90_SMEM_LIMIT - 1024 - SM90_TILE_M * row
+    slot = 2 * tile_n * cfg.head_dim if cfg.fp8 else 0  # a staging slot: a tile's e4m3 K and V
+    stages = min(SM90_MAX_STAGES, (free - SM90_FP8_STAGING * slot) // (2 * tile_n * row))
+    staging = min(SM90_MAX_STAGES, (free - 2 * stages * tile_n * row) // slot) if cfg.fp8 else 0
+    return PrefillGeometry(SM90_TILE_M, tile_n, stages,
+                           (SM90_TILE_M + 2 * stages * tile_n) * row + staging * slot + 1024, SM90_THREADS, staging)
 
 
 def wide_group(cfg: Config) -> bool:

@@ -3,7 +3,7 @@
 :class:`PrefillPlan` does a step's checks and planning once; its :meth:`~PrefillPlan.run` attends for one
 layer. :func:`paged_prefill` is a plan run once. One batch may mix prompts, chunks of prompts after cached
 tokens and single decode tokens. Compute capability 9.0 runs ``cuda_src/prefill_sm90.cu`` for a positive
-scale over fp16/bf16 planes, other devices and FP8 planes ``cuda_src/prefill.cu``; a mixed step's decode rows
+scale (over FP8 planes too), other devices ``cuda_src/prefill.cu``; a mixed step's decode rows
 run where a :class:`~pagedrt.attention.DecodePlan` runs them, on a side stream of the plan's own. Given NumPy
 arrays the plan runs the float64 reference (:func:`pagedrt.attention.reference.prefill`). docs/KERNELS.md
 ("Prefill", "Mixed steps") has the rest.
@@ -51,15 +51,13 @@ def instances(configs: Optional[Sequence[Config]] = None,
               capability: Optional[str] = None) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} for the prefill-capable ``configs`` (default: those of the representative sweeps,
     FP8's too): of both kernels, or, given a device's ``capability`` (CuPy's compute_capability), of the one it
-    runs (FP8 configurations: the mma.sync kernel's FP8 twin, on every device)."""
+    runs for a positive scale."""
     capable = [c for c in (configs or sweep() + fp8_sweep())
                if c.dtype in PREFILL_DTYPES and c.head_dim in PREFILL_HEAD_DIMS]
     sm90 = prefill_sm90.FILE
     out = {FILE: tuple(dict.fromkeys(kernel_name(c) for c in capable)),
-           sm90: tuple(dict.fromkeys(prefill_sm90.kernel_name(c) for c in capable if not c.fp8))}
-    if capability == prefill_sm90.SM90:
-        out[FILE] = tuple(kernel_name(c) for c in capable if c.fp8)
-    return out if capability is None else {k: out[k] for k in ((sm90, FILE) if capability == prefill_sm90.SM90
+           sm90: tuple(dict.fromkeys(prefill_sm90.kernel_name(c) for c in capable))}
+    return out if capability is None else {k: out[k] for k in ((sm90,) if capability == prefill_sm90.SM90
                                                                else (FILE,)) if out[k]}
 
 
@@ -297,11 +295,11 @@ class PrefillPlan(Plan):
 
     def _choose_prefill(self, cfg, pk, block_tables, kv_lens, counts, causal, scale):
         """The prefill kernel and its work items for the rows that are not decode rows: the sm_90a kernel on
-        compute capability 9.0 for a positive scale over fp16/bf16 planes, else the mma.sync kernel. Beside
+        compute capability 9.0 for a positive scale (its FP8 twin over FP8 planes), else the mma.sync kernel. Beside
         decode rows the sm_90a kernel takes the SMs :func:`~pagedrt.attention.planner.mixed_prompt_blocks`
         gives it."""
         import cupy
-        sm90 = prefill_sm90.runs_on(self._device) and scale > 0 and not cfg.fp8
+        sm90 = prefill_sm90.runs_on(self._device) and scale > 0
         tile_m = (prefill_sm90_geometry if sm90 else prefill_geometry)(cfg).tile_m
         self._items = cupy.asarray(prefill_items(counts, cfg.group, tile_m, skip=self._decode_rows))
         blocks = mixed_prompt_blocks(multiprocessors(self._device)) if sm90 and self._decode_rows.size else None

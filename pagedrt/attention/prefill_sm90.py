@@ -1,8 +1,9 @@
 """The sm_90a prefill kernel's launcher (``cuda_src/prefill_sm90.cu``: warpgroup MMA, warp-specialised).
 
-Devices of compute capability 9.0 (H100, H200) run it for :class:`~pagedrt.attention.PrefillPlan` (fp16/bf16
-planes, a positive scale) and for a :class:`~pagedrt.attention.DecodePlan` of a wide group
-(:func:`~pagedrt.attention.planner.wide_kernel`): there a sequence's one query token times the group's heads
+Devices of compute capability 9.0 (H100, H200) run it for :class:`~pagedrt.attention.PrefillPlan` (a positive
+scale; fp16/bf16 planes, or FP8 ones on its twin ``prefill_sm90_fp8``) and for a
+:class:`~pagedrt.attention.DecodePlan` of a wide group (:func:`~pagedrt.attention.planner.wide_kernel`; fp16/bf16
+planes only): there a sequence's one query token times the group's heads
 are the rows of its tile, and long sequences are cut into segments (split-K) merged in the kernel, over the
 decode plan's workspace. The grid is persistent: a thread block per SM, over the (work item, KV head,
 segment) units, which a block claims from the launch's queue as it frees up (two int32 counters the launch
@@ -30,8 +31,11 @@ MAX_UNITS = np.iinfo(np.int32).max - (1 << 16)
 
 
 def kernel_name(cfg: Config) -> str:
-    """The kernel's name expression for ``cfg`` (the block size and the group are kernel arguments)."""
+    """The kernel's name expression for ``cfg`` (the block size and the group are kernel arguments): over FP8 K/V
+    its twin, which takes the staging slots too."""
     geo = prefill_sm90_geometry(cfg)
+    if cfg.fp8:
+        return f"pagedrt::prefill_sm90_fp8<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}, {geo.staging}>"
     return f"pagedrt::prefill_sm90<{cfg.cuda_type}, {cfg.head_dim}, {geo.tile_n}, {geo.stages}>"
 
 

@@ -17,8 +17,9 @@ prompt row only, and one over the decode rows only), which shows how much of one
 hides behind the other.
 
 ``--kv-dtype float8_e4m3`` runs the same cases over FP8 planes (random finite e4m3 bytes, a scale per KV
-head): every row on ``prefill_fp8`` (the mma.sync kernel converting K and V in registers), so ``mixed`` has no
-decode rows and no parts.
+head): the rows of many tokens on the sm_90a kernel's FP8 twin on compute capability 9.0 (elsewhere on
+``prefill_fp8``, the mma.sync kernel converting K and V in registers), ``mixed``'s decode rows on
+``decode_fp8``; ``mixed`` has no floor (it counts fp16 bytes).
 """
 
 import numpy as np
@@ -99,13 +100,13 @@ def run_case(cp, timer, prefix, new, repeats, fp8=False):
         times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out, **scales), repeats, flush_l2=True))
         outs.append(out)
     same = bool(cp.array_equal(outs[0], outs[1]))
-    return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo)
+    return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo, scales)
 
 
 def parts_us(cp, timer, arrays, new, repeats):
     """(us of the multi-token rows alone, us of the one-token rows alone): a plan over each set of rows."""
     from .. import attention
-    q, (k, v), table, lens, qo = arrays
+    q, (k, v), table, lens, qo, scales = arrays
     times = []
     for rows in (np.flatnonzero(new != 1), np.flatnonzero(new == 1)):
         tokens = np.concatenate([np.arange(qo[b], qo[b + 1]) for b in rows])
@@ -114,7 +115,7 @@ def parts_us(cp, timer, arrays, new, repeats):
         plan = attention.PrefillPlan(part_q, k, table[cp.asarray(rows)], lens[cp.asarray(rows)], cp.asarray(part_qo),
                                      query_lens=new[rows], validate=False)
         out = cp.empty_like(part_q)
-        times.append(timer.gpu_us(lambda: plan.run(part_q, k, v, out), repeats, flush_l2=True))
+        times.append(timer.gpu_us(lambda: plan.run(part_q, k, v, out, **scales), repeats, flush_l2=True))
     return tuple(times)
 
 
@@ -143,7 +144,7 @@ def main(argv=None):
         rows.append({"case": name, "tokens": int(sum(new)), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,
                      "contiguous_us": contiguous, "paging": paged / contiguous - 1, "flops": flops,
                      "note": "" if same else "paged and contiguous outputs differ"})
-        if name == "mixed" and not fp8:
+        if name == "mixed":
             rows[-1]["prompt_us"], rows[-1]["decode_us"] = parts_us(cp, timer, arrays, np.asarray(new), args.repeats)
         del arrays
         cp.get_default_memory_pool().free_all_blocks()
