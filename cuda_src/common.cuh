@@ -311,6 +311,11 @@ __device__ __forceinline__ void bulk_copy(unsigned smem_dst, const void* gmem_sr
                  :: "r"(smem_dst), "l"(gmem_src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// Prefetch `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2 by the copy engine.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem_src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(gmem_src), "r"(bytes) : "memory");
+}
+
 }  // namespace sm90
 #endif
 

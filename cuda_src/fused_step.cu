@@ -248,7 +248,9 @@ __device__ __forceinline__ void gemv_staged(const Gemv& g, const T* w, const T* 
 // tiles in shared memory and an mbarrier; its fill for layer l is the barrier's phase l (parity l & 1). Warp 1
 // fills: for layer 0 at the launch's start, for layer l + 1 once the block's phase of layer l is done with it
 // (between arriving at the barrier that ends it and waiting there), a bulk copy a weight row (rows are padded in
-// shared memory, not in global memory).
+// shared memory, not in global memory). Issuing a fill stalls warp 1 until the copy engine has taken its copies,
+// longer the longer they take to land, and the block waits for warp 1 at the barrier; so warp 2 prefetches each
+// fill's tiles into L2 at the barrier before (stage_prefetch), and the copies come from L2.
 enum Staged { STAGE_QKV, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES_ };
 
 template <typename T>
@@ -270,6 +272,28 @@ __device__ __forceinline__ void stage_fill(const Gemv& g, T* buf, unsigned long 
         if (r >= 0)
             sm90::bulk_copy((unsigned)__cvta_generic_to_shared(buf + (i * 16 + lane % 16) * ws),
                             base + (long long)r * g.k, row_bytes, b);
+    }
+#endif
+}
+
+// Prefetch into L2 the tiles of phase g this block's next fill copies (warp 2, one bulk prefetch a tile's rows:
+// gate/up tiles are two runs of 8 rows).
+template <typename T>
+__device__ __forceinline__ void stage_prefetch(const Gemv& g) {
+#if __CUDA_ARCH__ >= 900
+    const int lane = threadIdx.x - 64;
+    if (lane < 0 || lane >= 32) return;
+    const T* base = reinterpret_cast<const T*>(g.w);
+    const unsigned row_bytes = g.k * (unsigned)sizeof(T);
+    for (int u = blockIdx.x + lane * gridDim.x; u < g.tiles(); u += 32 * gridDim.x) {
+        if (g.split) {
+            const int j = u * 8, n = min(8, g.split - j);
+            sm90::bulk_prefetch_l2(base + (long long)j * g.k, n * row_bytes);
+            sm90::bulk_prefetch_l2(base + (long long)(j + g.split) * g.k, n * row_bytes);
+        } else {
+            const int r = u * 16;
+            sm90::bulk_prefetch_l2(base + (long long)r * g.k, min(16, g.rows - r) * row_bytes);
+        }
     }
 #endif
 }
@@ -665,6 +689,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);
     float norm_weight[NORM_PER];
     grid_arrive(barrier, target);  // (its __syncthreads makes the constants visible to the block)
+    if ((staged_phases >> STAGE_QKV & 1) && num_layers > 1) stage_prefetch<T>(phase(layers + PER_LAYER, STAGE_QKV));
     if (!(staged_phases >> STAGE_QKV & 1)) first_chunk(phase(layers, STAGE_QKV), cur);
     load_norm_weight(reinterpret_cast<const float*>(layers[ATTN_NORM]), hidden, norm_weight);
     grid_wait(barrier, target);
@@ -675,12 +700,20 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         T* v_plane = reinterpret_cast<T*>(w[V_PLANE]);
         const Gemv qkv_phase = phase(w, STAGE_QKV), o_phase = phase(w, STAGE_O);
         const Gemv gate_up_phase = phase(w, STAGE_GATE_UP), down_phase = phase(w, STAGE_DOWN);
-        // warp 1 refills the staged phases' buffers for the next layer
+        // warp 1 refills the staged phases' buffers for the next layer; warp 2 prefetches a refill's tiles into L2
+        // at the barrier before it (phase p of layer `at`)
         auto refill = [&](int p) {
             if (layer + 1 < num_layers && tid / 32 == 1 && (staged_phases >> p & 1)) {
                 Gemv g = phase(w, p);
                 g.w = (const void*)staged_weights[(layer + 1) * STAGES_ + p];
                 stage_fill(g, stage_buf[p], stage_bar + p);
+            }
+        };
+        auto prefetch = [&](int p, int at) {
+            if (at < num_layers && (staged_phases >> p & 1)) {
+                Gemv g = phase(w, p);
+                g.w = (const void*)staged_weights[at * STAGES_ + p];
+                stage_prefetch<T>(g);
             }
         };
         // phase p's GEMV over xs, its weights staged or streamed
@@ -734,6 +767,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item == (int)blockIdx.x ? first : Item(s, item),
                                 staged, item == (int)blockIdx.x, scale_log2, smem_raw);
         grid_arrive(barrier, target);
+        prefetch(STAGE_O, layer + 1);
         if (streams(STAGE_O)) first_chunk(o_phase, cur);
         grid_wait(barrier, target);
 
@@ -749,6 +783,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         if (streams(STAGE_GATE_UP)) first_chunk(gate_up_phase, cur);
         load_norm_weight(reinterpret_cast<const float*>(w[FFN_NORM]), hidden, norm_weight);
         refill(STAGE_O);
+        prefetch(STAGE_GATE_UP, layer + 1);
         if (streams(STAGE_GATE_UP)) prefetch_tiles<T>(gate_up_phase, 1);
         grid_wait(barrier, target);
 
@@ -766,6 +801,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             prefetch_tiles<T>(down_phase, 0);  // the first tile's later chunks too
         }
         refill(STAGE_GATE_UP);
+        prefetch(STAGE_DOWN, layer + 1);
         grid_wait(barrier, target);
 
         // down: residual += W_down . mlp
@@ -774,6 +810,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         const Gemv logits_phase{(const void*)output, hidden, vocab, 0};
         grid_arrive(barrier, target);
         refill(STAGE_DOWN);
+        prefetch(STAGE_QKV, layer + 2);
         if (layer + 1 < num_layers) {
             if (streams(STAGE_QKV)) first_chunk(phase(w + PER_LAYER, STAGE_QKV), cur);
             load_norm_weight(reinterpret_cast<const float*>(w[PER_LAYER + ATTN_NORM]), hidden, norm_weight);
