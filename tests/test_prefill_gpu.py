@@ -134,13 +134,14 @@ def test_queries_without_a_query_row_and_the_scale():
 
 # --- plans -----------------------------------------------------------------------------------------
 
-def replay_twice(stream, plan, dev, planes, outs, refs, case):
+def replay_twice(stream, plan, dev, planes, outs, refs, case, scales=None):
     """Capture the plan's runs over every layer's planes on ``stream`` (current), then launch the graph twice,
-    the outputs poisoned before each launch and compared with the layers' references after it."""
+    the outputs poisoned before each launch and compared with the layers' references after it. ``scales``: FP8
+    planes' keyword arguments of each layer's run (k_scale, v_scale)."""
     stream.synchronize()
     stream.begin_capture()
-    for (k, v), out in zip(planes, outs):
-        plan.run(dev.q, k, v, out=out)
+    for (k, v), out, extra in zip(planes, outs, scales or [{}] * len(planes)):
+        plan.run(dev.q, k, v, out=out, **extra)
     graph = stream.end_capture()
     for _ in range(2):
         for out in outs:

@@ -202,6 +202,12 @@ class Fp8Case:
         return PrefillPlan(self.q, self.planes()[0], self.table, self.lens, self.qo_indptr,
                            query_lens=self.case.query_lens, causal=causal, **kwargs)
 
+    def replay_twice(self, stream, plan, refs):
+        """test_prefill_gpu.replay_twice over layers 0 and 1 with their scales; ``refs``: their references."""
+        planes = [self.planes(layer) for layer in (0, 1)]
+        replay_twice(stream, plan, self, [p[:2] for p in planes], [poisoned(self.case.q.shape, self.case.q.dtype)
+                     for _ in planes], refs, self.case, [dict(k_scale=p[2], v_scale=p[3]) for p in planes])
+
     def run(self, plan, layer=1):
         """One run of ``plan`` over ``layer``'s planes into a NaN-poisoned out; the host copy of out."""
         k, v, k_scale, v_scale = self.planes(layer)
@@ -255,23 +261,9 @@ def test_fp8_layers_of_their_own_scales_run_again_and_replay_in_a_cuda_graph():
     with pytest.raises(LaunchArgumentError, match="need v_scale"):
         plan.run(f.q, k, v, out, k_scale=k_scale)
     assert np.isnan(to_host(out).astype(np.float32)).all()
-    outs = [poisoned(f.case.q.shape, f.case.q.dtype) for _ in (0, 1)]
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        plan = f.plan()
-        stream.synchronize()
-        stream.begin_capture()
-        for layer, out in zip((0, 1), outs):
-            k, v, k_scale, v_scale = f.planes(layer)
-            plan.run(f.q, k, v, out, k_scale=k_scale, v_scale=v_scale)
-        graph = stream.end_capture()
-        for _ in range(2):
-            for out in outs:
-                out.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            for out, ref in zip(outs, refs):
-                assert not row_errors(to_host(out), ref, f.case)
+        f.replay_twice(stream, f.plan(), refs)
 
 
 @pytest.mark.parametrize("cfg", [Config("float16", 128, 16, 4), Config("bfloat16", 64, 32, 8)], ids=str)
@@ -290,20 +282,7 @@ def test_fp8_mixed_steps_prompt_rows_take_the_twin_beside_decode_fp8(cfg):
         assert plan._prefill.grid == (min(planner.mixed_prompt_blocks(sms), len(plan._items) * 2),)
         for layer in (1, 0, 1):
             assert not row_errors(f.run(plan, layer), refs[layer], f.case)
-        outs = [poisoned(f.case.q.shape, f.case.q.dtype) for _ in (0, 1)]
-        stream.synchronize()
-        stream.begin_capture()
-        for layer, out in zip((0, 1), outs):
-            k, v, k_scale, v_scale = f.planes(layer)
-            plan.run(f.q, k, v, out, k_scale=k_scale, v_scale=v_scale)
-        graph = stream.end_capture()
-        for _ in range(2):
-            for out in outs:
-                out.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            for out, ref in zip(outs, refs):
-                assert not row_errors(to_host(out), ref, f.case)
+        f.replay_twice(stream, plan, refs)
 
 
 def test_fp8_a_scale_of_zero_or_below_takes_the_mma_sync_twin():
