@@ -25,7 +25,9 @@
 // Shared memory tiles use the 128-byte swizzle that wgmma reads (hopper.cuh: smem_descriptor):
 // rows of 64-element panels, chunk c of row r at c ^ (r % 8), tiles 1024-byte aligned.
 // Masking (causal aligned bottom-right, and the sequence's end) is applied only to the tiles that
-// cross some row's limit. At the end each consumer normalises its rows and stores them.
+// cross some row's limit. A unit's last tile, when none of a consumer's rows sees past its first half (a causal
+// diagonal, a sequence's end), is a Half tile for that consumer: S by an m64n(TILE_N / 2) wgmma, P V over half
+// the keys. At the end each consumer normalises its rows and stores them.
 //
 // Units come from a queue (FlashAttention-3's tile scheduler): a block's first unit is its own index, each
 // next one it claims when its producer has issued the last one's copies (gridDim.x + atomicAdd on the
@@ -394,19 +396,28 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     };
     float o[O_REGS], sc[S_REGS], m[2], l[2];
     unsigned pa[PSTEPS][4];
-    auto scores = [&](int s) {  // issue S = Q K^T over stage s
+    // A tile's keys that take part: all (Full), or in a unit's last tile, where no row of this consumer sees past
+    // the first half, that half (Half): S by an m64n(TILE_N / 2) wgmma into registers of its own (aliasing the
+    // first half of sc made ptxas serialise the wgmmas, C7511), copied into sc, the softmax over them, P V over
+    // half the k-steps (the other half's probabilities would be 0). Only at TILE_N 128 (wgmma n64).
+    constexpr bool TRIM = TILE_N == 128;
+    using Full = integral_constant<int, TILE_N>;
+    using Half = integral_constant<int, TILE_N / 2>;
+    auto scores = [&](int s, auto cols, float (&acc)[decltype(cols)::value / 2]) {  // issue S = Q K^T over the
+        constexpr int C = decltype(cols)::value;                                      // first `cols` keys of stage s
         const unsigned long long kd = k_desc(s);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const unsigned along = (kk % 4) * 32;  // 16 elements further in the panel
-            sm90::Wgmma<MT, TILE_N>::ss(sc, sm90::advance(q_desc, (kk / 4) * TILE_M * S::kPanelBytes + along),
-                                       sm90::advance(kd, (kk / 4) * TILE_N * S::kPanelBytes + along), kk > 0);
+            sm90::Wgmma<MT, C>::ss(acc,
+                                   sm90::advance(q_desc, (kk / 4) * TILE_M * S::kPanelBytes + along),
+                                   sm90::advance(kd, (kk / 4) * TILE_N * S::kPanelBytes + along), kk > 0);
         }
     };
-    auto weighted = [&](int s) {  // issue O += P V over stage s
+    auto weighted = [&](int s, auto cols) {  // issue O += P V over the first `cols` keys of stage s
         const unsigned long long vd = v_desc(s);
 #pragma unroll
-        for (int kk = 0; kk < PSTEPS; ++kk)
+        for (int kk = 0; kk < decltype(cols)::value / 16; ++kk)
             sm90::Wgmma<MT, HEAD_DIM>::rs(o, pa[kk], sm90::advance(vd, kk * 16 * S::kPanelBytes));
     };
     auto release = [&](unsigned bar) {  // this warp is done with a stage (or the Q tile)
@@ -414,9 +425,9 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         if (lane == 0) sm90::mbarrier_arrive(bar);
     };
     // P as wgmma A fragments: two 8-key column blocks of S's accumulators make one 16-key k-step.
-    auto to_operand = [&]() {
+    auto to_operand = [&](auto cols) {
 #pragma unroll
-        for (int kk = 0; kk < PSTEPS; ++kk) {
+        for (int kk = 0; kk < decltype(cols)::value / 16; ++kk) {
             pa[kk][0] = pack2<MT>(sc[8 * kk + 0], sc[8 * kk + 1]);
             pa[kk][1] = pack2<MT>(sc[8 * kk + 2], sc[8 * kk + 3]);
             pa[kk][2] = pack2<MT>(sc[8 * kk + 4], sc[8 * kk + 5]);
@@ -497,15 +508,16 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         // some key of the tile lies past some row's limit, so those scores become -inf. The scale is
         // positive (the plan sends other scales to prefill.cu), so the max is taken over the raw scores
         // and the scale folds into the exponent: exp2(s * softmax_scale - m * softmax_scale), one FFMA.
-        auto softmax = [&](int t, float (&alpha)[2], auto mask) {
+        auto softmax = [&](int t, float (&alpha)[2], auto mask, auto cols) {
             constexpr bool MASK = decltype(mask)::value;
+            constexpr int C = decltype(cols)::value;
             const int key0 = (w.tile0 + t) * TILE_N;
             // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2. A row's max and sum
             // run in four independent chains (chain (j % 2) * 2 + e % 2), not one of TILE_N / 4 dependent steps.
             const float lowest = neg_inf();
             float top[2][4] = {{lowest, lowest, lowest, lowest}, {lowest, lowest, lowest, lowest}};
 #pragma unroll
-            for (int j = 0; j < TILE_N / 8; ++j)
+            for (int j = 0; j < C / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     if (MASK && key0 + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
@@ -528,7 +540,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
             }
             float sum[2][4] = {};
 #pragma unroll
-            for (int j = 0; j < TILE_N / 8; ++j)
+            for (int j = 0; j < C / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], softmax_scale, -shift[e / 2]));
@@ -537,61 +549,106 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
 #pragma unroll
             for (int h = 0; h < 2; ++h) l[h] += (sum[h][0] + sum[h][1]) + (sum[h][2] + sum[h][3]);
         };
-        auto softmax_of = [&](int t, float (&alpha)[2]) {
-            if ((w.tile0 + t + 1) * TILE_N <= shared_keys) softmax(t, alpha, integral_constant<bool, false>());
-            else softmax(t, alpha, integral_constant<bool, true>());
+        auto softmax_of = [&](int t, float (&alpha)[2], auto cols) {
+            if ((w.tile0 + t) * TILE_N + decltype(cols)::value <= shared_keys)
+                softmax(t, alpha, integral_constant<bool, false>(), cols);
+            else
+                softmax(t, alpha, integral_constant<bool, true>(), cols);
+        };
+        // Whether the unit's last tile is a Half one for this consumer (its last live row sees the most keys).
+        const bool half_last = TRIM && num_tiles > 0
+                               && limit(w, min(w.p_first + row_base + 63, w.p_end - 1))
+                                      <= (w.tile0 + num_tiles - 1) * TILE_N + TILE_N / 2;
+        auto widths = [&](bool half, auto f) {  // f(Half()) or f(Full())
+            if constexpr (TRIM) {
+                if (half) return f(Half());
+            }
+            f(Full());
         };
 
         if (num_tiles == 0) release(q_empty);
         if (num_tiles > 0) {
             float alpha[2];
-            sm90::mbarrier_wait(k_full(stage(0)), round(0));
-            turn();
-            sm90::wgmma_fence();
-            scores(stage(0));
-            sm90::wgmma_commit();
-            pass_turn();
-            sm90::wgmma_wait<0>();
-            sm90::fence_registers(sc);
-            release(k_empty(stage(0)));
-            if (num_tiles == 1) release(q_empty);
-            softmax_of(0, alpha);
-            to_operand();
-            for (int t = 1; t < num_tiles; ++t) {
+            // Tile 0: its scores, then their softmax (nothing to overlap with yet).
+            auto first = [&](auto cols, float (&acc)[decltype(cols)::value / 2]) {  // acc: sc, or Half's own
+                sm90::mbarrier_wait(k_full(stage(0)), round(0));
+                turn();
+                sm90::wgmma_fence();
+                scores(stage(0), cols, acc);
+                sm90::wgmma_commit();
+                pass_turn();
+                sm90::wgmma_wait<0>();
+                sm90::fence_registers(acc);
+                if constexpr (decltype(cols)::value != TILE_N) {
+#pragma unroll
+                    for (int i = 0; i < decltype(cols)::value / 2; ++i) sc[i] = acc[i];
+                }
+                release(k_empty(stage(0)));
+                if (num_tiles == 1) release(q_empty);
+                softmax_of(0, alpha, cols);
+                to_operand(cols);
+            };
+            widths(num_tiles == 1 && half_last, [&](auto cols) {
+                if constexpr (decltype(cols)::value == TILE_N) {
+                    first(cols, sc);
+                } else {
+                    float half_scores[decltype(cols)::value / 2];
+                    first(cols, half_scores);
+                }
+            });
+            // Tile t: its scores issued before tile t - 1's P V (a Full tile: only the last may be Half).
+            auto next = [&](int t, auto cols, float (&acc)[decltype(cols)::value / 2]) {  // acc: sc, or Half's own
                 sm90::mbarrier_wait(k_full(stage(t)), round(t));
                 sm90::mbarrier_wait(v_full(stage(t - 1)), round(t - 1));
                 turn();
-                sm90::fence_registers(sc);
+                sm90::fence_registers(acc);
                 sm90::fence_registers(o);
                 sm90::wgmma_fence();
-                scores(stage(t));
+                scores(stage(t), cols, acc);
                 sm90::wgmma_commit();
-                weighted(stage(t - 1));
+                weighted(stage(t - 1), Full());
                 sm90::wgmma_commit();
                 pass_turn();
                 sm90::wgmma_wait<1>();  // the scores have landed; P V of the previous tile may still run
-                sm90::fence_registers(sc);
+                sm90::fence_registers(acc);
+                if constexpr (decltype(cols)::value != TILE_N) {
+#pragma unroll
+                    for (int i = 0; i < decltype(cols)::value / 2; ++i) sc[i] = acc[i];
+                }
                 release(k_empty(stage(t)));
                 if (t == num_tiles - 1) release(q_empty);  // the unit's last use of its Q tile
-                softmax_of(t, alpha);
+                softmax_of(t, alpha, cols);
                 sm90::wgmma_wait<0>();
                 sm90::fence_registers(o);
                 sm90::fence_registers(pa);
                 release(v_empty(stage(t - 1)));
 #pragma unroll
                 for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i / 2) % 2];
-                to_operand();
-            }
-            sm90::mbarrier_wait(v_full(stage(num_tiles - 1)), round(num_tiles - 1));
-            turn();
-            sm90::fence_registers(o);
-            sm90::wgmma_fence();
-            weighted(stage(num_tiles - 1));
-            sm90::wgmma_commit();
-            pass_turn();
-            sm90::wgmma_wait<0>();
-            sm90::fence_registers(o);
-            release(v_empty(stage(num_tiles - 1)));
+                to_operand(cols);
+            };
+            for (int t = 1; t < num_tiles - 1; ++t) next(t, Full(), sc);
+            if (num_tiles > 1)
+                widths(half_last, [&](auto cols) {
+                    if constexpr (decltype(cols)::value == TILE_N) {
+                        next(num_tiles - 1, cols, sc);
+                    } else {
+                        float half_scores[decltype(cols)::value / 2];
+                        next(num_tiles - 1, cols, half_scores);
+                    }
+                });
+            // The last tile's P V.
+            widths(half_last, [&](auto cols) {
+                sm90::mbarrier_wait(v_full(stage(num_tiles - 1)), round(num_tiles - 1));
+                turn();
+                sm90::fence_registers(o);
+                sm90::wgmma_fence();
+                weighted(stage(num_tiles - 1), cols);
+                sm90::wgmma_commit();
+                pass_turn();
+                sm90::wgmma_wait<0>();
+                sm90::fence_registers(o);
+                release(v_empty(stage(num_tiles - 1)));
+            });
         }
 
 #pragma unroll

@@ -6,7 +6,8 @@ every dtype x head_dim x block size, causal and not, each over groups 1, 4 and 8
 heads) and 48 (MQA: one KV head, a group that cuts the 128-row tiles mid-token), on the
 ragged batch of test_prefill_gpu (prefixes 0, 1, block - 1, block, block + 1 and long;
 rows of no query and of one: at groups up to 8 the decode kernel takes those), plus one
-long prompt beside long prefixes, so that key tiles wrap the stage ring many times.
+long prompt beside long prefixes, so that key tiles wrap the stage ring many times; lengths around a half tile,
+where a consumer's last tile takes half its keys.
 Inputs are fresh random data, unowned slots hold NaN and outputs are poisoned before each
 launch (test_prefill_gpu's helpers). The mma.sync kernel, which every other GPU (and a
 scale of 0 or below) runs, is checked here too, by a plan that is told the device is not
@@ -88,6 +89,26 @@ def test_sm90_long_prompts_wrap_the_stage_ring(cfg):
     case = PrefillCase(cfg, [3000, 0, 700], [900, 1500, 1], kv_heads=2, seed=5)
     for causal in (True, False):
         assert not row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_last_tiles_of_half_their_keys_or_fewer_attend_as_the_reference(dtype, head_dim):
+    """A unit's last key tile (128 keys) is a Half one for a consumer none of whose rows sees past its first 64
+    keys: lengths that leave 1, 63, 64, 65, 127 and 128 keys in the last tile, one tile and more, prompts whose
+    causal diagonals fall either side of the half for one consumer and not the other (group 1: 64 tokens a
+    consumer; group 4: 16), causal and not."""
+    failures = []
+    for group in (1, 4):
+        cfg = Config(dtype, head_dim, 16, group)
+        spec = [(128 + r - 40, 40) for r in (1, 63, 64, 65, 127, 128)] + [(0, r) for r in (2, 63, 64, 65, 127, 128)]
+        spec += [(0, 192), (0, 200), (100, 60)]
+        case = case_of(cfg, spec, kv_heads=2, seed=head_dim + group)
+        for causal in (True, False):
+            bad = row_errors(run(OnDevice(case), case, causal), expected(case, causal), case)
+            failures += [f"group {group} causal {causal}: row {b} prefix {p} queries {n}: error {e:.2e}"
+                         for b, p, n, e in bad]
+    assert not failures, "; ".join(failures)
 
 
 def test_the_unit_queue_is_ready_again_for_each_run_and_graph_replay():
