@@ -9,7 +9,8 @@ so template code is really compiled. Instances are spread over several translati
 units compiled in parallel. Headers are compiled on their own. A file that
 ``pagedrt.source.ARCHES`` ties to one target (the sm_90a prefill) is compiled for that
 target whatever ``--arch`` says, as NVRTC compiles it, and so is a header only it includes. Prints registers,
-stack and spills per kernel; any compile error exits non-zero.
+stack and spills per kernel; any compile error, or a kernel whose wgmmas ptxas serialises (warning C7511: short of
+registers for the wgmma pipeline, a silent loss of speed), exits non-zero.
 """
 
 import argparse
@@ -84,6 +85,11 @@ def resources(log):
     return rows
 
 
+def serialised(log):
+    """Kernels of a ptxas log whose wgmma instructions ptxas serialised (C7511)."""
+    return re.findall(r"\(C7511\).*? in the function '(\w+)'", log)
+
+
 def demangle(names):
     tool = shutil.which("cu++filt") or shutil.which("c++filt")
     if not tool or not names:
@@ -102,7 +108,7 @@ def main():
         todo = units(Path(tmp))
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             results = list(pool.map(lambda u: compile_unit(args.arch, u[1], u[2]), todo))
-    flagged = []
+    flagged, slow = [], []
     for (label, _, _), (rc, log) in zip(todo, results):
         print(f"== {label}: {'ok' if rc == 0 else 'FAILED'}")
         failed += rc != 0
@@ -114,9 +120,13 @@ def main():
             print(f"  {regs:4d} regs  {stack:5d} B stack  {stores:5d}/{loads:<5d} B spill st/ld  {name}")
             if stack or stores or loads:
                 flagged.append(name)
+        for name in demangle(serialised(log)):
+            print(f"  wgmma serialised (ptxas C7511)  {name}")
+            slow.append(name)
     print(f"{len(todo) - failed}/{len(todo)} units compiled; "
-          + (f"{len(flagged)} kernels use stack or spill: {flagged}" if flagged else "no stack frames, no spills"))
-    sys.exit(1 if failed else 0)
+          + (f"{len(flagged)} kernels use stack or spill: {flagged}" if flagged else "no stack frames, no spills")
+          + (f"; {len(slow)} kernels' wgmmas serialised: {slow}" if slow else ""))
+    sys.exit(1 if failed or slow else 0)
 
 
 if __name__ == "__main__":
