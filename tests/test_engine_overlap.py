@@ -2,6 +2,7 @@
 cache's ids given after the step (``cache.name_tokens``), padded decode batches, and the device sampler's output;
 on the host backend (the GPU's own checks are tests/test_engine_overlap_gpu.py)."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,6 +51,42 @@ def test_a_stop_token_ends_a_sample_one_step_late_and_its_extra_token_is_discard
             assert r.finish_reasons == ["stop"] and r.tokens[0].tolist() == free[:free.index(free[5])]
             assert e.stats.generated_tokens == 12 + free.index(free[5]) + 1
             assert e.scheduler.idle and e.cache.stats()["sequences"] == 0
+
+
+class SlowStream:
+    """A stand-in for the GPU's stream on the host backend: a step's tokens arrive ``prompt_s`` after a step with
+    prompt tokens was queued, ``decode_s`` after a decode step (the event its token copy returns waits for it)."""
+
+    def __init__(self, engine, prompt_s, decode_s):
+        self.ready, forward, send = 0.0, engine.model.forward, engine._tokens.send
+
+        def timed_forward(step, ids):
+            self.cost = prompt_s if step.num_tokens > len(step.seqs) or len(step.arrived) else decode_s
+            return forward(step, ids)
+
+        def timed_send(count):
+            host, _ = send(count)
+            self.ready = max(self.ready, time.perf_counter()) + self.cost
+            return host, self
+
+        engine.model.forward, engine._tokens.send = timed_forward, timed_send
+
+    def synchronize(self):
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_waiting_for_a_prompts_tokens_counts_as_prefill_time_in_either_loop(tiny, overlap):
+    """Stats: the first decode step of the overlapped loop reads the prompt step's tokens, and that wait (here a
+    second) is the prefill's time, not the decode's (which would make decode steps look seconds long)."""
+    prompt_s = 1.0
+    with Engine(tiny, backend="host", max_seqs=4, kv_tokens=1 << 12, overlap=overlap) as e:
+        e.stop_tokens = np.empty(0, np.int64)
+        SlowStream(e, prompt_s, 0.002)
+        e.generate(["The dog"], SamplingParams(max_tokens=6))
+        s = e.stats
+    assert s.prefill_steps == 1 and s.decode_steps >= 5 and s.prefill_seconds >= prompt_s
+    assert s.decode_seconds < prompt_s / 2, (s.decode_seconds, s.prefill_seconds)
 
 
 def greedy_tokens(engine, prompt, max_tokens):

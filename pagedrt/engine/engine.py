@@ -85,7 +85,12 @@ class Completion:
 
 @dataclass
 class Stats:
-    """Counters of the steps run so far: tokens, and wall time of steps with prompt tokens and without."""
+    """Counters of the steps run so far: tokens, and wall time of steps with prompt tokens and without.
+
+    A step's wall time is its host turn (scheduling, ``cache.step()``, queueing its forward and sampling) and the
+    wait for its tokens and their bookkeeping, which with ``overlap`` falls in the next step's turn: so a prompt's
+    computation is the prefill's time, not that of the first decode step that waits for it.
+    """
 
     steps: int = 0
     prompt_tokens: int = 0
@@ -212,6 +217,7 @@ class Engine:
         self._tokens = TokenBuffers(max_seqs)
         self._flight = None   # the step whose tokens the host has not read yet
         self._awaiting = []   # children forked before their first token (drawn by their parent's step) was read
+        self._landing = 0.0   # seconds this step has spent reading tokens (counted as their own steps')
         cuda_graphs = graphs and devices is None and self.cache.xp is not np
         self._padding = Padding(self.cache, max_seqs) if cuda_graphs else None
         self._snapshot = self._on_token = None  # generate()'s
@@ -333,7 +339,7 @@ class Engine:
     def step(self) -> None:
         """One scheduling decision, one ``cache.step()``, one forward pass and one sampling queued; then the
         tokens of the step before are read (with ``overlap``; else this step's)."""
-        start = time.perf_counter()
+        start, self._landing = time.perf_counter(), 0.0
         plan = self.scheduler.schedule()
         if plan.frees and self._snapshot:
             self.cache.write_snapshot(self._snapshot)
@@ -454,7 +460,9 @@ class Engine:
     def _land(self, flight, late=None):
         """Read ``flight``'s tokens: give the prefix cache the ids of ``late`` (handles, draws: the rows of the
         step after it that appended them), record each row's token unless its sample finished or the row started
-        another since, and the first tokens of the children of the prompts that ended."""
+        another since, and the first tokens of the children of the prompts that ended. The time it takes (the wait
+        included) is ``flight``'s step's (:class:`Stats`)."""
+        start = time.perf_counter()
         tokens = flight.tokens()
         if late is not None and late[0].size:
             self.cache.name_tokens(late[0], 1, tokens[late[1]])
@@ -466,6 +474,12 @@ class Engine:
         if flight.decoding:
             self.stats.decode_tokens += int(keep.sum())
         self._record_children()
+        seconds = time.perf_counter() - start
+        self._landing += seconds
+        if flight.decoding:
+            self.stats.decode_seconds += seconds
+        else:
+            self.stats.prefill_seconds += seconds
 
     def _record(self, handles, tokens):
         """Append each handle's new token; finish those that stopped or reached their limit."""
@@ -496,8 +510,10 @@ class Engine:
         self.scheduler.finish(seq)
 
     def _account(self, start, step, decode_tokens, prompt_tokens):
+        """Count ``step`` (begun at ``start``) and its turn's wall time but the reading of tokens (``_land``, which
+        counts its own)."""
         s = self.stats
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - self._landing
         s.steps += 1
         s.max_batch = max(s.max_batch, len(step.seqs))
         if prompt_tokens:
