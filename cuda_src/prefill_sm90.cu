@@ -559,11 +559,23 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         const bool half_last = TRIM && num_tiles > 0
                                && limit(w, min(w.p_first + row_base + 63, w.p_end - 1))
                                       <= (w.tile0 + num_tiles - 1) * TILE_N + TILE_N / 2;
-        auto widths = [&](bool half, auto f) {  // f(Half()) or f(Full())
+        // f(Full(), sc), or f(Half(), registers of its own for the scores)
+        auto widths = [&](bool half, auto f) {
             if constexpr (TRIM) {
-                if (half) return f(Half());
+                if (half) {
+                    float half_scores[TILE_N / 4];
+                    return f(Half(), half_scores);
+                }
             }
-            f(Full());
+            f(Full(), sc);
+        };
+        // A tile's scores have landed in acc: into sc (a Half tile's, from its own registers).
+        auto landed = [&](auto cols, float (&acc)[decltype(cols)::value / 2]) {
+            sm90::fence_registers(acc);
+            if constexpr (decltype(cols)::value != TILE_N) {
+#pragma unroll
+                for (int i = 0; i < decltype(cols)::value / 2; ++i) sc[i] = acc[i];
+            }
         };
 
         if (num_tiles == 0) release(q_empty);
@@ -578,24 +590,13 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                 sm90::wgmma_commit();
                 pass_turn();
                 sm90::wgmma_wait<0>();
-                sm90::fence_registers(acc);
-                if constexpr (decltype(cols)::value != TILE_N) {
-#pragma unroll
-                    for (int i = 0; i < decltype(cols)::value / 2; ++i) sc[i] = acc[i];
-                }
+                landed(cols, acc);
                 release(k_empty(stage(0)));
                 if (num_tiles == 1) release(q_empty);
                 softmax_of(0, alpha, cols);
                 to_operand(cols);
             };
-            widths(num_tiles == 1 && half_last, [&](auto cols) {
-                if constexpr (decltype(cols)::value == TILE_N) {
-                    first(cols, sc);
-                } else {
-                    float half_scores[decltype(cols)::value / 2];
-                    first(cols, half_scores);
-                }
-            });
+            widths(num_tiles == 1 && half_last, first);
             // Tile t: its scores issued before tile t - 1's P V (a Full tile: only the last may be Half).
             auto next = [&](int t, auto cols, float (&acc)[decltype(cols)::value / 2]) {  // acc: sc, or Half's own
                 sm90::mbarrier_wait(k_full(stage(t)), round(t));
@@ -610,11 +611,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                 sm90::wgmma_commit();
                 pass_turn();
                 sm90::wgmma_wait<1>();  // the scores have landed; P V of the previous tile may still run
-                sm90::fence_registers(acc);
-                if constexpr (decltype(cols)::value != TILE_N) {
-#pragma unroll
-                    for (int i = 0; i < decltype(cols)::value / 2; ++i) sc[i] = acc[i];
-                }
+                landed(cols, acc);
                 release(k_empty(stage(t)));
                 if (t == num_tiles - 1) release(q_empty);  // the unit's last use of its Q tile
                 softmax_of(t, alpha, cols);
@@ -627,17 +624,9 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                 to_operand(cols);
             };
             for (int t = 1; t < num_tiles - 1; ++t) next(t, Full(), sc);
-            if (num_tiles > 1)
-                widths(half_last, [&](auto cols) {
-                    if constexpr (decltype(cols)::value == TILE_N) {
-                        next(num_tiles - 1, cols, sc);
-                    } else {
-                        float half_scores[decltype(cols)::value / 2];
-                        next(num_tiles - 1, cols, half_scores);
-                    }
-                });
+            if (num_tiles > 1) widths(half_last, [&](auto cols, auto& acc) { next(num_tiles - 1, cols, acc); });
             // The last tile's P V.
-            widths(half_last, [&](auto cols) {
+            widths(half_last, [&](auto cols, auto&) {
                 sm90::mbarrier_wait(v_full(stage(num_tiles - 1)), round(num_tiles - 1));
                 turn();
                 sm90::fence_registers(o);
