@@ -192,6 +192,14 @@ template <> __device__ __forceinline__ void load_shared<2>(unsigned (&w)[2], uns
 
 // --- float8 e4m3 (sm_89+): K/V storage, converted in registers ----------------------
 
+// Rotary embeddings: the pair (x0, x1) turned by the angle of (c, s) = (cos, sin), in float, each product rounded
+// before the sum (no contraction into an fma), so every kernel that rotates (rope_write, layer_gemm's ROPE_WRITE
+// epilogue) turns a pair to the same bits.
+__device__ __forceinline__ void rotate_pair(float& x0, float& x1, float c, float s) {
+    const float r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), r1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    x0 = r0, x1 = r1;
+}
+
 // One float8 e4m3 value's bits (OCP E4M3, CUDA's __nv_fp8_e4m3): K/V planes of FP8 caches.
 struct e4m3 { unsigned char bits; };
 

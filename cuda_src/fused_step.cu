@@ -737,9 +737,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             float x0 = round_to<T>(out[2 * pair * 8 + b]), x1 = round_to<T>(out[(2 * pair + 1) * 8 + b]);
             if (head < q_heads + kv_heads) {
                 const float2 r = rotation[b * (HEAD_DIM / 2) + i];
-                const float cs = r.x, sn = r.y;
-                const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
-                x0 = y0, x1 = y1;
+                rotate_pair(x0, x1, r.x, r.y);
             }
             T* dst;
             if (head < q_heads) {

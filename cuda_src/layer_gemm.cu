@@ -12,6 +12,13 @@
 //                  g of W row j and u of row N + j (silu_mul over the rounded gate_up GEMM).
 // Epilogue ADD:    residual[m, n] += round_T(acc) in float32 (each element read, right after the wait, and
 //                  written by one thread)                                           (W [N, K])
+// Epilogue ROPE_WRITE: W [N, K] is the QKV weight (q's heads, k's, then v's: N = (q_heads + 2 kv_heads) *
+//                  head_dim); row m is a decode row at position seq_lens[m] - 1. Each output rounded to T, q's
+//                  and k's pairs (2i, 2i + 1) turned by that position * inv_freq[i] and rounded again, as
+//                  rope_write.cu turns them; q into out [M, q_heads * head_dim], k and v into the planes at
+//                  slots[m] as rope_write.cu stores them (none for a negative slot; FP8 planes when k_scales is
+//                  given: each value divided by its KV head's scale, as e4m3). So this epilogue is the QKV GEMM
+//                  then rope_write, bit for bit, in one launch.
 //
 // These GEMMs are small (M <= 256, K of 576 or 1536 for a 135M model): what they take is latency, not FLOPs.
 // So a CTA (8 warps) keeps its BM rows of A in shared memory for the whole K, requested in one go (NORM: the
@@ -29,8 +36,9 @@ namespace pagedrt {
 namespace layer {
 constexpr int THREADS = 256, WARPS = THREADS / 32, BK = 64;
 constexpr int NORM = 0, PLAIN = 1;             // prologues
-constexpr int STORE = 0, SILU_UP = 1, ADD = 2;  // epilogues
+constexpr int STORE = 0, SILU_UP = 1, ADD = 2, ROPE_WRITE = 3;  // epilogues
 }  // namespace layer
+
 
 // x rounded to T, as a float.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
@@ -72,11 +80,46 @@ __device__ __forceinline__ void normalise_rows(unsigned char* smem, const float*
     }
 }
 
+// ROPE_WRITE: the GEMM's outputs (c0, c1) of row m, columns n and n + 1 (n even: a rotary pair; `angle` its
+// (cos, sin), used where the pair is q's or k's; `slot` the row's), as rope_write.cu would leave them after the QKV
+// GEMM rounded them to T.
+template <typename T>
+__device__ __forceinline__ void rope_write_pair(float c0, float c1, float2 angle, long long slot, int m, int n, T* q,
+                                                void* k_cache, void* v_cache, long long block_stride,
+                                                const float* k_scales, const float* v_scales, int q_heads,
+                                                int kv_heads, int head_dim, int block_size) {
+    const int head = n / head_dim, col = n % head_dim;
+    float x0 = round_to<T>(c0), x1 = round_to<T>(c1);
+    if (head < q_heads + kv_heads) {
+        rotate_pair(x0, x1, angle.x, angle.y);
+        x0 = round_to<T>(x0), x1 = round_to<T>(x1);
+    }
+    if (head < q_heads) {
+        *reinterpret_cast<unsigned*>(q + (long long)m * q_heads * head_dim + n) = pack2<T>(x0, x1);
+        return;
+    }
+    if (slot < 0) return;
+    const bool is_k = head < q_heads + kv_heads;
+    const int kv = head - q_heads - (is_k ? 0 : kv_heads);
+    const long long at = (slot / block_size) * block_stride + ((long long)kv * block_size + slot % block_size) *
+                         head_dim + col;
+    if (k_scales != nullptr) {
+        const float scale = (is_k ? k_scales : v_scales)[kv];
+        *reinterpret_cast<unsigned short*>(static_cast<e4m3*>(is_k ? k_cache : v_cache) + at) =
+            float2_to_e4m3x2(__fdiv_rn(x0, scale), __fdiv_rn(x1, scale));
+    } else {
+        *reinterpret_cast<unsigned*>(static_cast<T*>(is_k ? k_cache : v_cache) + at) = pack2<T>(x0, x1);
+    }
+}
+
+// k_cache .. block_size: ROPE_WRITE's (rope_write_pair's), null or 0 for the other epilogues.
 template <typename T, int PROLOGUE, int EPILOGUE, int BM, int BN, int STAGES, int WARPS_K>
 __global__ void __launch_bounds__(layer::THREADS)
 layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, const T* __restrict__ a,
            const T* __restrict__ w, T* __restrict__ out, float* __restrict__ residual, int M, int N, int K,
-           float eps) {
+           float eps, void* k_cache, void* v_cache, long long block_stride, const long long* __restrict__ slots,
+           const int* __restrict__ seq_lens, const float* __restrict__ inv_freq, const float* __restrict__ k_scales,
+           const float* __restrict__ v_scales, int q_heads, int kv_heads, int head_dim, int block_size) {
     using namespace layer;
     constexpr int WARPS_MN = WARPS / WARPS_K, WARPS_M = BM / 16 < WARPS_MN ? BM / 16 : WARPS_MN;
     constexpr int WARPS_N = WARPS_MN / WARPS_M, WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NI = WN / 8;
@@ -117,7 +160,31 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
     if constexpr (PROLOGUE == NORM)
         for (int i = tid; i < K / 4; i += THREADS) cp_async16_shared(sa + g_offset + i * 16, norm_weight + i * 4, 16);
     for (int s = 0; s < STAGES - 1; ++s) load_w(s);  // (the first group holds g too)
-    launch_dependents();
+    // ROPE_WRITE: this thread's rows' slots and positions and its pairs' frequencies (the step's and the model's:
+    // no kernel before writes them), requested before the wait; the angles are worked out while A arrives. And
+    // no early launch of the next kernel: attention reads q before its own wait.
+    constexpr int RM = EPILOGUE == ROPE_WRITE ? MI : 1, RN = EPILOGUE == ROPE_WRITE ? NI : 1;
+    long long slot[RM][2];
+    int pos[RM][2];
+    float freq[RM][2][RN];
+    float2 angle[RM][2][RN];
+    if constexpr (EPILOGUE == ROPE_WRITE) {
+        if (wk == 0) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int m = min(m0 + wm * WM + mi * 16 + lane / 4 + h * 8, M - 1);
+                    slot[mi][h] = slots[m];
+                    pos[mi][h] = seq_lens[m] - 1;
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni)
+                        freq[mi][h][ni] = inv_freq[(n0 + wn * WN + ni * 8 + 2 * (lane % 4)) % head_dim / 2];
+                }
+        }
+    } else {
+        launch_dependents();
+    }
     grid_dependency_wait();
     // ADD: this thread's residual values, requested now and added after the GEMM (each read and written by one
     // thread of the warps with wk == 0, which sum the partials).
@@ -151,6 +218,20 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
         }
     }
     cp_async_commit();
+    if constexpr (EPILOGUE == ROPE_WRITE) {
+        if (wk == 0) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni) {
+                        float sn, cs;
+                        sincosf((float)pos[mi][h] * freq[mi][h][ni], &sn, &cs);
+                        angle[mi][h][ni] = make_float2(cs, sn);
+                    }
+        }
+    }
     cp_async_wait<0>();
     __syncthreads();
     if constexpr (PROLOGUE == NORM) {
@@ -228,6 +309,10 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
                     if (n >= N) continue;
                     if constexpr (EPILOGUE == STORE) {
                         *reinterpret_cast<unsigned*>(out + (long long)m * N + n) = pack2<T>(c0, c1);
+                    } else if constexpr (EPILOGUE == ROPE_WRITE) {
+                        rope_write_pair<T>(c0, c1, angle[mi][h][ni], slot[mi][h], m, n, out, k_cache, v_cache,
+                                           block_stride, k_scales, v_scales, q_heads, kv_heads, head_dim,
+                                           block_size);
                     } else {
                         const float2 v = res[mi][h][ni];
                         *reinterpret_cast<float2*>(residual + (long long)m * N + n) =

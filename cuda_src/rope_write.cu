@@ -43,9 +43,7 @@ __device__ __forceinline__ void rotate(uint4 (&w)[N], const float2* angle) {
 #pragma unroll
         for (int i = 0; i < V / 2; ++i) {
             const float2 a = angle[j * V / 2 + i];
-            const float c = a.x, s = a.y, x0 = x[2 * i], x1 = x[2 * i + 1];
-            x[2 * i] = x0 * c - x1 * s;
-            x[2 * i + 1] = x0 * s + x1 * c;
+            rotate_pair(x[2 * i], x[2 * i + 1], a.x, a.y);
         }
         w[j] = pack16<T>(x);
     }

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import compile_all, needs_ml_dtypes, to_host
+from rope_cases import Problem
 from test_layer_gemm import model, problem
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +42,10 @@ def close(dev, ref, dtype):
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
     from pagedrt.engine import layer_gemm as lg
-    compile_all(lg.instances())
+    from pagedrt.engine import rope_write
+    from pagedrt.kernels import configs, validate
+    cfgs = [configs.Config(d, h, 16, 1, configs.FP8 if fp8 else None) for d, fp8 in ROPE_DTYPES for h in (64, 128)]
+    compile_all(lg.instances(), rope_write.instances(cfgs), validate.instances())
 
 
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=needs_ml_dtypes)])
@@ -115,10 +119,71 @@ def test_decode_steps_match_cublas_and_the_host(batch):
     runs = {}
     for graphs in (False, True):
         runs[graphs], _, kinds = decode(gguf, "cuda", batch, fed, graphs=graphs)
-        assert kinds.count("gemm_down_add") == 3 and "silu_mul" not in kinds
+        assert kinds.count("gemm_down_add") == 3 and "silu_mul" not in kinds and "rope_write" not in kinds
+        assert kinds.count("norm_gemm_qkv_rope_write") == 3
         for fused, unfused, h in zip(runs[graphs], cublas, host):
             assert np.abs(fused - h).max() / h.std() < 0.02
             assert np.abs(fused - unfused).max() / h.std() < 0.02
             assert np.mean(fused.argmax(1) == h.argmax(1)) >= 0.9
     for eager, graph in zip(runs[False], runs[True]):  # the same kernels, in a graph or not
         np.testing.assert_allclose(graph, eager, rtol=0, atol=1e-3)
+
+
+ROPE_DTYPES = [("float16", False), ("bfloat16", False), ("float16", True), ("bfloat16", True)]
+
+
+def rope_step(dtype, fp8_planes, head_dim, rows=23, k=192, seed=0):
+    """A decode step of ``rows`` rows (one token each, some padding slots) over poisoned planes, and the residual,
+    norm weight and QKV weight whose norm_gemm is its qkv."""
+    rng = np.random.default_rng(seed)
+    p = Problem(dtype, fp8_planes, head_dim, query_lens=(1,) * rows, cached=tuple(rng.integers(0, 90, rows)),
+                q_heads=6, kv_heads=2, pad=5, seed=seed)
+    x, g, _, w = problem(dtype, rows, k, p.qkv.shape[1], seed)
+    return p, x, g, w
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype, fp8_planes", [(d, f8) if d == "float16" else pytest.param(d, f8, marks=needs_ml_dtypes)
+                                               for d, f8 in ROPE_DTYPES])
+def test_norm_gemm_rope_write_is_norm_gemm_then_rope_write_bit_for_bit(dtype, fp8_planes, head_dim):
+    """q and both planes, byte for byte, against the two launches it replaces (poisoned planes, padding slots);
+    and against the float64 rotation computed apart (rope_cases) of the qkv the device's norm_gemm makes, which
+    the tests above hold to its reference."""
+    import cupy as cp
+    from pagedrt.engine import layer_gemm as lg
+    from pagedrt.engine.rope_write import RopeWritePlan
+    p, x, g, w = rope_step(dtype, fp8_planes, head_dim)
+    dx, dg, dw = cp.asarray(x), cp.asarray(g), cp.asarray(w)
+    steps = [cp.asarray(getattr(p, name)) for name in ("slots", "qo_indptr", "seq_lens", "inv_freq")]
+    qkv = cp.empty(p.qkv.shape, w.dtype)
+    results = []
+    for fused in (True, False):
+        buffer, q = cp.asarray(p.buffer), cp.asarray(p.q)
+        k, v = p.planes(buffer)
+        plan = RopeWritePlan(qkv, q, k, *steps)
+        if fused:
+            lg.norm_gemm_rope_write(dx, dg, dw, plan, q, k, v, 1e-5, **p.scale_keywords(cp))
+        else:
+            plan.run(lg.norm_gemm(dx, dg, dw, qkv, 1e-5), q, k, v, **p.scale_keywords(cp))
+        results.append((to_host(q), to_host(buffer)))
+    (q_fused, b_fused), (q_apart, b_apart) = results
+    assert q_fused.tobytes() == q_apart.tobytes() and b_fused.tobytes() == b_apart.tobytes()
+    p.qkv = to_host(qkv)
+    p.check(q_fused, b_fused)
+
+
+def test_norm_gemm_rope_write_refuses_a_plan_of_a_prefill_step_and_writes_nothing():
+    import cupy as cp
+    from pagedrt.engine import layer_gemm as lg
+    from pagedrt.engine.rope_write import RopeWritePlan
+    from pagedrt.errors import LaunchArgumentError
+    p = Problem("float16", False, 64, query_lens=(1, 5, 3), cached=(4, 0, 9), q_heads=6, kv_heads=2)
+    x, g, _, w = problem("float16", 9, 192, p.qkv.shape[1])
+    buffer, q = cp.asarray(p.buffer), cp.asarray(p.q)
+    k, v = p.planes(buffer)
+    plan = RopeWritePlan(cp.empty(p.qkv.shape, w.dtype), q, k, *(cp.asarray(getattr(p, name)) for name in
+                                                                 ("slots", "qo_indptr", "seq_lens", "inv_freq")))
+    with pytest.raises(LaunchArgumentError, match="decode step"):
+        lg.norm_gemm_rope_write(cp.asarray(x), cp.asarray(g), cp.asarray(w), plan, q, k, v, 1e-5)
+    cp.cuda.get_current_stream().synchronize()
+    assert to_host(buffer).tobytes() == p.buffer.tobytes() and np.isnan(to_host(q).astype(np.float32)).all()

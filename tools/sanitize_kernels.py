@@ -287,6 +287,26 @@ def layer_gemms(expect, rng):
             added = cupy.asnumpy(lg.gemm_add(cupy.asarray(a), cupy.asarray(w), cupy.asarray(residual))) - residual
             expect(f"layer_gemm gemm_add ({m} rows, k {k})",
                    rel_error(added, lg.gemm_add(a, w, residual.copy()) - residual) <= 2e-3)
+        # the QKV GEMM with the rotary embeddings + K/V write as its epilogue: a decode step of m rows (one slot in
+        # five padding) over SmolLM2's heads, against norm_gemm then RopeWritePlan.run, byte for byte
+        w = (rng.standard_normal((960, 576)) / 24).astype(np.float16)
+        blocks = -(-m * 100 // 16)
+        slots = rng.permutation(blocks * 16)[:m].astype(np.int64)
+        slots[::5] = -1
+        lens = rng.integers(1, 100, m).astype(np.int32)
+        step = [cupy.asarray(a) for a in (slots, np.arange(m + 1, dtype=np.int32), lens,
+                                          (10000.0 ** -(np.arange(0, 64, 2) / 64)).astype(np.float32))]
+        qkv = cupy.empty((m, 960), np.float16)
+        outs = []
+        for fused in (True, False):
+            q, k, v = cupy.zeros((m, 9, 64), np.float16), *(cupy.zeros((blocks, 3, 16, 64), np.float16) for _ in "kv")
+            plan = rope_write.RopeWritePlan(qkv, q, k, *step)
+            if fused:
+                lg.norm_gemm_rope_write(cupy.asarray(x), cupy.asarray(g), cupy.asarray(w), plan, q, k, v, 1e-5)
+            else:
+                plan.run(lg.norm_gemm(cupy.asarray(x), cupy.asarray(g), cupy.asarray(w), qkv, 1e-5), q, k, v)
+            outs.append(b"".join(cupy.asnumpy(a).tobytes() for a in (q, k, v)))
+        expect(f"layer_gemm norm_gemm_rope_write ({m} rows), as norm_gemm then rope_write", outs[0] == outs[1])
 
 
 def wide_groups(expect, rng, fp8):

@@ -2,10 +2,11 @@
 references.
 
 A layer of the layered step was nine launches, most of them bound by launch latency rather than bytes. With
-these it is six: norm + qkv (:func:`norm_gemm`), the rotary embeddings + K/V write, attention, o + residual add
-(:func:`gemm_add`), norm + gate/up + SwiGLU (:func:`norm_gemm_silu`), down + residual add (:func:`gemm_add`).
-Each rounds where the unfused ops round (``ops.add_rms_norm``, ``ops.gemm``, ``ops.silu_mul``): A to the
-weights' dtype after the norm, the GEMM's output to it before SwiGLU or the residual add.
+these it is five: norm + qkv + the rotary embeddings + K/V write (:func:`norm_gemm_rope_write`), attention, o +
+residual add (:func:`gemm_add`), norm + gate/up + SwiGLU (:func:`norm_gemm_silu`), down + residual add
+(:func:`gemm_add`). Each rounds where the unfused ops round (``ops.add_rms_norm``, ``ops.gemm``,
+``ops.silu_mul``, ``RopeWritePlan``): A to the weights' dtype after the norm, the GEMM's output to it before
+SwiGLU, the residual add or the rotation.
 
 Given CuPy arrays a function launches the kernel (through ``cuLaunchKernelEx``, with programmatic stream
 serialization on compute capability 9.0 and later: it requests its first weight tiles before it waits for the
@@ -25,14 +26,17 @@ from ..kernels.args import NULL, check, ptr
 from ..kernels.configs import CUDA_TYPES
 from ..kernels.launch import launch_ex
 from ..spec import Array, dtype_name
+from .rope_write import RopeWritePlan
 
 FILE = "layer_gemm.cu"
 THREADS, BK = 256, 64  # as cuda_src/layer_gemm.cu's
 NORM, PLAIN = 0, 1  # prologues
-STORE, SILU_UP, ADD = 0, 1, 2  # epilogues
+STORE, SILU_UP, ADD, ROPE_WRITE = 0, 1, 2, 3  # epilogues
 Config = Tuple[int, int, int, int]  # (BM, BN, STAGES, WARPS_K)
 # (prologue, epilogue) -> ((most rows, deepest k, config), ...): the first that covers a launch and fits is its.
 TABLE = {(NORM, STORE): ((32, 4096, (16, 32, 10, 4)), (128, 4096, (16, 64, 10, 2)), (256, 4096, (32, 64, 10, 2))),
+         (NORM, ROPE_WRITE): ((32, 4096, (16, 32, 10, 4)), (128, 4096, (16, 64, 10, 2)),  # NORM, STORE's
+                              (256, 4096, (32, 64, 10, 2))),
          (NORM, SILU_UP): ((32, 4096, (16, 64, 10, 2)), (64, 4096, (32, 64, 10, 2)), (128, 4096, (32, 128, 8, 2)),
                            (256, 4096, (32, 192, 6, 2))),
          (PLAIN, ADD): ((128, 768, (16, 32, 10, 4)), (256, 768, (16, 64, 10, 2)), (64, 4096, (16, 32, 24, 4)),
@@ -163,6 +167,47 @@ def norm_gemm_silu(x: Array, norm_weight: Array, w: Array, out: Array, eps: floa
     return _launch(NORM, SILU_UP, x, norm_weight, NULL, w, out, NULL, f, eps)
 
 
+def norm_gemm_rope_write(x: Array, norm_weight: Array, w: Array, writer: RopeWritePlan, q: Array, k_cache: Array,
+                         v_cache: Array, eps: float, *, k_scale: Optional[Array] = None,
+                         v_scale: Optional[Array] = None) -> Array:
+    """``qkv = round(rmsnorm(x) * norm_weight) @ w.T`` (rounded to w's dtype), then ``writer.run(qkv, q, k_cache,
+    v_cache)``: the norm, the QKV GEMM, the rotary embeddings and the K/V write of a decode step's layer in one
+    launch, with no qkv buffer (bit for bit :func:`norm_gemm` then :meth:`RopeWritePlan.run`).
+
+    Parameters
+    ----------
+    x : array, float32 [m, k]
+        The residual stream, a row a sequence of the decode step.
+    norm_weight : array, float32 [k]
+    w : array [(q_heads + 2 kv_heads) * head_dim, k]
+        The QKV weight; float16 or bfloat16 on the device.
+    writer : RopeWritePlan
+        The step's rotation and write, made over ``m`` rows of one token each.
+    q : array [m, q_heads, head_dim]
+        w's dtype; written, rotated.
+    k_cache, v_cache : array [num_blocks, kv_heads, block_size, head_dim]
+        The layer's planes (the writer's layout); k rotated and v stored at the writer's slots.
+    eps : float
+    k_scale, v_scale : array, float32 [kv_heads], optional
+        The layer's scales, for FP8 planes.
+
+    Returns
+    -------
+    array
+        ``q``.
+    """
+    n = w.shape[0] if w.ndim == 2 else -1
+    if _host(x, norm_weight, w, q):
+        qkv = norm_gemm(x, norm_weight, w, np.empty((x.shape[0], n), w.dtype), eps)
+        writer.run(qkv, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
+        return q
+    rope = writer.epilogue_args(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)  # checks q and the planes
+    _check(x, w, q.reshape(q.shape[0], -1), n, n, np.float32)
+    check(norm_weight.shape == (x.shape[1],) and q.dtype == w.dtype,
+          "norm_weight must hold k values and q have w's dtype")
+    return _launch(NORM, ROPE_WRITE, x, norm_weight, NULL, w, q, NULL, n, eps, rope) if rope else q
+
+
 def gemm_add(a: Array, w: Array, residual: Array) -> Array:
     """``residual += round(a @ w.T)`` (rounded to w's dtype, added in float32): the o and down GEMMs.
 
@@ -205,7 +250,10 @@ def _plan(dtype: str, prologue: int, epilogue: int, m: int, n: int, k: int, devi
     return fn, (-(-n // cols), -(-m // config[0])), smem_bytes(prologue, config, k), capability >= PDL_CAPABILITY
 
 
-def _launch(prologue, epilogue, x, norm_weight, a, w, out, residual, n, eps):
+NO_ROPE = (NULL, NULL, np.int64(0), NULL, NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), np.int32(0), np.int32(0))
+
+
+def _launch(prologue, epilogue, x, norm_weight, a, w, out, residual, n, eps, rope=NO_ROPE):
     import cupy
     lhs = a if prologue == PLAIN else x
     m, k = lhs.shape
@@ -214,8 +262,8 @@ def _launch(prologue, epilogue, x, norm_weight, a, w, out, residual, n, eps):
     if m:
         fn, grid, smem, programmatic = _plan(dtype, prologue, epilogue, m, n, k, cupy.cuda.Device().id)
         args = tuple(v if isinstance(v, np.uint64) else ptr(v) for v in (x, norm_weight, a, w, out, residual))
-        launch_ex(fn, grid, (THREADS,), args + (np.int32(m), np.int32(n), np.int32(k), np.float32(eps)), smem,
-                  programmatic_serialization=programmatic)
+        launch_ex(fn, grid, (THREADS,), args + (np.int32(m), np.int32(n), np.int32(k), np.float32(eps)) + rope,
+                  smem, programmatic_serialization=programmatic)
     return residual if epilogue == ADD else out
 
 

@@ -180,15 +180,15 @@ class LlamaModel:
         return delta
 
     def _fused_layers(self, n, b, plan, writer):
-        """Every layer's launches, the norms, SwiGLU and the residual adds inside the GEMMs (:mod:`.layer_gemm`);
-        returns None: the residual holds every layer's output."""
+        """Every layer's launches of a decode step, the norms, the rotary embeddings + K/V write, SwiGLU and the
+        residual adds inside the GEMMs (:mod:`.layer_gemm`); returns None: the residual holds every layer's
+        output."""
         c, cache, eps = self.config, self.cache, self.config.rms_eps
         attn = b["attn"].reshape(n, c.q_heads * c.head_dim)
         for layer, w in enumerate(self.layers):
             k, v, scales = cache.k(layer), cache.v(layer), self._scales(layer)
-            yield "norm_gemm_qkv", partial(layer_gemm.norm_gemm, b["residual"], w["attn_norm"], w["qkv"], b["qkv"],
-                                           eps)
-            yield "rope_write", partial(writer.run, b["qkv"], b["q"], k, v, **scales)
+            yield "norm_gemm_qkv_rope_write", partial(layer_gemm.norm_gemm_rope_write, b["residual"], w["attn_norm"],
+                                                      w["qkv"], writer, b["q"], k, v, eps, **scales)
             yield "attention", partial(plan.run, b["q"], k, v, out=b["attn"], **scales)
             yield "gemm_o_add", partial(layer_gemm.gemm_add, attn, w["o"], b["residual"])
             yield "norm_gemm_gate_up_silu", partial(layer_gemm.norm_gemm_silu, b["residual"], w["ffn_norm"],

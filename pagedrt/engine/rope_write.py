@@ -110,29 +110,25 @@ class RopeWritePlan:
         self._type, self._qkv, self._q = type(q), (qkv.shape, qkv.dtype), (q.shape, q.dtype)
         self._plane = (k_cache.shape, k_cache.strides, k_cache.dtype)
         self._steps = (slot_mapping, qo_indptr, seq_lens, inv_freq)
-        self._device, self._launch = None if xp is np else q.device.id, None
+        self._device, self._launch, self._epilogue = None if xp is np else q.device.id, None, None
         if xp is not np and n:
             vectors = (q_heads + 2 * kv_heads) * d // (16 if cfg.fp8 else 16 // q.itemsize)  # a token's, one a thread
             grid = (n, -(-vectors // THREADS))
             self._launch = (source.function(FILE, kernel_name(cfg)), grid, (THREADS,),
                             (np.int64(pk.block_stride), ptr(slot_mapping), ptr(qo_indptr), ptr(seq_lens),
                              np.int32(batch), ptr(inv_freq), np.int32(q_heads), np.int32(kv_heads)))
+            if n == batch:  # one token a row: a decode step, whose rotation a GEMM's epilogue can make
+                self._epilogue = ((np.int64(pk.block_stride), ptr(slot_mapping), ptr(seq_lens), ptr(inv_freq)),
+                                  (np.int32(q_heads), np.int32(kv_heads), np.int32(d), np.int32(pk.block_size)))
+        self._decode = n == batch
 
     def run(self, qkv: Array, q: Array, k_cache: Array, v_cache: Array, *, k_scale: Optional[Array] = None,
             v_scale: Optional[Array] = None) -> None:
         """Rotate one layer's ``qkv`` into ``q`` and store its k and v into ``k_cache`` and ``v_cache`` at the
         plan's slots; arrays of the plan's shapes, dtypes and layout. FP8 planes need that layer's ``k_scale``
         and ``v_scale`` (float32 [kv_heads])."""
-        array_type = self._type
-        check(all(type(a) is array_type for a in (qkv, q, k_cache, v_cache)),
-              lambda: f"qkv, q, k_cache and v_cache must be {array_type.__module__}.{array_type.__name__}s, as the "
-                      "plan's: NumPy or CuPy arrays, not a mix")
-        for name, a, (shape, dtype) in (("qkv", qkv, self._qkv), ("q", q, self._q)):
-            check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
-                  lambda: f"{name} must be C-contiguous {dtype} of shape {shape}, as the plan's, got {a.dtype} "
-                          f"{a.shape}")
-        check_planes(self, k_cache, v_cache, k_scale, v_scale)
-        if array_type is np.ndarray:
+        self._check(("qkv", qkv, self._qkv), q, k_cache, v_cache, k_scale, v_scale)
+        if self._type is np.ndarray:
             rope_write_reference(qkv, q, k_cache, v_cache, *self._steps, k_scale=k_scale, v_scale=v_scale)
             return
         pointers = device_pointers(self._device, ("qkv", "q", "k_cache", "v_cache"), (qkv, q, k_cache, v_cache))
@@ -140,6 +136,40 @@ class RopeWritePlan:
         if self._launch is not None:
             kernel, grid, threads, args = self._launch
             launch(kernel, grid, threads, (*pointers, *args, *scales))
+
+    def epilogue_args(self, q: Array, k_cache: Array, v_cache: Array, *, k_scale: Optional[Array] = None,
+                      v_scale: Optional[Array] = None) -> Tuple[np.generic, ...]:
+        """The arguments of ``cuda_src/layer_gemm.cu``'s ROPE_WRITE epilogue, which makes this plan's rotation
+        and write of one layer inside the QKV GEMM (:func:`pagedrt.engine.layer_gemm.norm_gemm_rope_write`):
+        the planes, the step's slots, lengths and frequencies, the scales (FP8 planes) and the heads' shape, after
+        :meth:`run`'s checks of ``q`` and the planes. A device plan of a decode step (one token a row) only.
+
+        Raises
+        ------
+        LaunchArgumentError
+            As :meth:`run`; a host plan, or a step with a row of more than one token.
+        """
+        self._check(None, q, k_cache, v_cache, k_scale, v_scale)
+        check(self._type is not np.ndarray and self._decode,
+              "the ROPE_WRITE epilogue takes a device plan of a decode step (one token a row)")
+        if self._epilogue is None:  # no tokens: nothing is launched
+            return ()
+        pointers = device_pointers(self._device, ("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+        scales = scale_pointers(self._device, self._kv_heads, k_scale, v_scale) or (NULL, NULL)
+        (stride, *steps), heads = self._epilogue
+        return (pointers[1], pointers[2], stride, *steps, *scales, *heads)
+
+    def _check(self, qkv, q, k_cache, v_cache, k_scale, v_scale) -> None:
+        array_type = self._type
+        arrays = (q, k_cache, v_cache) + (() if qkv is None else (qkv[1],))
+        check(all(type(a) is array_type for a in arrays),
+              lambda: f"qkv, q, k_cache and v_cache must be {array_type.__module__}.{array_type.__name__}s, as the "
+                      "plan's: NumPy or CuPy arrays, not a mix")
+        for name, a, (shape, dtype) in ((qkv,) if qkv else ()) + (("q", q, self._q),):
+            check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
+                  lambda: f"{name} must be C-contiguous {dtype} of shape {shape}, as the plan's, got {a.dtype} "
+                          f"{a.shape}")
+        check_planes(self, k_cache, v_cache, k_scale, v_scale)
 
 
 def rope_write_reference(qkv: np.ndarray, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
