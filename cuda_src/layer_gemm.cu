@@ -160,6 +160,16 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
     if constexpr (PROLOGUE == NORM)
         for (int i = tid; i < K / 4; i += THREADS) cp_async16_shared(sa + g_offset + i * 16, norm_weight + i * 4, 16);
     for (int s = 0; s < STAGES - 1; ++s) load_w(s);  // (the first group holds g too)
+    // f(mi, h, ni, m, n) for each of this thread's accumulator pairs acc[mi][ni][2h..2h+1]: row m, columns n, n + 1.
+    auto each_pair = [&](auto f) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+                    f(mi, h, ni, m0 + wm * WM + mi * 16 + lane / 4 + h * 8, n0 + wn * WN + ni * 8 + 2 * (lane % 4));
+    };
     // ROPE_WRITE: this thread's rows' slots and positions and its pairs' frequencies (the step's and the model's:
     // no kernel before writes them), requested before the wait; the angles are worked out while A arrives. And
     // no early launch of the next kernel: attention reads q before its own wait.
@@ -190,20 +200,11 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
     // thread of the warps with wk == 0, which sum the partials).
     float2 res[MI][2][EPILOGUE == ADD ? NI : 1];
     if constexpr (EPILOGUE == ADD) {
-        if (wk == 0) {
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int ni = 0; ni < NI; ++ni) {
-                        const int m = m0 + wm * WM + mi * 16 + lane / 4 + h * 8;
-                        const int n = n0 + wn * WN + ni * 8 + 2 * (lane % 4);
-                        res[mi][h][ni] = m < M && n < N
-                                             ? *reinterpret_cast<const float2*>(residual + (long long)m * N + n)
-                                             : make_float2(0.0f, 0.0f);
-                    }
-        }
+        if (wk == 0)
+            each_pair([&](int mi, int h, int ni, int m, int n) {
+                res[mi][h][ni] = m < M && n < N ? *reinterpret_cast<const float2*>(residual + (long long)m * N + n)
+                                                : make_float2(0.0f, 0.0f);
+            });
     }
     if constexpr (PROLOGUE == NORM) {  // the float32 rows, as they are; normalised below
         for (int i = tid; i < BM * (K / 4); i += THREADS) {
@@ -219,18 +220,12 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
     }
     cp_async_commit();
     if constexpr (EPILOGUE == ROPE_WRITE) {
-        if (wk == 0) {
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int ni = 0; ni < NI; ++ni) {
-                        float sn, cs;
-                        sincosf((float)pos[mi][h] * freq[mi][h][ni], &sn, &cs);
-                        angle[mi][h][ni] = make_float2(cs, sn);
-                    }
-        }
+        if (wk == 0)
+            each_pair([&](int mi, int h, int ni, int, int) {
+                float sn, cs;
+                sincosf((float)pos[mi][h] * freq[mi][h][ni], &sn, &cs);
+                angle[mi][h][ni] = make_float2(cs, sn);
+            });
     }
     cp_async_wait<0>();
     __syncthreads();
