@@ -172,6 +172,31 @@ def test_norm_gemm_rope_write_is_norm_gemm_then_rope_write_bit_for_bit(dtype, fp
     p.check(q_fused, b_fused)
 
 
+def test_norm_gemm_rope_write_refuses_bad_arguments_by_name_and_writes_nothing():
+    """A QKV weight of other rows (its epilogue would store past the heads), a float64 norm weight, q of another
+    dtype, x of another dtype, and a plan of a prefill step."""
+    import cupy as cp
+    from pagedrt.engine import layer_gemm as lg
+    from pagedrt.engine.rope_write import RopeWritePlan
+    from pagedrt.errors import LaunchArgumentError
+    p, x, g, w = rope_step("float16", False, 64, rows=9)
+    buffer, q = cp.asarray(p.buffer), cp.asarray(p.q)
+    k, v = p.planes(buffer)
+    steps = [cp.asarray(getattr(p, name)) for name in ("slots", "qo_indptr", "seq_lens", "inv_freq")]
+    plan = RopeWritePlan(cp.empty(p.qkv.shape, w.dtype), q, k, *steps)
+    dx, dg, dw = cp.asarray(x), cp.asarray(g), cp.asarray(w)
+    cases = [lambda: lg.norm_gemm_rope_write(dx, dg, cp.concatenate([dw, dw[:64]]), plan, q, k, v, 1e-5),
+             lambda: lg.norm_gemm_rope_write(dx, dg, dw[:-64], plan, q, k, v, 1e-5),
+             lambda: lg.norm_gemm_rope_write(dx, dg.astype(np.float64), dw, plan, q, k, v, 1e-5),
+             lambda: lg.norm_gemm_rope_write(dx, dg, dw, plan, q.astype(np.float32), k, v, 1e-5),
+             lambda: lg.norm_gemm_rope_write(dx.astype(np.float16), dg, dw, plan, q, k, v, 1e-5)]
+    for call in cases:
+        with pytest.raises(LaunchArgumentError):
+            call()
+    cp.cuda.get_current_stream().synchronize()
+    assert to_host(buffer).tobytes() == p.buffer.tobytes() and np.isnan(to_host(q).astype(np.float32)).all()
+
+
 def test_norm_gemm_rope_write_refuses_a_plan_of_a_prefill_step_and_writes_nothing():
     import cupy as cp
     from pagedrt.engine import layer_gemm as lg

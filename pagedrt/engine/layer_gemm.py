@@ -201,10 +201,10 @@ def norm_gemm_rope_write(x: Array, norm_weight: Array, w: Array, writer: RopeWri
         qkv = norm_gemm(x, norm_weight, w, np.empty((x.shape[0], n), w.dtype), eps)
         writer.run(qkv, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
         return q
-    rope = writer.epilogue_args(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)  # checks q and the planes
-    _check(x, w, q.reshape(q.shape[0], -1), n, n, np.float32)
-    check(norm_weight.shape == (x.shape[1],) and q.dtype == w.dtype,
-          "norm_weight must hold k values and q have w's dtype")
+    rope = writer.epilogue_args(n, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)  # q, the planes, n
+    _check(x, w, q.reshape(q.shape[0], q.shape[1] * q.shape[2]), n, n, np.float32)
+    check(norm_weight.dtype == np.float32 and norm_weight.shape == (x.shape[1],) and q.dtype == w.dtype,
+          "norm_weight must be float32 [k] and q have w's dtype")
     return _launch(NORM, ROPE_WRITE, x, norm_weight, NULL, w, q, NULL, n, eps, rope) if rope else q
 
 

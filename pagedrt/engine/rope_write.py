@@ -137,19 +137,28 @@ class RopeWritePlan:
             kernel, grid, threads, args = self._launch
             launch(kernel, grid, threads, (*pointers, *args, *scales))
 
-    def epilogue_args(self, q: Array, k_cache: Array, v_cache: Array, *, k_scale: Optional[Array] = None,
-                      v_scale: Optional[Array] = None) -> Tuple[np.generic, ...]:
+    def epilogue_args(self, width: int, q: Array, k_cache: Array, v_cache: Array, *,
+                      k_scale: Optional[Array] = None, v_scale: Optional[Array] = None) -> Tuple[np.generic, ...]:
         """The arguments of ``cuda_src/layer_gemm.cu``'s ROPE_WRITE epilogue, which makes this plan's rotation
         and write of one layer inside the QKV GEMM (:func:`pagedrt.engine.layer_gemm.norm_gemm_rope_write`):
         the planes, the step's slots, lengths and frequencies, the scales (FP8 planes) and the heads' shape, after
         :meth:`run`'s checks of ``q`` and the planes. A device plan of a decode step (one token a row) only.
 
+        Parameters
+        ----------
+        width : int
+            The GEMM's output columns: the plan's qkv width, or the epilogue would store past the heads.
+        q, k_cache, v_cache, k_scale, v_scale
+            As :meth:`run`'s.
+
         Raises
         ------
         LaunchArgumentError
-            As :meth:`run`; a host plan, or a step with a row of more than one token.
+            As :meth:`run`; another width, a host plan, or a step with a row of more than one token.
         """
         self._check(None, q, k_cache, v_cache, k_scale, v_scale)
+        check(width == self._qkv[0][1], lambda: f"the QKV GEMM has {width} output columns; the plan's qkv has "
+                                                f"{self._qkv[0][1]}")
         check(self._type is not np.ndarray and self._decode,
               "the ROPE_WRITE epilogue takes a device plan of a decode step (one token a row)")
         if self._epilogue is None:  # no tokens: nothing is launched
