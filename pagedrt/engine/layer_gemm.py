@@ -198,7 +198,7 @@ def norm_gemm_rope_write(x: Array, norm_weight: Array, w: Array, writer: RopeWri
     """
     n = w.shape[0] if w.ndim == 2 else -1
     if _host(x, norm_weight, w, q):
-        qkv = norm_gemm(x, norm_weight, w, np.empty((x.shape[0], n), w.dtype), eps)
+        qkv = norm_gemm(x, norm_weight, w, np.empty((x.shape[0] if x.ndim == 2 else 0, max(n, 0)), w.dtype), eps)
         writer.run(qkv, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
         return q
     rope = writer.epilogue_args(n, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)  # q, the planes, n
