@@ -39,7 +39,6 @@ constexpr int NORM = 0, PLAIN = 1;             // prologues
 constexpr int STORE = 0, SILU_UP = 1, ADD = 2, ROPE_WRITE = 3;  // epilogues
 }  // namespace layer
 
-
 // x rounded to T, as a float.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
 

@@ -127,7 +127,7 @@ class RopeWritePlan:
         """Rotate one layer's ``qkv`` into ``q`` and store its k and v into ``k_cache`` and ``v_cache`` at the
         plan's slots; arrays of the plan's shapes, dtypes and layout. FP8 planes need that layer's ``k_scale``
         and ``v_scale`` (float32 [kv_heads])."""
-        self._check(("qkv", qkv, self._qkv), q, k_cache, v_cache, k_scale, v_scale)
+        self._check(q, k_cache, v_cache, k_scale, v_scale, qkv=qkv)
         if self._type is np.ndarray:
             rope_write_reference(qkv, q, k_cache, v_cache, *self._steps, k_scale=k_scale, v_scale=v_scale)
             return
@@ -156,7 +156,7 @@ class RopeWritePlan:
         LaunchArgumentError
             As :meth:`run`; another width, a host plan, or a step with a row of more than one token.
         """
-        self._check(None, q, k_cache, v_cache, k_scale, v_scale)
+        self._check(q, k_cache, v_cache, k_scale, v_scale)
         check(width == self._qkv[0][1], lambda: f"the QKV GEMM has {width} output columns; the plan's qkv has "
                                                 f"{self._qkv[0][1]}")
         check(self._type is not np.ndarray and self._decode,
@@ -168,13 +168,15 @@ class RopeWritePlan:
         (stride, *steps), heads = self._epilogue
         return (pointers[1], pointers[2], stride, *steps, *scales, *heads)
 
-    def _check(self, qkv, q, k_cache, v_cache, k_scale, v_scale) -> None:
+    def _check(self, q, k_cache, v_cache, k_scale, v_scale, qkv=None) -> None:
+        """:meth:`run`'s and :meth:`epilogue_args`' checks: one array type, q's (and qkv's) shape, dtype and
+        layout, the planes and scales."""
         array_type = self._type
-        arrays = (q, k_cache, v_cache) + (() if qkv is None else (qkv[1],))
-        check(all(type(a) is array_type for a in arrays),
+        shaped = (("q", q, self._q),) + (() if qkv is None else (("qkv", qkv, self._qkv),))
+        check(all(type(a) is array_type for a in (k_cache, v_cache) + tuple(a for _, a, _ in shaped)),
               lambda: f"qkv, q, k_cache and v_cache must be {array_type.__module__}.{array_type.__name__}s, as the "
                       "plan's: NumPy or CuPy arrays, not a mix")
-        for name, a, (shape, dtype) in ((qkv,) if qkv else ()) + (("q", q, self._q),):
+        for name, a, (shape, dtype) in shaped:
             check(a.shape == shape and a.dtype == dtype and a.flags.c_contiguous,
                   lambda: f"{name} must be C-contiguous {dtype} of shape {shape}, as the plan's, got {a.dtype} "
                           f"{a.shape}")
