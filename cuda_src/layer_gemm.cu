@@ -205,16 +205,16 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
                                                 : make_float2(0.0f, 0.0f);
             });
     }
-    if constexpr (PROLOGUE == NORM) {  // the float32 rows, as they are; normalised below
-        for (int i = tid; i < BM * (K / 4); i += THREADS) {
-            const int r = i / (K / 4), c = i % (K / 4), m = m0 + r;
-            cp_async16_shared(sa + r * row_bytes + c * 16, x + (long long)min(m, M - 1) * K + c * 4, m < M ? 16 : 0);
-        }
-    } else {
-        for (int i = tid; i < BM * (K / 8); i += THREADS) {
-            const int r = i / (K / 8), c = i % (K / 8), m = m0 + r;
-            cp_async16_shared(sa + r * row_bytes + (swizzle<8>(c, r) << 4), a + (long long)min(m, M - 1) * K + c * 8,
-                              m < M ? 16 : 0);
+    // A's rows: a warp a row, its lanes along it (no division by K in the addresses); past M nothing is copied
+    for (int r = warp; r < BM; r += WARPS) {
+        const int m = m0 + r, bytes = m < M ? 16 : 0;
+        if constexpr (PROLOGUE == NORM) {  // the float32 rows, as they are; normalised below
+            const float* row = x + (long long)min(m, M - 1) * K;
+            for (int c = lane; c < K / 4; c += 32) cp_async16_shared(sa + r * row_bytes + c * 16, row + c * 4, bytes);
+        } else {
+            const T* row = a + (long long)min(m, M - 1) * K;
+            for (int c = lane; c < K / 8; c += 32)
+                cp_async16_shared(sa + r * row_bytes + (swizzle<8>(c, r) << 4), row + c * 8, bytes);
         }
     }
     cp_async_commit();
