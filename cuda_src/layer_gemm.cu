@@ -79,13 +79,19 @@ __device__ __forceinline__ void normalise_rows(unsigned char* smem, const float*
     }
 }
 
+// ROPE_WRITE: where in a plane KV head 0 of the row of slot `slot` starts (rope_write.cu's address), or -1 for a
+// negative slot (padding: nothing is written).
+__device__ __forceinline__ long long slot_offset(long long slot, long long block_stride, int head_dim, int block_size) {
+    return slot < 0 ? -1 : (slot / block_size) * block_stride + (slot % block_size) * head_dim;
+}
+
 // ROPE_WRITE: the GEMM's outputs (c0, c1) of row m, columns n and n + 1 (n even: a rotary pair; `angle` its
-// (cos, sin), used where the pair is q's or k's; `slot` the row's), as rope_write.cu would leave them after the QKV
-// GEMM rounded them to T.
+// (cos, sin), used where the pair is q's or k's; `row` the row's slot_offset), as rope_write.cu would leave them
+// after the QKV GEMM rounded them to T.
 template <typename T>
-__device__ __forceinline__ void rope_write_pair(float c0, float c1, float2 angle, long long slot, int m, int n, T* q,
-                                                void* k_cache, void* v_cache, long long block_stride,
-                                                const float* k_scales, const float* v_scales, int q_heads,
+__device__ __forceinline__ void rope_write_pair(float c0, float c1, float2 angle, long long row, int m, int n, T* q,
+                                                void* k_cache, void* v_cache, const float* k_scales,
+                                                const float* v_scales, int q_heads,
                                                 int kv_heads, int head_dim, int block_size) {
     const int head = n / head_dim, col = n % head_dim;
     float x0 = round_to<T>(c0), x1 = round_to<T>(c1);
@@ -97,11 +103,10 @@ __device__ __forceinline__ void rope_write_pair(float c0, float c1, float2 angle
         *reinterpret_cast<unsigned*>(q + (long long)m * q_heads * head_dim + n) = pack2<T>(x0, x1);
         return;
     }
-    if (slot < 0) return;
+    if (row < 0) return;
     const bool is_k = head < q_heads + kv_heads;
     const int kv = head - q_heads - (is_k ? 0 : kv_heads);
-    const long long at = (slot / block_size) * block_stride + ((long long)kv * block_size + slot % block_size) *
-                         head_dim + col;
+    const long long at = row + (long long)kv * block_size * head_dim + col;
     if (k_scales != nullptr) {
         const float scale = (is_k ? k_scales : v_scales)[kv];
         *reinterpret_cast<unsigned short*>(static_cast<e4m3*>(is_k ? k_cache : v_cache) + at) =
@@ -170,10 +175,10 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
                     f(mi, h, ni, m0 + wm * WM + mi * 16 + lane / 4 + h * 8, n0 + wn * WN + ni * 8 + 2 * (lane % 4));
     };
     // ROPE_WRITE: this thread's rows' slots and positions and its pairs' frequencies (the step's and the model's:
-    // no kernel before writes them), requested before the wait; the angles are worked out while A arrives. And
-    // no early launch of the next kernel: attention reads q before its own wait.
+    // no kernel before writes them), requested before the wait; the angles and the slots' plane offsets are worked
+    // out while A arrives. And no early launch of the next kernel: attention reads q before its own wait.
     constexpr int RM = EPILOGUE == ROPE_WRITE ? MI : 1, RN = EPILOGUE == ROPE_WRITE ? NI : 1;
-    long long slot[RM][2];
+    long long kv_row[RM][2];  // a row's slot, then its slot_offset
     int pos[RM][2];
     float freq[RM][2][RN];
     float2 angle[RM][2][RN];
@@ -184,7 +189,7 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int m = min(m0 + wm * WM + mi * 16 + lane / 4 + h * 8, M - 1);
-                    slot[mi][h] = slots[m];
+                    kv_row[mi][h] = slots[m];
                     pos[mi][h] = seq_lens[m] - 1;
 #pragma unroll
                     for (int ni = 0; ni < NI; ++ni)
@@ -219,12 +224,18 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
     }
     cp_async_commit();
     if constexpr (EPILOGUE == ROPE_WRITE) {
-        if (wk == 0)
+        if (wk == 0) {
             each_pair([&](int mi, int h, int ni, int, int) {
                 float sn, cs;
                 sincosf((float)pos[mi][h] * freq[mi][h][ni], &sn, &cs);
                 angle[mi][h][ni] = make_float2(cs, sn);
             });
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    kv_row[mi][h] = slot_offset(kv_row[mi][h], block_stride, head_dim, block_size);
+        }
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -304,8 +315,8 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
                     if constexpr (EPILOGUE == STORE) {
                         *reinterpret_cast<unsigned*>(out + (long long)m * N + n) = pack2<T>(c0, c1);
                     } else if constexpr (EPILOGUE == ROPE_WRITE) {
-                        rope_write_pair<T>(c0, c1, angle[mi][h][ni], slot[mi][h], m, n, out, k_cache, v_cache,
-                                           block_stride, k_scales, v_scales, q_heads, kv_heads, head_dim,
+                        rope_write_pair<T>(c0, c1, angle[mi][h][ni], kv_row[mi][h], m, n, out, k_cache, v_cache,
+                                           k_scales, v_scales, q_heads, kv_heads, head_dim,
                                            block_size);
                     } else {
                         const float2 v = res[mi][h][ni];
