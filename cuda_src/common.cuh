@@ -49,6 +49,13 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
+// The layout contract's write side (docs/KERNELS.md): where KV head `head` of the token in slot `slot` >= 0
+// (row slot % block_size of block slot / block_size) starts in a plane, in elements.
+__device__ __forceinline__ long long slot_offset(long long slot, int head, long long block_stride, int block_size,
+                                                 int head_dim) {
+    return (slot / block_size) * block_stride + ((long long)head * block_size + slot % block_size) * head_dim;
+}
+
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec16 { static constexpr int kElems = 16 / sizeof(T); };
 

@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     }
     if (tid < batch) {
         const long long slot = slots[tid];
-        kv_row[tid] = slot < 0 ? -1 : (slot / block_size) * block_stride + (slot % block_size) * HEAD_DIM;
+        kv_row[tid] = slot < 0 ? -1 : slot_offset(slot, 0, block_stride, block_size, HEAD_DIM);
     }
     for (int i = blockIdx.x * THREADS + tid; i < batch * hidden; i += gridDim.x * THREADS)
         residual[i] = to_float(embedding[ids[i / hidden] * hidden + i % hidden]);

@@ -79,15 +79,9 @@ __device__ __forceinline__ void normalise_rows(unsigned char* smem, const float*
     }
 }
 
-// ROPE_WRITE: where in a plane KV head 0 of the row of slot `slot` starts (rope_write.cu's address), or -1 for a
-// negative slot (padding: nothing is written).
-__device__ __forceinline__ long long slot_offset(long long slot, long long block_stride, int head_dim, int block_size) {
-    return slot < 0 ? -1 : (slot / block_size) * block_stride + (slot % block_size) * head_dim;
-}
-
 // ROPE_WRITE: the GEMM's outputs (c0, c1) of row m, columns n and n + 1 (n even: a rotary pair; `angle` its
-// (cos, sin), used where the pair is q's or k's; `row` the row's slot_offset), as rope_write.cu would leave them
-// after the QKV GEMM rounded them to T.
+// (cos, sin), used where the pair is q's or k's; `row` the row's slot_offset for KV head 0, or -1 for padding),
+// as rope_write.cu would leave them after the QKV GEMM rounded them to T.
 template <typename T>
 __device__ __forceinline__ void rope_write_pair(float c0, float c1, float2 angle, long long row, int m, int n, T* q,
                                                 void* k_cache, void* v_cache, const float* k_scales,
@@ -234,7 +228,8 @@ layer_gemm(const float* __restrict__ x, const float* __restrict__ norm_weight, c
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    kv_row[mi][h] = slot_offset(kv_row[mi][h], block_stride, head_dim, block_size);
+                    kv_row[mi][h] = kv_row[mi][h] < 0
+                                        ? -1 : slot_offset(kv_row[mi][h], 0, block_stride, block_size, head_dim);
         }
     }
     cp_async_wait<0>();

@@ -87,8 +87,7 @@ rope_write(const T* __restrict__ qkv, T* __restrict__ q, P* __restrict__ k_cache
     if (slot < 0) return;
     const bool is_k = head < q_heads + kv_heads;
     const int kv = head - q_heads - (is_k ? 0 : kv_heads);
-    const long long dst = (slot / BLOCK_SIZE) * block_stride + ((long long)kv * BLOCK_SIZE + slot % BLOCK_SIZE) *
-                          HEAD_DIM + col;
+    const long long dst = slot_offset(slot, kv, block_stride, BLOCK_SIZE, HEAD_DIM) + col;
     P* plane = is_k ? k_cache : v_cache;
     if constexpr (FP8) {
         *reinterpret_cast<uint4*>(plane + dst) =

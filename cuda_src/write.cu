@@ -33,8 +33,7 @@ __global__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, T* __
         const long long slot = slots[row / num_kv_heads];
         if (slot < 0) continue;
         const int head = (int)(row % num_kv_heads);
-        const long long dst = (slot / BLOCK_SIZE) * block_stride +
-                              ((long long)head * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + vec * V;
+        const long long dst = slot_offset(slot, head, block_stride, BLOCK_SIZE, HEAD_DIM) + vec * V;
         const long long src = row * HEAD_DIM + vec * V;
         *reinterpret_cast<uint4*>(k_cache + dst) = *reinterpret_cast<const uint4*>(k + src);
         *reinterpret_cast<uint4*>(v_cache + dst) = *reinterpret_cast<const uint4*>(v + src);
@@ -74,8 +73,7 @@ __global__ void write_kv_fp8(const T* __restrict__ k, const T* __restrict__ v, e
         const long long slot = slots[row / num_kv_heads];
         if (slot < 0) continue;
         const int head = (int)(row % num_kv_heads);
-        const long long dst = (slot / BLOCK_SIZE) * block_stride +
-                              ((long long)head * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + vec * 16;
+        const long long dst = slot_offset(slot, head, block_stride, BLOCK_SIZE, HEAD_DIM) + vec * 16;
         const long long src = row * HEAD_DIM + vec * 16;
         const uint4* k16 = reinterpret_cast<const uint4*>(k + src);
         const uint4* v16 = reinterpret_cast<const uint4*>(v + src);
