@@ -67,13 +67,22 @@ class Timer:
         self.cp = cp
         self.spin = source.function("bench.cu", "pagedrt::spin")
         self.spin((1,), (1,), (np.int64(1000),))
+        self.cycles_per_s = self.sm_mhz() * 1e6
+        self._scrub = None  # written before each timed call when flushing L2
+
+    def sm_mhz(self):
+        """The SM clock now, in MHz: a spin of 10^7 cycles (about 5 ms) between two events.
+
+        Read right after timed calls, it is about the clock they ran at: under sustained tensor-core load
+        these GPUs lower their clock within a few hundred milliseconds (docs/KERNELS.md, "Prefill on Hopper").
+        """
+        cp = self.cp
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         self.spin((1,), (1,), (np.int64(10**7),))
         end.record()
         end.synchronize()
-        self.cycles_per_s = 1e7 / (cp.cuda.get_elapsed_time(start, end) * 1e-3)
-        self._scrub = None  # written before each timed call when flushing L2
+        return 1e7 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e6
 
     def scrub_l2(self):
         """Write a buffer twice the L2's size, evicting whatever the last call left there."""

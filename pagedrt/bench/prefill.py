@@ -3,18 +3,19 @@
     python3 -m pagedrt.bench.prefill [--cases p1,p16,chunk,mixed,var] [--repeats 20] [--out FILE]
     python3 -m pagedrt.bench.prefill --kv-dtype float8_e4m3 [--cases ...]   # K/V stored as FP8
 
-The cases of ../shared/WORKLOADS.md ("Standard prefill workloads"): fp16, 32 query heads,
-8 KV heads, head_dim 128, block size 16, block ids a seeded random permutation, the new
-tokens' K/V already in the cache, causal aligned bottom-right. Per case: the median GPU
-time of one ``PrefillPlan.run`` (the plan made once, as a step makes it; CUDA events,
-warm-up first, L2 flushed before each timed call), TFLOP/s = 4 x 32 x 128 x (the keys each
-new token attends to, summed) / time, and the same kernel over the same K/V laid out
-contiguously (block ids in order: what the table's scattering costs). For ``mixed`` (one
-1024-token prompt beside 127 decode tokens over 2048 cached tokens each): its floor, the
-decode rows' K/V bytes at the read-only streaming ceiling plus the prompt's FLOPs at the
-best dense rate of this run, the time against it, and each part run alone (a plan over the
-prompt row only, and one over the decode rows only), which shows how much of one the plan
-hides behind the other.
+The cases of ../shared/WORKLOADS.md ("Standard prefill workloads"): fp16, 32 query heads, 8 KV
+heads, head_dim 128, block size 16, block ids a seeded random permutation, the new tokens' K/V
+already in the cache, causal aligned bottom-right. Per case: the median GPU time of one
+``PrefillPlan.run`` (the plan made once, as a step makes it; CUDA events, warm-up first, L2 flushed
+before each timed call), TFLOP/s = 4 x 32 x 128 x (the keys each new token attends to, summed) /
+time, the SM clock right after those calls (prefill is bound by its MMAs, and the clock falls within
+a few hundred milliseconds of such load, so a case's figure depends on what ran before it:
+docs/KERNELS.md), and the same kernel over the same K/V laid out contiguously (block ids in order:
+what the table's scattering costs). For ``mixed`` (one 1024-token prompt beside 127 decode tokens
+over 2048 cached tokens each): its floor, the decode rows' K/V bytes at the read-only streaming
+ceiling plus the prompt's FLOPs at the best dense rate of this run, the time against it, and each
+part run alone (a plan over the prompt row only, and one over the decode rows only), which shows how
+much of one the plan hides behind the other.
 
 ``--kv-dtype float8_e4m3`` runs the same cases over FP8 planes (random finite e4m3 bytes, a scale per KV
 head): the rows of many tokens on the sm_90a kernel's FP8 twin on compute capability 9.0 (elsewhere on
@@ -33,6 +34,7 @@ COLUMNS = (
     harness.Column("tokens", "new tokens", "{}", 10),
     harness.Column("us", "us", "{:.1f}", 9),
     harness.Column("tflops", "TFLOP/s", "{:.1f}", 8),
+    harness.Column("sm_mhz", "SM MHz", "{:.0f}", 6),
     harness.Column("contiguous_us", "contig us", "{:.1f}", 9),
     harness.Column("paging", "paging", "{:+.1%}", 7),
     harness.Column("floor_us", "floor us", "{:.1f}", 8),
@@ -62,7 +64,8 @@ def attended_keys(prefix, new):
 
 
 def run_case(cp, timer, prefix, new, repeats, fp8=False):
-    """(paged us, contiguous us, whether both gave the same output) of one case; ``fp8``: over FP8 planes."""
+    """(paged us, contiguous us, whether both gave the same output, the case's arrays, the SM clock in MHz right
+    after the paged calls) of one case; ``fp8``: over FP8 planes."""
     from .. import attention
     prefix, new = np.asarray(prefix, np.int64), np.asarray(new, np.int64)
     lens = prefix + new
@@ -93,14 +96,15 @@ def run_case(cp, timer, prefix, new, repeats, fp8=False):
     d_lens, d_qo = cp.asarray(lens.astype(np.int32)), cp.asarray(qo.astype(np.int32))
     gather = cp.asarray(ids)
     planes = [(k, v), (k[gather], v[gather])]  # the second: block j holds what block ids[j] holds
-    times, outs = [], []
+    times, outs, clocks = [], [], []
     for table, (k_plane, v_plane) in zip(tables, planes):
         plan = attention.PrefillPlan(q, k_plane, table, d_lens, d_qo, query_lens=new, validate=False)
         out = cp.empty_like(q)
         times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out, **scales), repeats, flush_l2=True))
+        clocks.append(timer.sm_mhz())
         outs.append(out)
     same = bool(cp.array_equal(outs[0], outs[1]))
-    return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo, scales)
+    return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo, scales), clocks[0]
 
 
 def parts_us(cp, timer, arrays, new, repeats):
@@ -139,10 +143,10 @@ def main(argv=None):
     for name in args.cases.split(","):
         prefix, new = table[name]
         fp8 = args.kv_dtype == FP8
-        paged, contiguous, same, arrays = run_case(cp, timer, prefix, new, args.repeats, fp8)
+        paged, contiguous, same, arrays, mhz = run_case(cp, timer, prefix, new, args.repeats, fp8)
         flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix, new)
         rows.append({"case": name, "tokens": int(sum(new)), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,
-                     "contiguous_us": contiguous, "paging": paged / contiguous - 1, "flops": flops,
+                     "sm_mhz": mhz, "contiguous_us": contiguous, "paging": paged / contiguous - 1, "flops": flops,
                      "note": "" if same else "paged and contiguous outputs differ"})
         if name == "mixed":
             rows[-1]["prompt_us"], rows[-1]["decode_us"] = parts_us(cp, timer, arrays, np.asarray(new), args.repeats)
@@ -157,7 +161,8 @@ def main(argv=None):
             r["floor_us"] = 1e6 * (decode_bytes / bandwidth["stream"] + prompt_flops / (dense * 1e12))
             r["over_floor"] = r["us"] / r["floor_us"]
     harness.publish("prefill", args.out, info, rows,
-                    harness.format_table(COLUMNS, rows) + "\nmedian us, L2 flushed; contig: the same kernel over "
+                    harness.format_table(COLUMNS, rows) + "\nmedian us, L2 flushed; SM MHz: the clock right after "
+                    "the paged calls (the spin kernel); contig: the same kernel over "
                     "block ids in order; floor (mixed): decode K/V at the stream ceiling + prompt FLOPs at the "
                     "best dense rate above; prompt, decode (mixed): a plan over the prompt row alone, and one over "
                     "the decode rows alone", args.plot,
