@@ -94,6 +94,23 @@ def test_prefill_flops_count_the_bottom_right_causal_mask():
     assert cases.PREFILL_CASES["mixed"].attended_keys == 1024 * 1025 // 2 + 127 * 2049
 
 
+@pytest.mark.parametrize("name", ["p16", "mixed"])
+def test_prefill_case_arrays_hold_the_same_tokens_under_both_tables(name):
+    from pagedrt.bench import prefill
+    case = cases.PREFILL_CASES[name]
+    a = prefill.case_arrays(np, case)  # NumPy stands in for CuPy: the host copy of what the GPU gets
+    (k, v), (k_in_order, v_in_order) = a["planes"]
+    scattered, ordered = a["tables"]
+    lens = np.asarray(case.prefix) + np.asarray(case.new)
+    assert a["q"].shape == (sum(case.new), cases.Q_HEADS, cases.HEAD_DIM) and a["lens"].tolist() == lens.tolist()
+    assert a["qo"].tolist() == [0, *np.cumsum(case.new).tolist()] and a["d_qo"].dtype == np.int32
+    assert ordered[ordered >= 0].tolist() == list(range(k.shape[0])) != scattered[scattered >= 0].tolist()
+    for b, n in enumerate(a["blocks"]):
+        assert n * cases.BLOCK_SIZE >= lens[b] > (n - 1) * cases.BLOCK_SIZE and (scattered[b, n:] == -1).all()
+        assert np.array_equal(k[scattered[b, :n]], k_in_order[ordered[b, :n]])
+        assert np.array_equal(v[scattered[b, :n]], v_in_order[ordered[b, :n]])
+
+
 def test_scattered_table_is_the_seeded_permutation_of_the_blocks_each_sequence_needs():
     table, n = cases.scattered_table([33, 16, 1])
     assert n == 3 + 1 + 1 and table.dtype == np.int32 and table.shape == (3, 3)

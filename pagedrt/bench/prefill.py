@@ -27,8 +27,7 @@ import numpy as np
 
 from ..supported import FP8
 from . import harness
-
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+from .cases import BLOCK_SIZE, HEAD_DIM, KV_HEADS, PREFILL_CASES, Q_HEADS, PrefillCase, scattered_table
 COLUMNS = (
     harness.Column("case", "case", width=6, left=True),
     harness.Column("tokens", "new tokens", "{}", 10),
@@ -45,66 +44,53 @@ COLUMNS = (
 )
 
 
-def cases():
-    """{name: (prefix per sequence, new tokens per sequence)} as WORKLOADS.md fixes them."""
-    var = np.clip(np.random.default_rng(0).lognormal(np.log(512), 1.0, 32).astype(np.int64), 1, 8192)
-    return {
-        "p1": ([0], [8192]),
-        "p16": ([0] * 16, [1024] * 16),
-        "chunk": ([6144] * 4, [2048] * 4),
-        "mixed": ([0] + [2048] * 127, [1024] + [1] * 127),
-        "var": ([0] * 32, var.tolist()),
-    }
+def case_arrays(cp, case, fp8=False):
+    """A :class:`~pagedrt.bench.cases.PrefillCase`'s arrays on the GPU.
 
-
-def attended_keys(prefix, new):
-    """Keys attended, summed over new tokens: token i of n after P cached sees P + i + 1."""
-    p, n = np.asarray(prefix, np.int64), np.asarray(new, np.int64)
-    return int((n * p + n * (n + 1) // 2).sum())
-
-
-def run_case(cp, timer, prefix, new, repeats, fp8=False):
-    """(paged us, contiguous us, whether both gave the same output, the case's arrays, the SM clock in MHz right
-    after the paged calls) of one case; ``fp8``: over FP8 planes."""
-    from .. import attention
-    prefix, new = np.asarray(prefix, np.int64), np.asarray(new, np.int64)
+    Returns a dict: ``q`` [new tokens, Q_HEADS, HEAD_DIM] float16; ``tables``, the block table with scattered
+    ids (:func:`~pagedrt.bench.cases.scattered_table`), then with ids in order, each [sequences, most blocks]
+    int32 padded with -1; ``planes``, the (K, V) planes [blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM] each table
+    reads (in the second, block j holds what the first's block ids[j] holds: both give the same output);
+    ``lens`` the sequences' lengths (prefix + new) int32; ``qo`` the host's int64 query offsets [sequences + 1]
+    and ``d_qo`` the same on the GPU, int32; ``blocks`` the host's blocks per sequence; ``scales``, FP8's
+    ``k_scale`` and ``v_scale`` keywords of ``PrefillPlan.run`` (fp16: none). ``cp`` is CuPy, or NumPy for a
+    host copy."""
+    prefix, new = np.asarray(case.prefix, np.int64), np.asarray(case.new, np.int64)
     lens = prefix + new
-    blocks = -(-lens // BLOCK)
-    width, num_blocks = int(blocks.max()), int(blocks.sum())
-    rng = np.random.default_rng(0)
-    ids = rng.permutation(num_blocks).astype(np.int32)
-    ordered = np.arange(num_blocks, dtype=np.int32)
-    tables = []
-    for order in (ids, ordered):
-        table = np.zeros((lens.size, width), np.int32)
-        start = 0
-        for b, nb in enumerate(blocks.tolist()):
-            table[b, :nb] = order[start:start + nb]
-            start += nb
-        tables.append(cp.asarray(table))
-    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    scattered, num_blocks = scattered_table(lens)
+    ordered, _ = scattered_table(lens, shuffle=False)
+    shape = (num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     gen = cp.random.default_rng(0)
     if fp8:  # bit 3 and the sign cleared: finite, positive e4m3 values (never the NaN code 0x7F)
         k, v = (gen.integers(0, 256, shape, dtype=np.uint8) & np.uint8(0x77) for _ in range(2))
     else:
         k, v = (gen.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in range(2))
     scales = {"k_scale": cp.full(KV_HEADS, 0.02, np.float32), "v_scale": cp.full(KV_HEADS, 0.05, np.float32)}
-    scales = scales if fp8 else {}
     q = gen.standard_normal((int(new.sum()), Q_HEADS, HEAD_DIM), dtype=np.float32).astype(np.float16)
     qo = np.zeros(lens.size + 1, np.int64)
     np.cumsum(new, out=qo[1:])
-    d_lens, d_qo = cp.asarray(lens.astype(np.int32)), cp.asarray(qo.astype(np.int32))
-    gather = cp.asarray(ids)
-    planes = [(k, v), (k[gather], v[gather])]  # the second: block j holds what block ids[j] holds
+    gather = cp.asarray(scattered[scattered >= 0])  # row by row: the ordered table's block j is this block
+    return {"q": q, "tables": [cp.asarray(scattered), cp.asarray(ordered)],
+            "planes": [(k, v), (k[gather], v[gather])], "lens": cp.asarray(lens.astype(np.int32)), "qo": qo,
+            "d_qo": cp.asarray(qo.astype(np.int32)), "blocks": -(-lens // BLOCK_SIZE), "scales": scales if fp8 else {}}
+
+
+def run_case(cp, timer, case, repeats, fp8=False):
+    """(paged us, contiguous us, whether both gave the same output, the case's arrays, the SM clock in MHz right
+    after the paged calls) of one :class:`~pagedrt.bench.cases.PrefillCase`; ``fp8``: over FP8 planes."""
+    from .. import attention
+    new = np.asarray(case.new, np.int64)
+    a = case_arrays(cp, case, fp8)
+    q, scales = a["q"], a["scales"]
     times, outs, mhz = [], [], None
-    for table, (k_plane, v_plane) in zip(tables, planes):
-        plan = attention.PrefillPlan(q, k_plane, table, d_lens, d_qo, query_lens=new, validate=False)
+    for table, (k_plane, v_plane) in zip(a["tables"], a["planes"]):
+        plan = attention.PrefillPlan(q, k_plane, table, a["lens"], a["d_qo"], query_lens=new, validate=False)
         out = cp.empty_like(q)
         times.append(timer.gpu_us(lambda: plan.run(q, k_plane, v_plane, out, **scales), repeats, flush_l2=True))
         mhz = timer.sm_mhz() if mhz is None else mhz  # the clock the paged calls ran at
         outs.append(out)
     same = bool(cp.array_equal(outs[0], outs[1]))
-    return times[0], times[1], same, (q, planes[0], tables[0], d_lens, qo, scales), mhz
+    return times[0], times[1], same, (q, a["planes"][0], a["tables"][0], a["lens"], a["qo"], scales), mhz
 
 
 def parts_us(cp, timer, arrays, new, repeats):
@@ -125,7 +111,7 @@ def parts_us(cp, timer, arrays, new, repeats):
 
 def parser():
     ap = harness.parser("pagedrt.bench.prefill", __doc__)
-    ap.add_argument("--cases", default=",".join(cases()), help="comma-separated case names")
+    ap.add_argument("--cases", default=",".join(PREFILL_CASES), help="comma-separated case names")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     ap.add_argument("--kv-dtype", choices=("same", FP8), default="same",
                     help="what the planes hold: fp16 (standard), or float8 e4m3 (FP8 K/V)")
@@ -138,26 +124,25 @@ def main(argv=None):
     info, timer = harness.device_info(cp), harness.Timer(cp)
     bandwidth = harness.ceilings(timer, 10)
     print(harness.header(info, bandwidth))
-    table = cases()
     rows = []
     for name in args.cases.split(","):
-        prefix, new = table[name]
-        fp8 = args.kv_dtype == FP8
-        paged, contiguous, same, arrays, mhz = run_case(cp, timer, prefix, new, args.repeats, fp8)
-        flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix, new)
-        rows.append({"case": name, "tokens": int(sum(new)), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,
+        case = PREFILL_CASES[name]
+        paged, contiguous, same, arrays, mhz = run_case(cp, timer, case, args.repeats, args.kv_dtype == FP8)
+        flops = case.flops
+        rows.append({"case": name, "tokens": sum(case.new), "us": paged, "tflops": flops / (paged * 1e-6) / 1e12,
                      "sm_mhz": mhz, "contiguous_us": contiguous, "paging": paged / contiguous - 1, "flops": flops,
                      "note": "" if same else "paged and contiguous outputs differ"})
         if name == "mixed":
-            rows[-1]["prompt_us"], rows[-1]["decode_us"] = parts_us(cp, timer, arrays, np.asarray(new), args.repeats)
+            rows[-1]["prompt_us"], rows[-1]["decode_us"] = parts_us(cp, timer, arrays, np.asarray(case.new),
+                                                                    args.repeats)
         del arrays
         cp.get_default_memory_pool().free_all_blocks()
     dense = max((r["tflops"] for r in rows if r["case"] != "mixed"), default=None)
     for r in rows:
         if r["case"] == "mixed" and dense and args.kv_dtype == "same":  # the floor counts fp16 decode bytes
-            prefix, new = table["mixed"]
-            decode_bytes = 2 * sum(prefix[1:]) * KV_HEADS * HEAD_DIM * 2
-            prompt_flops = 4 * Q_HEADS * HEAD_DIM * attended_keys(prefix[:1], new[:1])
+            mixed = PREFILL_CASES["mixed"]
+            decode_bytes = 2 * sum(mixed.prefix[1:]) * KV_HEADS * HEAD_DIM * 2
+            prompt_flops = PrefillCase("prompt", mixed.prefix[:1], mixed.new[:1]).flops
             r["floor_us"] = 1e6 * (decode_bytes / bandwidth["stream"] + prompt_flops / (dense * 1e12))
             r["over_floor"] = r["us"] / r["floor_us"]
     harness.publish("prefill", args.out, info, rows,
