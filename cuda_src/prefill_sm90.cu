@@ -347,8 +347,22 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                     const int id0 = __shfl_sync(0xffffffffu, id, row0 >> block_shift);
                     const int id1 = __shfl_sync(0xffffffffu, id, (row0 + RPT - 1) >> block_shift);
                     const T* const from0 = plane + id0 * block_stride + within + slot0 * HEAD_DIM;
-                    const T* const from1 = plane + id1 * block_stride + within - split * HEAD_DIM;  // the split: slot 0
                     const int live_rows = w.kv_len - key0;  // rows past the sequence are zero-filled, reading nothing
+                    // all in one block, all in the sequence: no choices (at head_dim 256 the producer's registers
+                    // do not hold the unrolled addresses)
+                    if (HEAD_DIM <= 128 && split == RPT && live_rows >= RPT) {
+                        auto dst = [&](int i) { return stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4); };
+                        if (read_once) {
+#pragma unroll
+                            for (int i = 0; i < RPT; ++i)
+                                cp_async16_shared(dst(i), from0 + i * HEAD_DIM, 16, stream_policy);
+                        } else {
+#pragma unroll
+                            for (int i = 0; i < RPT; ++i) cp_async16_shared(dst(i), from0 + i * HEAD_DIM, 16);
+                        }
+                        return;
+                    }
+                    const T* const from1 = plane + id1 * block_stride + within - split * HEAD_DIM;  // the split: slot 0
 #pragma unroll
                     for (int i = 0; i < RPT; ++i) {
                         const bool live = i < live_rows;
