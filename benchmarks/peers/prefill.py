@@ -17,9 +17,12 @@ each round in a different order, and reads the SM clock after each. Printed per 
 rounds, TFLOP/s as WORKLOADS.md counts them, the clock's range, pagedrt's time over the kernel's in each round
 (above 1: pagedrt slower), and the kernel's largest difference from pagedrt's output.
 
-Needs PyTorch (in the device image), CuPy and FlashInfer 0.5.0 with apache-tvm-ffi 0.1.2, which compiles its kernels
-on first use (about a minute each; ``FLASHINFER_CUDA_ARCH_LIST`` defaults to 9.0a here). A peer that fails to
-build or run is reported and left out; pagedrt's runtime never imports this file.
+Needs PyTorch, CuPy and FlashInfer 0.5.0 with apache-tvm-ffi 0.1.2, which compiles its kernels on first use (about
+a minute each, with nvcc; ``FLASHINFER_CUDA_ARCH_LIST`` defaults to 9.0a here). For a machine without a network,
+fetch the two wheels elsewhere (``pip download --no-deps --only-binary=:all: --python-version 3.12 -d WHEELS
+flashinfer-python==0.5.0 apache-tvm-ffi==0.1.2``), then there ``pip install --no-index --no-deps --target DIR
+WHEELS/*.whl`` and put DIR on PYTHONPATH. A peer that fails to build or run is reported and left out; pagedrt's
+runtime never imports this file.
 """
 
 import argparse
