@@ -107,11 +107,11 @@ def cudnn_call(torch, a, new):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="p1,p16,chunk,var,mixed")
+    ap.add_argument("--cases", default="p1,p16,chunk,var,mixed", help="comma-separated standard prefill cases")
     ap.add_argument("--peers", default="fa3,fa3:nhd,fa2,cudnn",
                     help="of fa3, fa2 (FlashInfer's backends over HND pages; BACKEND:nhd over NHD pages), cudnn")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="turns of every kernel, each round in another order")
+    ap.add_argument("--repeats", type=int, default=20, help="timed calls per kernel a round (their median)")
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
     import cupy as cp
