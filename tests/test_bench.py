@@ -304,6 +304,15 @@ def test_groups_and_case_lists_are_checked_before_any_device_work(argv, message,
     assert (message or "unknown cases ['nope']") in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [(["--cases", "p1,nope"], "unknown cases ['nope']"),
+                                           (["--repeats", "0"], "--repeats must be at least 1")])
+def test_prefill_checks_its_cases_and_repeats_before_any_device_work(argv, message, capsys):
+    from pagedrt.bench import prefill
+    with pytest.raises(SystemExit) as stop:
+        prefill.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_transfer_counts_whole_blocks_of_k_and_v_and_refuses_other_sizes(capsys):
     assert transfer.transfer_bytes(16, 1) == 2 * 16 * 8 * 128 * 2  # one block of one layer's K and V: 64 KiB
     assert transfer.transfer_bytes(32768, 32) == 4 << 30

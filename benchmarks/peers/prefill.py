@@ -43,6 +43,8 @@ from pagedrt.bench import harness  # noqa: E402
 from pagedrt.bench.cases import BLOCK_SIZE, HEAD_DIM, KV_HEADS, PREFILL_CASES, Q_HEADS  # noqa: E402
 from pagedrt.bench.prefill import case_arrays  # noqa: E402
 
+PEERS = ("fa3", "fa3:nhd", "fa2", "fa2:nhd", "cudnn")
+
 
 def pagedrt_call(cp, a, new):
     """(call, output) of pagedrt's plan over the case's paged planes."""
@@ -114,13 +116,19 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per kernel a round (their median)")
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
+    names = harness.case_names(ap, args.cases, PREFILL_CASES)
+    unknown = [p for p in args.peers.split(",") if p not in PEERS]
+    if unknown:
+        ap.error(f"unknown peers {unknown}: each one of {', '.join(PEERS)}")
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error("--rounds and --repeats must be at least 1")
     import cupy as cp
     import torch
     info, timer = harness.device_info(cp), harness.Timer(cp)
     print(harness.header(info, None))
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
-    for name in args.cases.split(","):
+    for name in names:
         case = PREFILL_CASES[name]
         new = case.new
         a = case_arrays(cp, case)

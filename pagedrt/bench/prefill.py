@@ -28,6 +28,7 @@ import numpy as np
 from ..supported import FP8
 from . import harness
 from .cases import BLOCK_SIZE, HEAD_DIM, KV_HEADS, PREFILL_CASES, Q_HEADS, PrefillCase, scattered_table
+
 COLUMNS = (
     harness.Column("case", "case", width=6, left=True),
     harness.Column("tokens", "new tokens", "{}", 10),
@@ -119,13 +120,17 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    names = harness.case_names(ap, args.cases, PREFILL_CASES)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     import cupy as cp
     info, timer = harness.device_info(cp), harness.Timer(cp)
     bandwidth = harness.ceilings(timer, 10)
     print(harness.header(info, bandwidth))
     rows = []
-    for name in args.cases.split(","):
+    for name in names:
         case = PREFILL_CASES[name]
         paged, contiguous, same, arrays, mhz = run_case(cp, timer, case, args.repeats, args.kv_dtype == FP8)
         flops = case.flops
