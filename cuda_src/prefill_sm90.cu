@@ -348,10 +348,10 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                     const int id1 = __shfl_sync(0xffffffffu, id, (row0 + RPT - 1) >> block_shift);
                     const T* const from0 = plane + id0 * block_stride + within + slot0 * HEAD_DIM;
                     const int live_rows = w.kv_len - key0;  // rows past the sequence are zero-filled, reading nothing
+                    auto dst = [&](int i) { return stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4); };
                     // all in one block, all in the sequence: no choices (at head_dim 256 the producer's registers
                     // do not hold the unrolled addresses)
                     if (HEAD_DIM <= 128 && split == RPT && live_rows >= RPT) {
-                        auto dst = [&](int i) { return stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4); };
                         if (read_once) {
 #pragma unroll
                             for (int i = 0; i < RPT; ++i)
@@ -367,11 +367,10 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                     for (int i = 0; i < RPT; ++i) {
                         const bool live = i < live_rows;
                         const T* const from = (i < split ? from0 : from1) + i * HEAD_DIM;
-                        const unsigned dst = stage + dst0 + i * 128 + ((swizzle ^ (i % 8)) << 4);
                         if (read_once)
-                            cp_async16_shared(dst, live ? from : q, live ? 16 : 0, stream_policy);
+                            cp_async16_shared(dst(i), live ? from : q, live ? 16 : 0, stream_policy);
                         else
-                            cp_async16_shared(dst, live ? from : q, live ? 16 : 0);
+                            cp_async16_shared(dst(i), live ? from : q, live ? 16 : 0);
                     }
                 };
                 for (int t = 0; t < w.num_tiles; ++t, ++tiles) {
