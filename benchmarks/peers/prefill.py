@@ -7,8 +7,9 @@
 The standard prefill cases of ../shared/WORKLOADS.md, built by ``pagedrt.bench.prefill.case_arrays`` (fp16, 32
 query heads over 8 KV heads x 128, block 16, block ids a seeded random permutation, causal aligned bottom-right).
 FlashInfer reads pagedrt's planes in place, which are its HND layout ([blocks, KV heads, block size, head_dim]),
-or a copy in its NHD layout (``fa3:nhd``); the block table becomes its page indices. cuDNN (PyTorch's scaled_dot_product_attention restricted to the cuDNN
-backend) runs where every sequence has the same length and no prefix (p1, p16), over contiguous K/V.
+or a copy in its NHD layout (``fa3:nhd``); the block table becomes its page indices. cuDNN (PyTorch's
+scaled_dot_product_attention restricted to the cuDNN backend) runs where every sequence has the same length and
+no prefix (p1, p16), over contiguous K/V.
 
 Prefill is bound by its MMAs, and these GPUs lower their SM clock within a few hundred milliseconds of such load
 (docs/KERNELS.md, "The clock"), so a figure depends on what ran before it. Here the kernels take turns: each round
@@ -117,7 +118,8 @@ def main(argv=None):
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
     names = harness.case_names(ap, args.cases, PREFILL_CASES)
-    unknown = [p for p in args.peers.split(",") if p not in PEERS]
+    peers = list(dict.fromkeys(args.peers.split(",")))  # each once
+    unknown = [p for p in peers if p not in PEERS]
     if unknown:
         ap.error(f"unknown peers {unknown}: each one of {', '.join(PEERS)}")
     if args.rounds < 1 or args.repeats < 1:
@@ -134,7 +136,7 @@ def main(argv=None):
         a = case_arrays(cp, case)
         flops = case.flops
         calls = {"pagedrt": pagedrt_call(cp, a, new)}
-        for peer in args.peers.split(","):
+        for peer in peers:
             t0 = time.perf_counter()
             try:
                 made = cudnn_call(torch, a, new) if peer == "cudnn" else flashinfer_call(torch, a, peer, workspace)
