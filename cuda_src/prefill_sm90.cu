@@ -397,7 +397,10 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     // ---- consumers ----
     sm90::setmaxnreg_inc<S::kConsumerRegs>();
     constexpr int S_REGS = TILE_N / 2, O_REGS = HEAD_DIM / 2, KSTEPS = HEAD_DIM / 16, PSTEPS = TILE_N / 16;
-    const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    // warp-uniform values through a shuffle from lane 0, so that the compiler keeps what it derives from them (the
+    // wgmma descriptors) in uniform registers
+    const int consumer = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int quad_col = lane % 4, row_base = 64 * consumer;  // this consumer's rows of the tile
     // This thread's rows of the accumulators: row_c and row_c + 8 (h = 0, 1).
     const int row_c = row_base + 16 * warp + lane / 4;
@@ -458,7 +461,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         const int u = take(n);
         if (u >= num_units) break;
         const Unit w = unit_of(u);
-        const int num_tiles = w.num_tiles, first = tiles;
+        const int num_tiles = __shfl_sync(0xffffffffu, w.num_tiles, 0), first = tiles;
         tiles += num_tiles;
         auto stage = [&](int t) { return (first + t) % STAGES; };
         auto round = [&](int t) { return unsigned((first + t) / STAGES) & 1; };
