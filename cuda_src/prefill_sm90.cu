@@ -530,8 +530,11 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
             const int key0 = (w.tile0 + t) * TILE_N;
             // sc[4j + e]: row row_c + 8 * (e / 2), key key0 + 8 * j + 2 * quad_col + e % 2. A row's max and sum
             // run in four independent chains (chain (j % 2) * 2 + e % 2), not one of TILE_N / 4 dependent steps.
-            const float lowest = neg_inf();
-            float top[2][4] = {{lowest, lowest, lowest, lowest}, {lowest, lowest, lowest, lowest}};
+            // A chain starts at its first score (j < 2), not at max(-inf, it): the same max (a NaN score yields a
+            // NaN chain rather than -inf only when all of the row's scores are NaN, and max(m, NaN) = max(m, -inf)
+            // = m), one instruction fewer a chain; its sum likewise at its first term, not 0 + it (the same,
+            // exp2 giving no -0).
+            float top[2][4];
 #pragma unroll
             for (int j = 0; j < C / 8; ++j)
 #pragma unroll
@@ -539,7 +542,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                     if (MASK && key0 + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
                         sc[4 * j + e] = neg_inf();
                     float& chain = top[e / 2][(j % 2) * 2 + e % 2];
-                    chain = fmaxf(chain, sc[4 * j + e]);
+                    chain = j < 2 ? sc[4 * j + e] : fmaxf(chain, sc[4 * j + e]);
                 }
             float shift[2];
 #pragma unroll
@@ -554,13 +557,14 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                 m[h] = m_new;
                 l[h] *= alpha[h];
             }
-            float sum[2][4] = {};
+            float sum[2][4];
 #pragma unroll
             for (int j = 0; j < C / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     sc[4 * j + e] = exp2f(fmaf(sc[4 * j + e], softmax_scale, -shift[e / 2]));
-                    sum[e / 2][(j % 2) * 2 + e % 2] += sc[4 * j + e];
+                    float& chain = sum[e / 2][(j % 2) * 2 + e % 2];
+                    chain = j < 2 ? sc[4 * j + e] : chain + sc[4 * j + e];
                 }
 #pragma unroll
             for (int h = 0; h < 2; ++h) l[h] += (sum[h][0] + sum[h][1]) + (sum[h][2] + sum[h][3]);
