@@ -553,7 +553,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                 const float m_new = fmaxf(m[h], top[h][0]);
                 // m_new = -inf: the row has seen no key yet (its o and l are 0); m = -inf: exp2f gives 0
                 alpha[h] = m_new == neg_inf() ? 1.f : exp2f((m[h] - m_new) * softmax_scale);
-                shift[h] = m_new == neg_inf() ? 0.f : m_new * softmax_scale;
+                shift[h] = (m_new == neg_inf() ? 0.f : m_new) * softmax_scale;
                 m[h] = m_new;
                 l[h] *= alpha[h];
             }
