@@ -53,14 +53,18 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // `leading` and `stride` are the byte offsets the operand's major-ness gives them: K-major (rows
 // of K contiguous): stride = 1024 (from 8 rows to the next 8), leading unused (16); MN-major:
 // leading = the panel stride (from 64 columns to the next 64), stride = 1024 (8 K-rows to the next).
-__device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, unsigned leading, unsigned stride) {
-    return (unsigned long long)((addr & 0x3ffff) >> 4) | (unsigned long long)(leading >> 4) << 16
-           | (unsigned long long)(stride >> 4) << 32 | 1ull << 62;  // layout type 1: 128-byte swizzle
+// It is built from two words: the low one (the start address >> 4, and leading >> 4 << 16) and the high one
+// (stride >> 4, the layout type). The low word is below 2^30, so a descriptor moved `bytes` further is the low
+// word plus bytes >> 4 (no carry reaches the high word): built so, the high word stays a constant that ptxas
+// does not recompute for each wgmma.
+__device__ __forceinline__ unsigned smem_descriptor_lo(unsigned addr, unsigned leading) {
+    return ((addr & 0x3ffff) >> 4) | (leading >> 4) << 16;
 }
-
-// A descriptor moved `bytes` further (the start address is its low bits, in 16-byte units).
-__device__ __forceinline__ unsigned long long advance(unsigned long long desc, unsigned bytes) {
-    return desc + (bytes >> 4);
+__host__ __device__ constexpr unsigned smem_descriptor_hi(unsigned stride) {
+    return (stride >> 4) | 1u << 30;  // layout type 1: 128-byte swizzle
+}
+__device__ __forceinline__ unsigned long long descriptor(unsigned lo, unsigned hi) {
+    return (unsigned long long)hi << 32 | lo;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

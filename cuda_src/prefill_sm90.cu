@@ -404,11 +404,15 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     const int quad_col = lane % 4, row_base = 64 * consumer;  // this consumer's rows of the tile
     // This thread's rows of the accumulators: row_c and row_c + 8 (h = 0, 1).
     const int row_c = row_base + 16 * warp + lane / 4;
-    // Descriptors: Q (this consumer's 64 rows) and K K-major, V MN-major; k-steps move along them.
-    const unsigned long long q_desc = sm90::smem_descriptor(smem_q + row_base * S::kPanelBytes, 16, 1024);
-    auto k_desc = [&](int s) { return sm90::smem_descriptor(smem_k + s * S::kStageBytes, 16, 1024); };
+    // Descriptors: Q (this consumer's 64 rows) and K K-major, V MN-major; k-steps move along them. Here their low
+    // words (the high word is one constant: hopper.cuh), from the tiles' address as lane 0 has it: derived from
+    // the shared window's address, it was recomputed (and Q's descriptors with it) for every key tile.
+    const unsigned tiles_at = __shfl_sync(0xffffffffu, smem, 0);
+    constexpr unsigned DESC_HI = sm90::smem_descriptor_hi(1024);
+    const unsigned q_lo = sm90::smem_descriptor_lo(tiles_at + row_base * S::kPanelBytes, 16);
+    auto k_desc = [&](int s) { return sm90::smem_descriptor_lo(tiles_at + S::kKOffset + s * S::kStageBytes, 16); };
     auto v_desc = [&](int s) {
-        return sm90::smem_descriptor(smem_v + s * S::kStageBytes, TILE_N * S::kPanelBytes, 1024);
+        return sm90::smem_descriptor_lo(tiles_at + S::kVOffset + s * S::kStageBytes, TILE_N * S::kPanelBytes);
     };
     float o[O_REGS], sc[S_REGS], m[2], l[2];
     unsigned pa[PSTEPS][4];
@@ -421,20 +425,21 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     using Half = integral_constant<int, TILE_N / 2>;
     auto scores = [&](int s, auto cols, float (&acc)[decltype(cols)::value / 2]) {  // issue S = Q K^T over the
         constexpr int C = decltype(cols)::value;                                      // first `cols` keys of stage s
-        const unsigned long long kd = k_desc(s);
+        const unsigned kd = k_desc(s);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
-            const unsigned along = (kk % 4) * 32;  // 16 elements further in the panel
-            sm90::Wgmma<MT, C>::ss(acc,
-                                   sm90::advance(q_desc, (kk / 4) * TILE_M * S::kPanelBytes + along),
-                                   sm90::advance(kd, (kk / 4) * TILE_N * S::kPanelBytes + along), kk > 0);
+            // in 16-byte units: the kk / 4-th panel, 16 elements (32 bytes) further in it for each k-step
+            const unsigned q_at = (kk / 4) * TILE_M * S::kPanelBytes / 16 + (kk % 4) * 2;
+            const unsigned k_at = (kk / 4) * TILE_N * S::kPanelBytes / 16 + (kk % 4) * 2;
+            sm90::Wgmma<MT, C>::ss(acc, sm90::descriptor(q_lo + q_at, DESC_HI), sm90::descriptor(kd + k_at, DESC_HI),
+                                   kk > 0);
         }
     };
     auto weighted = [&](int s, auto cols) {  // issue O += P V over the first `cols` keys of stage s
-        const unsigned long long vd = v_desc(s);
+        const unsigned vd = v_desc(s);
 #pragma unroll
         for (int kk = 0; kk < decltype(cols)::value / 16; ++kk)
-            sm90::Wgmma<MT, HEAD_DIM>::rs(o, pa[kk], sm90::advance(vd, kk * 16 * S::kPanelBytes));
+            sm90::Wgmma<MT, HEAD_DIM>::rs(o, pa[kk], sm90::descriptor(vd + kk * 16 * S::kPanelBytes / 16, DESC_HI));
     };
     auto release = [&](unsigned bar) {  // this warp is done with a stage (or the Q tile)
         __syncwarp();
