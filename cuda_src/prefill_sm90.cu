@@ -460,6 +460,11 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     // runs while the tensor cores do the other's products. Consumer c waits on barrier 1 + c and, once its
     // wgmmas are issued, arrives on the other's; consumer 0 gets the first turn (an arrival of its own, once),
     // consumer 1's last arrival is taken at the end. At most one arrival is ever pending on either barrier.
+    struct Slot {  // a tile's place in the ring: its stage, and the parity of its round
+        int stage;
+        unsigned round;
+    };
+    auto after = [](Slot x) { return x.stage == STAGES - 1 ? Slot{0, x.round ^ 1} : Slot{x.stage + 1, x.round}; };
     bool pinged = false;  // a pingpong unit has run
     int tiles = 0;        // tiles consumed so far, as the producer counts them
     for (int n = 0;; ++n) {
@@ -470,6 +475,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         tiles += num_tiles;
         auto stage = [&](int t) { return (first + t) % STAGES; };
         auto round = [&](int t) { return unsigned((first + t) / STAGES) & 1; };
+        auto slot = [&](int t) { return Slot{stage(t), round(t)}; };
         sm90::mbarrier_wait(q_full, n & 1);
         if (consumer >= w.consumers || w.split >= w.live) {  // no live row, or no keys: pass the stages on
             release(q_empty);
@@ -623,33 +629,44 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
             };
             widths(num_tiles == 1 && half_last, first);
             // Tile t: its scores issued before tile t - 1's P V (a Full tile: only the last may be Half).
-            auto next = [&](int t, auto cols, float (&acc)[decltype(cols)::value / 2]) {  // acc: sc, or Half's own
-                sm90::mbarrier_wait(k_full(stage(t)), round(t));
-                sm90::mbarrier_wait(v_full(stage(t - 1)), round(t - 1));
+            // cur, prev: tile t's and tile t - 1's place in the ring; last: t is the unit's last tile.
+            auto next = [&](int t, Slot cur, Slot prev, auto last, auto cols,
+                            float (&acc)[decltype(cols)::value / 2]) {  // acc: sc, or Half's own
+                sm90::mbarrier_wait(k_full(cur.stage), cur.round);
+                sm90::mbarrier_wait(v_full(prev.stage), prev.round);
                 turn();
                 sm90::fence_registers(acc);
                 sm90::fence_registers(o);
                 sm90::wgmma_fence();
-                scores(stage(t), cols, acc);
+                scores(cur.stage, cols, acc);
                 sm90::wgmma_commit();
-                weighted(stage(t - 1), Full());
+                weighted(prev.stage, Full());
                 sm90::wgmma_commit();
                 pass_turn();
                 sm90::wgmma_wait<1>();  // the scores have landed; P V of the previous tile may still run
                 landed(cols, acc);
-                release(k_empty(stage(t)));
-                if (t == num_tiles - 1) release(q_empty);  // the unit's last use of its Q tile
+                release(k_empty(cur.stage));
+                if (decltype(last)::value) release(q_empty);  // the unit's last use of its Q tile
                 softmax_of(t, alpha, cols);
                 sm90::wgmma_wait<0>();
                 sm90::fence_registers(o);
                 sm90::fence_registers(pa);
-                release(v_empty(stage(t - 1)));
+                release(v_empty(prev.stage));
 #pragma unroll
                 for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i / 2) % 2];
                 to_operand(cols);
             };
-            for (int t = 1; t < num_tiles - 1; ++t) next(t, Full(), sc);
-            if (num_tiles > 1) widths(half_last, [&](auto cols, auto& acc) { next(num_tiles - 1, cols, acc); });
+            // the ring's place carried from tile to tile, not recomputed (a division by STAGES) for each
+            Slot prev = slot(0);
+            for (int t = 1; t < num_tiles - 1; ++t) {
+                const Slot cur = after(prev);
+                next(t, cur, prev, integral_constant<bool, false>(), Full(), sc);
+                prev = cur;
+            }
+            if (num_tiles > 1)
+                widths(half_last, [&](auto cols, auto& acc) {
+                    next(num_tiles - 1, after(prev), prev, integral_constant<bool, true>(), cols, acc);
+                });
             // The last tile's P V.
             widths(half_last, [&](auto cols, auto&) {
                 sm90::mbarrier_wait(v_full(stage(num_tiles - 1)), round(num_tiles - 1));
