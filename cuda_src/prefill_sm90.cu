@@ -546,12 +546,14 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
             // = m), one instruction fewer a chain; its sum likewise at its first term, not 0 + it (the same,
             // exp2 giving no -0).
             float top[2][4];
+            // masked: key key0 + 8 * j + 2 * quad_col + e % 2 past row_keys[e / 2], compared as 8 * j + e % 2 (a
+            // constant) with the row's keys past this thread's first column
+            const int past[2] = {row_keys[0] - key0 - 2 * quad_col, row_keys[1] - key0 - 2 * quad_col};
 #pragma unroll
             for (int j = 0; j < C / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    if (MASK && key0 + 8 * j + 2 * quad_col + e % 2 >= row_keys[e / 2])
-                        sc[4 * j + e] = neg_inf();
+                    if (MASK && 8 * j + e % 2 >= past[e / 2]) sc[4 * j + e] = neg_inf();
                     float& chain = top[e / 2][(j % 2) * 2 + e % 2];
                     chain = j < 2 ? sc[4 * j + e] : fmaxf(chain, sc[4 * j + e]);
                 }
