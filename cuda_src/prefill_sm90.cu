@@ -22,7 +22,7 @@
 //     issued before this tile's P V, so the softmax of one tile runs while the tensor cores do the
 //     other's product (FlashAttention-3's intra-warpgroup overlap); the two consumers interleave
 //     on the tensor cores by themselves.
-// Shared memory tiles use the 128-byte swizzle that wgmma reads (hopper.cuh: smem_descriptor):
+// Shared memory tiles use the 128-byte swizzle that wgmma reads (hopper.cuh: smem_descriptor_lo, _hi):
 // rows of 64-element panels, chunk c of row r at c ^ (r % 8), tiles 1024-byte aligned.
 // Masking (causal aligned bottom-right, and the sequence's end) is applied only to the tiles that
 // cross some row's limit. A unit's last tile, when none of a consumer's rows sees past its first half (a causal
