@@ -405,8 +405,8 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     // This thread's rows of the accumulators: row_c and row_c + 8 (h = 0, 1).
     const int row_c = row_base + 16 * warp + lane / 4;
     // Descriptors: Q (this consumer's 64 rows) and K K-major, V MN-major; k-steps move along them. Here their low
-    // words (the high word is one constant: hopper.cuh), from the tiles' address as lane 0 has it: derived from
-    // the shared window's address, it was recomputed (and Q's descriptors with it) for every key tile.
+    // words (the high word is one constant: hopper.cuh), from the tiles' address as lane 0 has it (derived from the
+    // shared window's address in each thread, ptxas recomputes it, and Q's descriptors, for every key tile).
     const unsigned tiles_at = __shfl_sync(0xffffffffu, smem, 0);
     constexpr unsigned DESC_HI = sm90::smem_descriptor_hi(1024);
     const unsigned q_lo = sm90::smem_descriptor_lo(tiles_at + row_base * S::kPanelBytes, 16);
@@ -460,11 +460,11 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     // runs while the tensor cores do the other's products. Consumer c waits on barrier 1 + c and, once its
     // wgmmas are issued, arrives on the other's; consumer 0 gets the first turn (an arrival of its own, once),
     // consumer 1's last arrival is taken at the end. At most one arrival is ever pending on either barrier.
-    struct Slot {  // a tile's place in the ring: its stage, and the parity of its round
+    struct Place {  // a tile's place in the ring: its stage, and the parity of its round
         int stage;
         unsigned round;
     };
-    auto after = [](Slot x) { return x.stage == STAGES - 1 ? Slot{0, x.round ^ 1} : Slot{x.stage + 1, x.round}; };
+    auto after = [](Place x) { return x.stage == STAGES - 1 ? Place{0, x.round ^ 1} : Place{x.stage + 1, x.round}; };
     bool pinged = false;  // a pingpong unit has run
     int tiles = 0;        // tiles consumed so far, as the producer counts them
     for (int n = 0;; ++n) {
@@ -475,7 +475,6 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         tiles += num_tiles;
         auto stage = [&](int t) { return (first + t) % STAGES; };
         auto round = [&](int t) { return unsigned((first + t) / STAGES) & 1; };
-        auto slot = [&](int t) { return Slot{stage(t), round(t)}; };
         sm90::mbarrier_wait(q_full, n & 1);
         if (consumer >= w.consumers || w.split >= w.live) {  // no live row, or no keys: pass the stages on
             release(q_empty);
@@ -632,7 +631,7 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
             widths(num_tiles == 1 && half_last, first);
             // Tile t: its scores issued before tile t - 1's P V (a Full tile: only the last may be Half).
             // cur, prev: tile t's and tile t - 1's place in the ring; last: t is the unit's last tile.
-            auto next = [&](int t, Slot cur, Slot prev, auto last, auto cols,
+            auto next = [&](int t, Place cur, Place prev, auto last, auto cols,
                             float (&acc)[decltype(cols)::value / 2]) {  // acc: sc, or Half's own
                 sm90::mbarrier_wait(k_full(cur.stage), cur.round);
                 sm90::mbarrier_wait(v_full(prev.stage), prev.round);
@@ -659,9 +658,9 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                 to_operand(cols);
             };
             // the ring's place carried from tile to tile, not recomputed (a division by STAGES) for each
-            Slot prev = slot(0);
+            Place prev = {stage(0), round(0)};
             for (int t = 1; t < num_tiles - 1; ++t) {
-                const Slot cur = after(prev);
+                const Place cur = after(prev);
                 next(t, cur, prev, integral_constant<bool, false>(), Full(), sc);
                 prev = cur;
             }
