@@ -206,8 +206,9 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     };
 
     // The n-th unit handed to this block's warps (num_units or more: none is left). Its slot is written again
-    // for unit n + 2 only once the producer has waited for the consumers to be done with unit n + 1's Q tile: by
-    // then every warp has read it (the producer's before copying unit n's Q, the consumers' before using it).
+    // for unit n + 2 only after the producer, in unit n + 1's turn, has waited for the consumers to be done with
+    // unit n's Q tile: by then every warp has read it (the producer's before copying unit n's Q, the consumers'
+    // before using it).
     auto take = [&](int n) {
         sm90::mbarrier_wait(unit_full(n), (n / 2) & 1);
         return slots[n % 2];
