@@ -140,7 +140,13 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     // mbarriers: Q landed, Q free; per stage: K landed, V landed, K free, V free; per unit slot: written
     __shared__ __align__(8) unsigned long long barriers[2 + 4 * STAGES + 2];
     __shared__ int merges[2];  // split-K: whether each consumer arrived last on its rows' count
-    __shared__ int slots[2];   // the units handed to the warps, in turn
+    // The units handed to the warps, in turn: the unit, its item and its sequence's key count (read by the claiming
+    // thread, so that no other warp waits on global memory at a unit's start)
+    struct Claim {
+        int4 item;
+        int u, kv_len;
+    };
+    __shared__ Claim slots[2];
     const unsigned smem = (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
     const unsigned smem_q = smem, smem_k = smem + S::kKOffset, smem_v = smem + S::kVOffset;
     const unsigned smem_staging = smem + S::kStagingOffset;  // FP8
@@ -172,18 +178,19 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         int seq, q_first, q_len, p_first, p_end, kv_head, kv_len, tile0, num_tiles, consumers, split, live;
         long long part_row;  // split-K: the workspace row of packed row 0 (item x q_heads + KV head x group)
     };
-    auto unit_of = [&](int u) {
-        const int splits = S::kSplitK ? num_splits : 1, seg_tiles = S::kSplitK ? split_tiles : 0x7fffffff;
-        const int pair = u / splits;
+    const int splits = S::kSplitK ? num_splits : 1;
+    auto unit_of = [&](const Claim& c) {
+        const int seg_tiles = S::kSplitK ? split_tiles : 0x7fffffff;
+        const int u = c.u, pair = u / splits;
         const int item_index = pair % num_items;
-        const int4 item = items[item_index];
+        const int4 item = c.item;
         Unit w;
         w.seq = item.x, w.q_first = item.y, w.q_len = item.z, w.p_first = item.w;
         w.p_end = min(w.p_first + TILE_M, w.q_len * group);
         w.kv_head = pair / num_items;
         w.split = u % splits;
         w.part_row = (long long)item_index * q_heads + w.kv_head * group;
-        w.kv_len = min(max(kv_lens[w.seq], 0), max_blocks << block_shift);
+        w.kv_len = c.kv_len;
         // the tile's last row sees the most keys
         const int tile_keys = causal ? min(w.kv_len, w.kv_len - w.q_len + (w.p_end - 1) / group + 1) : w.kv_len;
         const int all_tiles = tile_keys > 0 ? (tile_keys + TILE_N - 1) / TILE_N : 0;
@@ -213,6 +220,15 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         sm90::mbarrier_wait(unit_full(n), (n / 2) & 1);
         return slots[n % 2];
     };
+    // The claiming thread's part: unit u's item and key count into slot n % 2 (nothing past the units).
+    auto claim = [&](int n, int u) {
+        Claim c = {make_int4(0, 0, 0, 0), u, 0};
+        if (u < num_units) {
+            c.item = items[u / splits % num_items];
+            c.kv_len = min(max(kv_lens[c.item.x], 0), max_blocks << block_shift);
+        }
+        slots[n % 2] = c;
+    };
 
     if (threadIdx.x < 128) {
         // ---- producer ----
@@ -239,13 +255,13 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
         int tiles = 0;  // tiles produced so far: stage tiles % STAGES, round tiles / STAGES
         for (int n = 0;; ++n) {
             if (tid == 0) {  // hand the block's n-th unit on: its own index first, then one claimed
-                slots[n % 2] = static_cast<int>(n == 0 ? blockIdx.x : gridDim.x + atomicAdd(queue, 1));
+                claim(n, static_cast<int>(n == 0 ? blockIdx.x : gridDim.x + atomicAdd(queue, 1)));
                 sm90::mbarrier_arrive(unit_full(n));
             }
             __syncwarp();
-            const int u = take(n);
-            if (u >= num_units) break;
-            const Unit w = unit_of(u);
+            const Claim c = take(n);
+            if (c.u >= num_units) break;
+            const Unit w = unit_of(c);
             // The Q tile, rows past the tile zero-filled, once the consumers are done with the last unit's (also
             // for a segment without keys, whose Q barriers keep the unit slots in step).
             // This thread copies chunk `chunk` of the packed rows [qrow0, qrow0 + QRPT), stepping through them.
@@ -469,9 +485,9 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
     bool pinged = false;  // a pingpong unit has run
     int tiles = 0;        // tiles consumed so far, as the producer counts them
     for (int n = 0;; ++n) {
-        const int u = take(n);
-        if (u >= num_units) break;
-        const Unit w = unit_of(u);
+        const Claim c = take(n);
+        if (c.u >= num_units) break;
+        const Unit w = unit_of(c);
         const int num_tiles = __shfl_sync(0xffffffffu, w.num_tiles, 0), first = tiles;
         tiles += num_tiles;
         auto stage = [&](int t) { return (first + t) % STAGES; };
