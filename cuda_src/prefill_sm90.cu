@@ -763,21 +763,35 @@ prefill_sm90_body(const T* __restrict__ q, const KV* __restrict__ k, const KV* _
                     }
                 }
         }
-        // Normalise (FP8: times the V scale) and store this thread's two rows (4 bytes a column pair).
+        // Normalise (FP8: times the V scale) and store this thread's two rows.
+        // Both rows' factors and addresses before any store: worked out between the stores, they waited for the
+        // stores to read their registers.
         float out_scale = 1.f;
         if constexpr (FP8) out_scale = __ldg(v_scales + w.kv_head);
+        // o[4j + 2h + e] is column 8j + 2 quad_col + e. Two lanes of a quad (quad_col 2c, 2c + 1) swap a column pair
+        // so that each stores 4 adjacent columns, 8 bytes: for j even, the even lane columns 8j + 4c on, the odd lane
+        // 8(j + 1) + 4c on (8j + 2 quad_col + 6); a row's 32 bytes of two column blocks are then one whole sector
+        // (4-byte stores wrote half sectors, twice as many, and queued behind each other).
+        const bool odd = quad_col & 1;
+        float inv[2];
+        T* row[2];  // from where this thread stores in each of its rows (null: a row past the unit)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+            inv[h] = sum[h] > 0.f ? out_scale / sum[h] : 0.f;  // 0: a row that saw no key (an empty sequence)
             const int p = w.p_first + row_c + 8 * h;
-            if (p >= w.p_end) continue;
-            // 0: a row that saw no key (an empty sequence)
-            const float inv = sum[h] > 0.f ? out_scale / sum[h] : 0.f;
-            T* const row = out + row_offset(w, p) + 2 * quad_col;
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j)  // o[4j + 2h + e]: column 8j + 2 * quad_col + e
-                *reinterpret_cast<unsigned*>(row + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv,
-                                                                     o[4 * j + 2 * h + 1] * inv);
+            row[h] = p < w.p_end ? out + row_offset(w, p) + 2 * quad_col + (odd ? 6 : 0) : nullptr;
         }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; j += 2)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned a = pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+                const unsigned b = pack2<T>(o[4 * j + 4 + 2 * h] * inv[h], o[4 * j + 4 + 2 * h + 1] * inv[h]);
+                const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
+                if (row[h] != nullptr)
+                    *reinterpret_cast<uint2*>(row[h] + 8 * j) =
+                        odd ? make_uint2(got, b) : make_uint2(a, got);
+            }
     }
     if (pinged && consumer == 0) sm90::named_barrier_sync(1, 256);
 }
