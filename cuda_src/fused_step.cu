@@ -18,8 +18,10 @@
 //   down      residual[b] += round_T(W_down . mlp[b])
 //   logits    x = rmsnorm(residual[b]) * output_norm; logits[b] = W_out . x (float32)
 // Weights are [out, in] (one output's weights a contiguous row). On compute capability 9.0 a GEMV phase whose
-// tiles fit is staged: its weights sit in shared memory, copied there by bulk copies a layer ahead (Staged,
-// below). Otherwise, between arriving at a barrier and waiting at it, a block loads its first chunk of the next
+// tiles fit is staged: its weights sit in shared memory, copied there by bulk copies a layer ahead, issued in a
+// phase the block has no work in where it can, so that no grid barrier waits for them (Staged, below; for that
+// the down phase's tiles go to the blocks after the attention items, the qkv phase's to the blocks after those).
+// Otherwise, between arriving at a barrier and waiting at it, a block loads its first chunk of the next
 // phase's weights into registers (and prefetches the rest into L2), so the weights stream while the grid gathers.
 // The same time goes to the loads that wait for nothing else: the next norm's weights into registers, a block's
 // first attention tiles (all but the newest token's K/V rows, which the qkv phase writes) into shared memory.
@@ -89,10 +91,10 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 
 // A GEMV phase: out[row][b] = dot(W row, xs row b) for `rows` weight rows of k elements (k a multiple of 32),
 // on tensor cores: a tile is 16 rows by the batch's 8 columns (rows past the batch are computed and ignored),
-// mma.m16n8k16 over the k dimension. Block u % grid takes tile u; its warp w takes the k-steps (32 elements)
-// w, w + 8, ...: lane (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at k0 + 8t and the same
-// 16 bytes of xs row g, which are the A and B fragments of two mmas once k is renumbered inside the step (the
-// sum does not depend on the order). The warps' partial tiles are summed in shared memory in warp order.
+// mma.m16n8k16 over the k dimension. Block (u + offset) % grid takes tile u; its warp w takes the k-steps (32
+// elements) w, w + 8, ...: lane (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 at k0 + 8t and
+// the same 16 bytes of xs row g, which are the A and B fragments of two mmas once k is renumbered inside the step
+// (the sum does not depend on the order). The warps' partial tiles are summed in shared memory in warp order.
 // The weights come one of two ways. Staged (compute capability 9.0, where a layer's tiles fit): a block's tiles of
 // the phase sit in shared memory, copied there by bulk copies a layer ahead (Staged, below). Streamed: a warp holds
 // STEPS k-steps a chunk in registers and loads its next chunk while it computes this one; the first chunk is
@@ -102,8 +104,12 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 struct Gemv {
     const void* w;
     int k, rows, split;
+    int offset;  // the block that takes tile 0 (0 <= offset < grid)
     __device__ int tiles() const { return split ? (split + 7) / 8 : (rows + 15) / 16; }
-    // Tiles of block 0, which has the most.
+    // This block's first tile: it takes tiles slot(), slot() + grid, ... (a remainder: written as a compare and an
+    // add instead, decode_step's head_dim 128 instances spilled registers)
+    __device__ int slot() const { return ((int)blockIdx.x - offset + (int)gridDim.x) % (int)gridDim.x; }
+    // Tiles of the block whose slot is 0, which has the most.
     __device__ int most_tiles() const { return (tiles() + gridDim.x - 1) / gridDim.x; }
     // The weight row of tile u's row r (0..15), or -1 past the end.
     __device__ int row(int u, int r) const {
@@ -156,7 +162,8 @@ struct Chunk {
 // Load this block's first chunk of phase g (between arriving at the barrier that opens it and waiting there).
 template <typename T>
 __device__ __forceinline__ void first_chunk(const Gemv& g, Chunk<T>& first) {
-    if ((int)blockIdx.x < g.tiles()) first.load(g, blockIdx.x, 0);
+    const int u = g.slot();
+    if (u < g.tiles()) first.load(g, u, 0);
 }
 
 // Prefetch into L2 the rows this block computes in phase g, from its (skip + 1)-th tile on.
@@ -164,7 +171,7 @@ template <typename T>
 __device__ __forceinline__ void prefetch_tiles(const Gemv& g, int skip) {
     const int lines = (g.k * (int)sizeof(T) + 127) / 128;
     const T* base = reinterpret_cast<const T*>(g.w);
-    for (int u = blockIdx.x + skip * gridDim.x; u < g.tiles(); u += gridDim.x)
+    for (int u = g.slot() + skip * gridDim.x; u < g.tiles(); u += gridDim.x)
         for (int i = threadIdx.x; i < 16 * lines; i += THREADS) {
             const int r = g.row(u, i / lines);
             if (r >= 0) prefetch_l2(reinterpret_cast<const char*>(base + (long long)r * g.k) + (i % lines) * 128);
@@ -202,7 +209,7 @@ __device__ __forceinline__ void gemv(const Gemv& g, Chunk<T>& cur, const T* xs, 
                                      Epilogue epilogue) {
     const int chunks = (g.k / 32 + WARPS * STEPS - 1) / (WARPS * STEPS), tiles = g.tiles();
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int u = blockIdx.x, c = 0; u < tiles;) {
+    for (int u = g.slot(), c = 0; u < tiles;) {
         int next_u = u, next_c = c + 1;
         if (next_c == chunks) next_c = 0, next_u += gridDim.x;
         Chunk<T> next;
@@ -227,7 +234,7 @@ __device__ __forceinline__ void gemv_staged(const Gemv& g, const T* w, const T* 
     const int ws = staged_stride(g.k), col = 8 * (lane % 4);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int u = blockIdx.x; u < g.tiles(); u += gridDim.x, w += 16 * ws) {
+    for (int u = g.slot(); u < g.tiles(); u += gridDim.x, w += 16 * ws) {
         const bool in0 = g.row(u, n) >= 0, in1 = g.row(u, n + 8) >= 0;
         const T* a0 = w + n * ws + col;
         const T* a1 = a0 + 8 * ws;
@@ -246,29 +253,39 @@ __device__ __forceinline__ void gemv_staged(const Gemv& g, const T* w, const T* 
 
 // Weights staged a layer ahead. Phase p of `staged` (bit p: qkv, o, gate_up, down) has a buffer of most_tiles()
 // tiles in shared memory and an mbarrier; its fill for layer l is the barrier's phase l (parity l & 1). Warp 1
-// fills: for layer 0 at the launch's start, for layer l + 1 once the block's phase of layer l is done with it
-// (between arriving at the barrier that ends it and waiting there), a bulk copy a weight row (rows are padded in
-// shared memory, not in global memory). Issuing a fill stalls warp 1 until the copy engine has taken its copies,
-// longer the longer they take to land, and the block waits for warp 1 at the barrier; so warp 2 prefetches each
-// fill's tiles into L2 at the barrier before (stage_prefetch), and the copies come from L2.
+// fills, a bulk copy a weight row (rows are padded in shared memory, not in global memory): for layer 0 at the
+// launch's start, later once the block's phase of the layer before is done with the buffer. Issuing a fill stalls
+// warp 1 until the copy engine has taken its copies (about 60 cycles a row), and the block waits for warp 1 at its
+// next __syncthreads; a fill between arriving at a grid barrier and waiting there makes the barrier that much
+// slower. So a block fills, where it can, at the start of a phase it has no work in (decode_step places the
+// down and qkv tiles on the blocks after the attention items to leave such blocks). The fill for layer l + 1 of
+//   qkv:     a block without an attention item: at the start of layer l's attention; else at the barrier that
+//            ends layer l's qkv
+//   down:    a block without an attention item: at the start of layer l + 1's attention; else at the barrier
+//            that ends layer l's down
+//   gate_up: a block without down tiles: at the start of layer l's down; else one without qkv tiles: at the start
+//            of layer l + 1's qkv; else at the barrier that ends layer l's gate_up
+//   o:       at the barrier that ends layer l's o
+// Each is after the block's phase of layer l is done with the buffer and before its phase of layer l + 1. Warp 2
+// prefetches each fill's tiles into L2 at a barrier before it (stage_prefetch), and the copies come from L2.
 enum Staged { STAGE_QKV, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES_ };
 
 template <typename T>
 __device__ __forceinline__ void stage_fill(const Gemv& g, T* buf, unsigned long long* bar) {
 #if __CUDA_ARCH__ >= 900
-    const int lane = threadIdx.x - 32, tiles = g.tiles();
-    if (lane < 0 || lane >= 32 || (int)blockIdx.x >= tiles) return;
+    const int lane = threadIdx.x - 32, tiles = g.tiles(), first = g.slot();
+    if (lane < 0 || lane >= 32 || first >= tiles) return;
     const unsigned b = (unsigned)__cvta_generic_to_shared(bar), row_bytes = g.k * (unsigned)sizeof(T);
     if (lane == 0) {  // every row of the block's tiles but the last tile's past the end
-        const int mine = (tiles - 1 - blockIdx.x) / gridDim.x + 1, last = blockIdx.x + (mine - 1) * gridDim.x;
+        const int mine = (tiles - 1 - first) / gridDim.x + 1, last = first + (mine - 1) * gridDim.x;
         const int past = g.split ? 2 * max(0, last * 8 + 8 - g.split) : max(0, last * 16 + 16 - g.rows);
         sm90::mbarrier_expect_bytes(b, (mine * 16 - past) * row_bytes);
     }
     __syncwarp();
     const int ws = staged_stride(g.k);
     const T* base = reinterpret_cast<const T*>(g.w);
-    for (int i = lane / 16; blockIdx.x + i * gridDim.x < tiles; i += 2) {
-        const int r = g.row(blockIdx.x + i * gridDim.x, lane % 16);
+    for (int i = lane / 16; first + i * (int)gridDim.x < tiles; i += 2) {
+        const int r = g.row(first + i * gridDim.x, lane % 16);
         if (r >= 0)
             sm90::bulk_copy((unsigned)__cvta_generic_to_shared(buf + (i * 16 + lane % 16) * ws),
                             base + (long long)r * g.k, row_bytes, b);
@@ -285,7 +302,7 @@ __device__ __forceinline__ void stage_prefetch(const Gemv& g) {
     if (lane < 0 || lane >= 32) return;
     const T* base = reinterpret_cast<const T*>(g.w);
     const unsigned row_bytes = g.k * (unsigned)sizeof(T);
-    for (int u = blockIdx.x + lane * gridDim.x; u < g.tiles(); u += 32 * gridDim.x) {
+    for (int u = g.slot() + lane * gridDim.x; u < g.tiles(); u += 32 * gridDim.x) {
         if (g.split) {
             const int j = u * 8, n = min(8, g.split - j);
             sm90::bulk_prefetch_l2(base + (long long)j * g.k, n * row_bytes);
@@ -301,7 +318,7 @@ __device__ __forceinline__ void stage_prefetch(const Gemv& g) {
 // Wait until this block's tiles of a staged phase for `layer` have landed.
 __device__ __forceinline__ void stage_wait(const Gemv& g, unsigned long long* bar, int layer) {
 #if __CUDA_ARCH__ >= 900
-    if ((int)blockIdx.x < g.tiles()) sm90::mbarrier_wait((unsigned)__cvta_generic_to_shared(bar), layer & 1);
+    if (g.slot() < g.tiles()) sm90::mbarrier_wait((unsigned)__cvta_generic_to_shared(bar), layer & 1);
 #endif
 }
 
@@ -615,6 +632,9 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     float* residual, T* q, T* mlp, float* partial, unsigned* barrier, float* logits, int batch, int hidden,
     int ffn, int q_heads, int kv_heads, int max_splits, float eps, float scale_log2, int staged_phases) {
     using namespace fused;
+#if __CUDA_ARCH__ < 900
+    staged_phases = 0;  // as the launcher passes here; as a constant it drops the staged code and its registers
+#endif
     extern __shared__ uint4 smem_front[];
     // The step's constants, for the whole launch: each row's rotation (cos, sin) of every pair of a head, and
     // the offset of its new token's K/V row in a layer's plane (-1: a padding row); the staged phases' mbarriers
@@ -623,12 +643,20 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     long long* kv_row = reinterpret_cast<long long*>(rotation + ROWS * HEAD_DIM / 2);  // [ROWS]
     unsigned long long* stage_bar = reinterpret_cast<unsigned long long*>(kv_row + ROWS);  // [STAGES_]
     const int qkv_rows = (q_heads + 2 * kv_heads) * HEAD_DIM, attn_width = q_heads * HEAD_DIM;
+    int splits = 1;  // attention splits: the fewest that leave each item one tile, at most max_splits
+    for (int b = 0; b < batch; ++b) splits = max(splits, (seq_lens[b] + TILE - 1) / TILE);
+    splits = min(splits, max_splits);
+    const int items = batch * kv_heads * splits;  // attention's work items, item i on block i
+    // Where each phase's tiles start (Gemv::offset), the same in every layer: o's and gate_up's at block 0, down's
+    // at the block after the attention items, qkv's after down's ((hidden + 15) / 16 tiles), so that a block idle
+    // in attention, down or qkv refills there (Staged).
+    const int down_at = items % (int)gridDim.x, qkv_at = (items + (hidden + 15) / 16) % (int)gridDim.x;
     // phase p's GEMV in a layer whose weight pointers are w
     auto phase = [&](const unsigned long long* w, int p) {
-        return p == STAGE_QKV ? Gemv{(const void*)w[QKV], hidden, qkv_rows, 0}
-               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0}
-               : p == STAGE_GATE_UP ? Gemv{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn}
-                                    : Gemv{(const void*)w[DOWN], ffn, hidden, 0};
+        return p == STAGE_QKV ? Gemv{(const void*)w[QKV], hidden, qkv_rows, 0, qkv_at}
+               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0, 0}
+               : p == STAGE_GATE_UP ? Gemv{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn, 0}
+                                    : Gemv{(const void*)w[DOWN], ffn, hidden, 0, down_at};
     };
     T* stage_buf[STAGES_];
     T* at = reinterpret_cast<T*>(smem_front + constants_bytes(ROWS, HEAD_DIM) / 16);
@@ -658,18 +686,18 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     float* reduce = reinterpret_cast<float*>(smem_raw);  // load_normed's partial sums
     float* sums = reduce + WARPS * ROWS;                 // the GEMV's warp tiles and the block's tile
     T* xs = reinterpret_cast<T*>(sums + (WARPS + 1) * 128);
-    int splits = 1;  // attention splits: the fewest that leave each item one tile, at most max_splits
-    for (int b = 0; b < batch; ++b) splits = max(splits, (seq_lens[b] + TILE - 1) / TILE);
-    splits = min(splits, max_splits);
     const Step s{layers, ids, tables, table_stride, seq_lens, slots, block_stride, block_size, batch, hidden, ffn,
                  q_heads, kv_heads, splits};
     unsigned target = 0;
     Chunk<T> cur;
+    // Whether this block has work in attention, qkv and down (where it refills when it has none: Staged).
+    const Gemv qkv0 = phase(layers, STAGE_QKV), down0 = phase(layers, STAGE_DOWN);
+    const bool busy_attn = (int)blockIdx.x < items, busy_qkv = qkv0.slot() < qkv0.tiles();
+    const bool busy_down = down0.slot() < down0.tiles();
     // This block's first attention item and its first tiles' rows: the same plane offsets in every layer.
-    const int items = batch * kv_heads * splits;
     TileCopy<T, HEAD_DIM> staged[STAGED];
     Item first;
-    if ((int)blockIdx.x < items) {
+    if (busy_attn) {
         first = Item(s, blockIdx.x);
 #pragma unroll
         for (int i = 0; i < STAGED; ++i) staged[i].locate(s, first, first.start + i * TILE);
@@ -700,12 +728,12 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         T* v_plane = reinterpret_cast<T*>(w[V_PLANE]);
         const Gemv qkv_phase = phase(w, STAGE_QKV), o_phase = phase(w, STAGE_O);
         const Gemv gate_up_phase = phase(w, STAGE_GATE_UP), down_phase = phase(w, STAGE_DOWN);
-        // warp 1 refills the staged phases' buffers for the next layer; warp 2 prefetches a refill's tiles into L2
-        // at the barrier before it (phase p of layer `at`)
-        auto refill = [&](int p) {
-            if (layer + 1 < num_layers && tid / 32 == 1 && (staged_phases >> p & 1)) {
+        // warp 1 fills a staged phase's buffer for a later layer (where: Staged); warp 2 prefetches a fill's tiles
+        // into L2 at a barrier before it (phase p of layer `at`)
+        auto refill = [&](int p, int at) {
+            if (at < num_layers && tid / 32 == 1 && (staged_phases >> p & 1)) {
                 Gemv g = phase(w, p);
-                g.w = (const void*)staged_weights[(layer + 1) * STAGES_ + p];
+                g.w = (const void*)staged_weights[at * STAGES_ + p];
                 stage_fill(g, stage_buf[p], stage_bar + p);
             }
         };
@@ -729,7 +757,10 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
 
         // qkv: norm; a thread a (pair of rows, batch row): rotary embeddings, q out and k, v into the planes. The
         // block's first attention tiles are copied at the barrier, all but the newest token's row (written here).
-        load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
+        // A block without qkv tiles that had down tiles refills gate_up meanwhile.
+        if (layer > 0 && busy_down && !busy_qkv) refill(STAGE_GATE_UP, layer);
+        if (qkv_phase.slot() < qkv_phase.tiles())  // (a block without qkv tiles needs no norm)
+            load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
         run_gemv(STAGE_QKV, qkv_phase, hidden + PAD, [&](int u, const float* out) {
             const int pair = tid / 8, b = tid % 8, col = u * 16 + 2 * pair;
             if (tid >= 64 || b >= batch || col >= qkv_rows) return;
@@ -752,15 +783,20 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             dst[2 * i + 1] = from_float<T>(x1);
         });
         grid_arrive(barrier, target);  // (its __syncthreads frees the GEMV's shared memory for the tile)
-        if ((int)blockIdx.x < items)
+        if (busy_attn) {
 #pragma unroll
             for (int i = 0; i < STAGED; ++i)
                 staged[i].copy(k_plane, v_plane, tile_k<T, HEAD_DIM>(smem_raw, i), tile_v<T, HEAD_DIM>(smem_raw, i),
                                first.len - 1, -1);
-        refill(STAGE_QKV);
+            refill(STAGE_QKV, layer + 1);
+        }
         grid_wait(barrier, target);
 
-        // attention: each split's partial (the o phase merges them)
+        // attention: each split's partial (the o phase merges them); a block without an item refills meanwhile
+        if (!busy_attn) {
+            refill(STAGE_QKV, layer + 1);
+            if (layer > 0) refill(STAGE_DOWN, layer);  // (layer 0's is the launch's)
+        }
         for (int item = blockIdx.x; item < items; item += gridDim.x)
             attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item == (int)blockIdx.x ? first : Item(s, item),
                                 staged, item == (int)blockIdx.x, scale_log2, smem_raw);
@@ -775,12 +811,12 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             if (tid < 128 && b < batch && col < hidden)
                 atomicAdd(residual + (long long)b * hidden + col, round_to<T>(out[r * 8 + b]));
         };
-        if ((int)blockIdx.x < o_phase.tiles()) load_merged<T, HEAD_DIM>(partial, xs, batch, q_heads, splits);
+        if (o_phase.slot() < o_phase.tiles()) load_merged<T, HEAD_DIM>(partial, xs, batch, q_heads, splits);
         run_gemv(STAGE_O, o_phase, attn_width + PAD, add_to_residual);
         grid_arrive(barrier, target);
         if (streams(STAGE_GATE_UP)) first_chunk(gate_up_phase, cur);
         load_norm_weight(reinterpret_cast<const float*>(w[FFN_NORM]), hidden, norm_weight);
-        refill(STAGE_O);
+        refill(STAGE_O, layer + 1);
         prefetch(STAGE_GATE_UP, layer + 1);
         if (streams(STAGE_GATE_UP)) prefetch_tiles<T>(gate_up_phase, 1);
         grid_wait(barrier, target);
@@ -798,16 +834,17 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
             first_chunk(down_phase, cur);
             prefetch_tiles<T>(down_phase, 0);  // the first tile's later chunks too
         }
-        refill(STAGE_GATE_UP);
+        if (busy_down && busy_qkv) refill(STAGE_GATE_UP, layer + 1);
         prefetch(STAGE_DOWN, layer + 1);
         grid_wait(barrier, target);
 
-        // down: residual += W_down . mlp
-        load_rows<T>(mlp, xs, batch, ffn);
+        // down: residual += W_down . mlp; a block without down tiles refills gate_up meanwhile
+        if (!busy_down) refill(STAGE_GATE_UP, layer + 1);
+        if (down_phase.slot() < down_phase.tiles()) load_rows<T>(mlp, xs, batch, ffn);  // (nor one without down's)
         run_gemv(STAGE_DOWN, down_phase, ffn + PAD, add_to_residual);
-        const Gemv logits_phase{(const void*)output, hidden, vocab, 0};
+        const Gemv logits_phase{(const void*)output, hidden, vocab, 0, 0};
         grid_arrive(barrier, target);
-        refill(STAGE_DOWN);
+        if (busy_attn) refill(STAGE_DOWN, layer + 1);
         prefetch(STAGE_QKV, layer + 2);
         if (layer + 1 < num_layers) {
             if (streams(STAGE_QKV)) first_chunk(phase(w + PER_LAYER, STAGE_QKV), cur);
@@ -822,7 +859,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
 
     // logits = W_out . norm(residual), float32
     load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
-    gemv(Gemv{(const void*)output, hidden, vocab, 0}, cur, xs, hidden + PAD, batch, sums,
+    gemv(Gemv{(const void*)output, hidden, vocab, 0, 0}, cur, xs, hidden + PAD, batch, sums,
          [&](int u, const float* out) {
              const int r = tid / 8, b = tid % 8, row = u * 16 + r;
              if (tid < 128 && b < batch && row < vocab) logits[(long long)b * vocab + row] = out[r * 8 + b];

@@ -76,8 +76,8 @@ def staged_stride(k: int) -> int:
 def staging(config, itemsize: int, grid: int, capability: int, smem_limit: int) -> Tuple[int, int]:
     """Which phases' weights the kernel stages in shared memory a layer ahead, and the bytes they take.
 
-    Phase p (:data:`STAGED_PHASES`) is staged, in order, when its buffer (the tiles block 0 takes: 16 weight rows
-    each) fits in what ``smem_limit`` leaves beside :func:`smem_bytes` at MAX_ROWS and a table of every layer's
+    Phase p (:data:`STAGED_PHASES`) is staged, in order, when its buffer (the most tiles a block takes, 16 weight
+    rows each) fits in what ``smem_limit`` leaves beside :func:`smem_bytes` at MAX_ROWS and a table of every layer's
     staged weights (four pointers a layer); the others stream their weights through registers. Returns (the
     kernel's mask, bytes, the table's included).
     """
