@@ -20,7 +20,8 @@
 // Weights are [out, in] (one output's weights a contiguous row). On compute capability 9.0 a GEMV phase whose
 // tiles fit is staged: its weights sit in shared memory, copied there by bulk copies a layer ahead, issued in a
 // phase the block has no work in where it can, so that no grid barrier waits for them (Staged, below; for that
-// the down phase's tiles go to the blocks after the attention items, the qkv phase's to the blocks after those).
+// the o and down phases' tiles go to the blocks after the attention items, the qkv phase's to the blocks after
+// those).
 // Otherwise, between arriving at a barrier and waiting at it, a block loads its first chunk of the next
 // phase's weights into registers (and prefetches the rest into L2), so the weights stream while the grid gathers.
 // The same time goes to the loads that wait for nothing else: the next norm's weights into registers, a block's
@@ -258,14 +259,15 @@ __device__ __forceinline__ void gemv_staged(const Gemv& g, const T* w, const T* 
 // warp 1 until the copy engine has taken its copies (about 60 cycles a row), and the block waits for warp 1 at its
 // next __syncthreads; a fill between arriving at a grid barrier and waiting there makes the barrier that much
 // slower. So a block fills, where it can, at the start of a phase it has no work in (decode_step places the
-// down and qkv tiles on the blocks after the attention items to leave such blocks). The fill for layer l + 1 of
+// o, down and qkv tiles on the blocks after the attention items to leave such blocks). The fill for layer l + 1 of
 //   qkv:     a block without an attention item: at the start of layer l's attention; else at the barrier that
 //            ends layer l's qkv
 //   down:    a block without an attention item: at the start of layer l + 1's attention; else at the barrier
 //            that ends layer l's down
 //   gate_up: a block without down tiles: at the start of layer l's down; else one without qkv tiles: at the start
 //            of layer l + 1's qkv; else at the barrier that ends layer l's gate_up
-//   o:       at the barrier that ends layer l's o
+//   o:       a block without an attention item: at the start of layer l + 1's attention (first: o comes next);
+//            else at the barrier that ends layer l's o
 // Each is after the block's phase of layer l is done with the buffer and before its phase of layer l + 1. Warp 2
 // prefetches each fill's tiles into L2 at a barrier before it (stage_prefetch), and the copies come from L2.
 enum Staged { STAGE_QKV, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES_ };
@@ -647,14 +649,14 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     for (int b = 0; b < batch; ++b) splits = max(splits, (seq_lens[b] + TILE - 1) / TILE);
     splits = min(splits, max_splits);
     const int items = batch * kv_heads * splits;  // attention's work items, item i on block i
-    // Where each phase's tiles start (Gemv::offset), the same in every layer: o's and gate_up's at block 0, down's
-    // at the block after the attention items, qkv's after down's ((hidden + 15) / 16 tiles), so that a block idle
-    // in attention, down or qkv refills there (Staged).
+    // Where each phase's tiles start (Gemv::offset), the same in every layer: gate_up's at block 0, o's and down's
+    // (as many tiles) at the block after the attention items, qkv's after those ((hidden + 15) / 16 tiles), so that
+    // a block idle in attention, down or qkv refills there (Staged).
     const int down_at = items % (int)gridDim.x, qkv_at = (items + (hidden + 15) / 16) % (int)gridDim.x;
     // phase p's GEMV in a layer whose weight pointers are w
     auto phase = [&](const unsigned long long* w, int p) {
         return p == STAGE_QKV ? Gemv{(const void*)w[QKV], hidden, qkv_rows, 0, qkv_at}
-               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0, 0}
+               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0, down_at}
                : p == STAGE_GATE_UP ? Gemv{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn, 0}
                                     : Gemv{(const void*)w[DOWN], ffn, hidden, 0, down_at};
     };
@@ -794,8 +796,9 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
 
         // attention: each split's partial (the o phase merges them); a block without an item refills meanwhile
         if (!busy_attn) {
+            if (layer > 0) refill(STAGE_O, layer);  // (layer 0's is the launch's; o's is needed first)
             refill(STAGE_QKV, layer + 1);
-            if (layer > 0) refill(STAGE_DOWN, layer);  // (layer 0's is the launch's)
+            if (layer > 0) refill(STAGE_DOWN, layer);
         }
         for (int item = blockIdx.x; item < items; item += gridDim.x)
             attend<T, HEAD_DIM>(s, k_plane, v_plane, q, partial, item == (int)blockIdx.x ? first : Item(s, item),
@@ -816,7 +819,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         grid_arrive(barrier, target);
         if (streams(STAGE_GATE_UP)) first_chunk(gate_up_phase, cur);
         load_norm_weight(reinterpret_cast<const float*>(w[FFN_NORM]), hidden, norm_weight);
-        refill(STAGE_O, layer + 1);
+        if (busy_attn) refill(STAGE_O, layer + 1);
         prefetch(STAGE_GATE_UP, layer + 1);
         if (streams(STAGE_GATE_UP)) prefetch_tiles<T>(gate_up_phase, 1);
         grid_wait(barrier, target);
