@@ -21,8 +21,7 @@
 // tiles fit is staged: its weights sit in shared memory, copied there by bulk copies a layer ahead, issued in a
 // phase the block has no work in where it can, so that no grid barrier waits for them (Staged, below; for that
 // the o and down phases' tiles go to the blocks after the attention items, the qkv phase's to the blocks after
-// those).
-// Otherwise, between arriving at a barrier and waiting at it, a block loads its first chunk of the next
+// those). Otherwise, between arriving at a barrier and waiting at it, a block loads its first chunk of the next
 // phase's weights into registers (and prefetches the rest into L2), so the weights stream while the grid gathers.
 // The same time goes to the loads that wait for nothing else: the next norm's weights into registers, a block's
 // first attention tiles (all but the newest token's K/V rows, which the qkv phase writes) into shared memory.
@@ -652,13 +651,13 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
     // Where each phase's tiles start (Gemv::offset), the same in every layer: gate_up's at block 0, o's and down's
     // (as many tiles) at the block after the attention items, qkv's after those ((hidden + 15) / 16 tiles), so that
     // a block idle in attention, down or qkv refills there (Staged).
-    const int down_at = items % (int)gridDim.x, qkv_at = (items + (hidden + 15) / 16) % (int)gridDim.x;
+    const int after_items = items % (int)gridDim.x, qkv_at = (items + (hidden + 15) / 16) % (int)gridDim.x;
     // phase p's GEMV in a layer whose weight pointers are w
     auto phase = [&](const unsigned long long* w, int p) {
         return p == STAGE_QKV ? Gemv{(const void*)w[QKV], hidden, qkv_rows, 0, qkv_at}
-               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0, down_at}
+               : p == STAGE_O ? Gemv{(const void*)w[O], attn_width, hidden, 0, after_items}
                : p == STAGE_GATE_UP ? Gemv{(const void*)w[GATE_UP], hidden, 2 * ffn, ffn, 0}
-                                    : Gemv{(const void*)w[DOWN], ffn, hidden, 0, down_at};
+                                    : Gemv{(const void*)w[DOWN], ffn, hidden, 0, after_items};
     };
     T* stage_buf[STAGES_];
     T* at = reinterpret_cast<T*>(smem_front + constants_bytes(ROWS, HEAD_DIM) / 16);
