@@ -760,7 +760,9 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
         // block's first attention tiles are copied at the barrier, all but the newest token's row (written here).
         // A block without qkv tiles that had down tiles refills gate_up meanwhile.
         if (layer > 0 && busy_down && !busy_qkv) refill(STAGE_GATE_UP, layer);
-        if (qkv_phase.slot() < qkv_phase.tiles())  // (a block without qkv tiles needs no norm)
+        // a block without qkv tiles needs no norm (the test read from the phase: busy_qkv held across the loop
+        // spills registers on sm_80; the same below for down's rows)
+        if (qkv_phase.slot() < qkv_phase.tiles())
             load_normed<T, ROWS, NORM_PER>(residual, norm_weight, xs, reduce, batch, hidden, eps);
         run_gemv(STAGE_QKV, qkv_phase, hidden + PAD, [&](int u, const float* out) {
             const int pair = tid / 8, b = tid % 8, col = u * 16 + 2 * pair;
@@ -842,7 +844,7 @@ __global__ void __launch_bounds__(fused::THREADS, 1) decode_step(
 
         // down: residual += W_down . mlp; a block without down tiles refills gate_up meanwhile
         if (!busy_down) refill(STAGE_GATE_UP, layer + 1);
-        if (down_phase.slot() < down_phase.tiles()) load_rows<T>(mlp, xs, batch, ffn);  // (nor one without down's)
+        if (down_phase.slot() < down_phase.tiles()) load_rows<T>(mlp, xs, batch, ffn);
         run_gemv(STAGE_DOWN, down_phase, ffn + PAD, add_to_residual);
         const Gemv logits_phase{(const void*)output, hidden, vocab, 0, 0};
         grid_arrive(barrier, target);
