@@ -22,13 +22,15 @@ location is ``"device"`` or ``"host"`` (pinned host memory read through the same
 import os
 import threading
 import weakref
+from typing import Any, Collection, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .backends import select_backend
+from .backends import Backend, select_backend
 from .records import ChunkRecord, c_strides, extent, runs
 from ..errors import (ChunkStateError, PoolClosedError, PoolSizeError, ReservationExceededError,
                       UnknownChunkError, UnmappedRangeError)
+from ..spec import Array, DTypeLike
 
 MAPPED, RELEASED = "mapped", "released"
 DEVICE, HOST = "device", "host"  # where a chunk's memory lives
@@ -38,7 +40,7 @@ CLAIMED, RUNNING, READY, FAILED, DONE = "claimed", "running", "ready", "failed",
 _POOLS = []  # weak references to every pool made in this process, dead ones dropped as found
 
 
-def find_pool(address):
+def find_pool(address: int) -> Optional["Pool"]:
     """The pool of this process whose reserved range ``[base, base + max_bytes)`` holds
     ``address`` (an int), open or closed; None if no live pool's range holds it."""
     address = int(address)
@@ -63,7 +65,7 @@ class Prepared:
 
     __slots__ = ("chunks", "location", "handles", "stuck", "state", "before")
 
-    def __init__(self, chunks, location):
+    def __init__(self, chunks: List[int], location: str) -> None:
         self.chunks = chunks  # sorted pool chunk indices
         self.location = location  # "device" or "host"
         self.handles = {}
@@ -91,7 +93,7 @@ class Pool:
     read its page size first); ``backend_reason`` says why that one was chosen.
     """
 
-    def __init__(self, max_bytes, chunk_bytes, backend="auto"):
+    def __init__(self, max_bytes: int, chunk_bytes: int, backend: Union[str, Backend] = "auto") -> None:
         self._backend = select_backend(backend) if isinstance(backend, str) else backend
         page = self._backend.page_bytes
         _positive_multiple("chunk_bytes", chunk_bytes, page, "page size")
@@ -122,39 +124,43 @@ class Pool:
     # --- what the pool is ----------------------------------------------------------
 
     @property
-    def backend(self):
+    def backend(self) -> str:
+        """The backend's name: "cuda" or "host"."""
         return self._backend.name
 
     @property
-    def backend_reason(self):
+    def backend_reason(self) -> str:
+        """Why this backend was chosen, for a person to read."""
         return self._backend.reason
 
     @property
-    def xp(self):
+    def xp(self) -> Any:
         """The array module of this pool's memory: cupy for CUDA, numpy for host."""
         return self._backend.xp
 
     @property
-    def frontier(self):
+    def frontier(self) -> int:
         """One past the highest chunk index ever mapped; grow() maps from here."""
         touched = self._handles.keys() | self._released
         return max(touched) + 1 if touched else 0
 
     @property
-    def mapped_bytes(self):
+    def mapped_bytes(self) -> int:
+        """Bytes of the chunks mapped now."""
         return len(self._handles) * self.chunk_bytes
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
         return self._closed
 
     @property
-    def version(self):
+    def version(self) -> int:
         """A number bumped whenever chunks are mapped or released (and at close): a mask
         computed at one version holds until the version changes."""
         return self._version
 
-    def mapped_mask(self):
+    def mapped_mask(self) -> np.ndarray:
         """A read-only bool array ``[num_chunks]``, True where the chunk is mapped now
         (all False once closed). Cached: the same array until :attr:`version` changes."""
         if self._mask is None or self._mask[0] != self._version:
@@ -164,11 +170,12 @@ class Pool:
             self._mask = (self._version, mask)
         return self._mask[1]
 
-    def is_mapped(self, chunk):
+    def is_mapped(self, chunk: int) -> bool:
+        """Whether chunk index ``chunk`` is mapped now."""
         self._check_open()
         return chunk in self._handles
 
-    def mappings(self):
+    def mappings(self) -> List[ChunkRecord]:
         """The chunk table: one :class:`ChunkRecord` per chunk ever mapped, by index."""
         self._check_open()
         records = []
@@ -186,18 +193,18 @@ class Pool:
                 devices=self._backend.access_devices if mapped else ()))
         return records
 
-    def location(self, chunk):
+    def location(self, chunk: int) -> str:
         """Where a chunk ever mapped lives (lived): "device" or "host"."""
         self._check_open()
         return self._location[chunk]
 
     @property
-    def access_devices(self):
+    def access_devices(self) -> Tuple[int, ...]:
         """The GPU ordinals that may read and write this pool's chunks: its own device first, then those granted
         (:meth:`grant_access`) in the order granted; () on the host backend."""
         return self._backend.access_devices
 
-    def grant_access(self, device):
+    def grant_access(self, device: int) -> None:
         """Let GPU ``device`` (an ordinal) read and write every chunk of this pool, those mapped now and those
         mapped later, through the pool's own addresses: what a kernel on that device needs to read blocks of this
         pool over NVLink (``kernels.transfer_blocks(..., mapped=True)``).
@@ -219,7 +226,7 @@ class Pool:
             self._backend.grant_access(device, [(self.base + first * size, count * size)
                                                 for first, count in runs(sorted(mapped))])
 
-    def export_chunks(self, chunks):
+    def export_chunks(self, chunks: Union[int, Iterable[int]]) -> List[int]:
         """A new POSIX file descriptor for each of the given mapped device chunks, by chunk index: what another
         process maps to read and write the same memory (``cuMemExportToShareableHandle``; send them with
         :func:`pagedrt.memory.ipc.send_chunks`). The descriptors are the caller's to close once sent; the memory
@@ -246,7 +253,7 @@ class Pool:
 
     # --- growing and shrinking -----------------------------------------------------
 
-    def grow(self, n=1):
+    def grow(self, n: int = 1) -> List[int]:
         """Map ``n`` new chunks at the frontier; return their indices."""
         self._check_open()
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
@@ -259,13 +266,13 @@ class Pool:
                 f"{self.num_chunks - start} remain at the frontier: reserve a larger pool")
         return self._map(list(range(start, start + n)))
 
-    def map(self, chunks, location=DEVICE):
+    def map(self, chunks: Union[int, Iterable[int]], location: str = DEVICE) -> List[int]:
         """Map the given chunk places (never mapped, or released) with new chunks at ``location``
         ("device" or "host"); all or none."""
         self._check_open()
         return self._map(self._chunk_list(chunks), location)
 
-    def release(self, chunks):
+    def release(self, chunks: Union[int, Iterable[int]]) -> None:
         """Unmap the given mapped chunks and free their physical memory, leaving holes."""
         self._check_open()
         chunks = self._chunk_list(chunks)
@@ -279,11 +286,11 @@ class Pool:
         finally:
             self._version += 1
 
-    def never_mapped(self, chunks):
+    def never_mapped(self, chunks: Iterable[int]) -> List[int]:
         """Those of ``chunks`` never mapped (nor released) so far."""
         return [c for c in chunks if c not in self._location]
 
-    def unmap(self, chunks, forget):
+    def unmap(self, chunks: Iterable[int], forget: Collection[int]) -> None:
         """Undo a map of ``chunks`` (a failed step's): release those mapped now, and forget that ``forget`` (of
         them, never mapped before it) ever were, so that :meth:`mappings` is as before the map."""
         self._check_open()
@@ -327,7 +334,7 @@ class Pool:
 
     # --- mapping in three steps: claim, prepare (any thread), commit or discard ------
 
-    def claim(self, chunks, location=DEVICE):
+    def claim(self, chunks: Union[int, Iterable[int]], location: str = DEVICE) -> Prepared:
         """Take unmapped places (never mapped, or released) for a :class:`Prepared` of chunks at ``location``
         ("device" or "host"); nothing is mapped yet.
 
@@ -357,7 +364,7 @@ class Pool:
                     raise ChunkStateError(f"chunk {c} is already claimed: it is being mapped")
             self._claims.update((c, prepared) for c in chunks)
 
-    def prepare(self, prepared):
+    def prepare(self, prepared: Prepared) -> None:
         """Create, map and enable access to a claim's chunks: backend calls only, so any thread may run it.
 
         Touches none of the pool's bookkeeping (only the claim's state, under the
@@ -397,7 +404,7 @@ class Pool:
                 prepared.stuck, prepared.state = stuck, FAILED
             self._claims_lock.notify_all()
 
-    def commit(self, prepared):
+    def commit(self, prepared: Prepared) -> List[int]:
         """Adopt a prepared claim's chunks: mapped from now on, in :meth:`mappings` and :meth:`mapped_mask`.
         Returns their indices."""
         self._check_open()
@@ -410,7 +417,7 @@ class Pool:
             self._unclaim(prepared)
         return prepared.chunks
 
-    def discard(self, prepared):
+    def discard(self, prepared: Prepared) -> None:
         """Give a claim's places back, unmapping and releasing whatever it mapped. After :meth:`close`
         there is nothing left to undo (close released the claim's chunks) and it does nothing."""
         with self._claims_lock:
@@ -483,7 +490,8 @@ class Pool:
 
     # --- arrays over the pool ------------------------------------------------------
 
-    def view(self, offset, shape, dtype, strides=None, *, allow_holes=False):
+    def view(self, offset: int, shape: Union[int, Sequence[int]], dtype: DTypeLike,
+             strides: Optional[Sequence[int]] = None, *, allow_holes: bool = False) -> Array:
         """An array (cupy for CUDA, numpy for host) over the pool's bytes, without a copy.
 
         The bytes it spans must all be mapped, unless ``allow_holes``: the cache
@@ -512,11 +520,12 @@ class Pool:
 
     # --- lifetime ------------------------------------------------------------------
 
-    def synchronize(self):
+    def synchronize(self) -> None:
+        """Wait for the work on the pool's device (nothing to wait for on the host backend)."""
         self._check_open()
         self._backend.synchronize()
 
-    def close(self):
+    def close(self) -> None:
         """Unmap and release every chunk. Idempotent; also runs when the pool is collected
         and at exit.
 

@@ -1,6 +1,7 @@
 """What the pool describes itself with: a chunk's record, runs of chunk indices, an array's byte extent."""
 
 from dataclasses import dataclass, fields
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class ChunkRecord:
     devices: tuple      # the GPUs that may read and write it (CUDA: its pool's and those granted); () once released
                         # and on the host backend
 
-    def as_dict(self):
+    def as_dict(self) -> Dict[str, Any]:
         """The record as a dict (its fields are ints, strings, None and a tuple of ints: nothing to copy deeply,
         so not ``dataclasses.asdict``, which a snapshot of many chunks would wait on)."""
         return {name: getattr(self, name) for name in _FIELDS}
@@ -29,7 +30,7 @@ class ChunkRecord:
 _FIELDS = tuple(f.name for f in fields(ChunkRecord))
 
 
-def runs(sorted_chunks):
+def runs(sorted_chunks: Iterable[int]) -> List[Tuple[int, int]]:
     """(first, count) for each run of consecutive indices."""
     runs = []
     for c in sorted_chunks:
@@ -40,7 +41,9 @@ def runs(sorted_chunks):
     return [tuple(r) for r in runs]
 
 
-def c_strides(shape, itemsize):
+def c_strides(shape: Sequence[int], itemsize: int) -> Tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape`` and ``itemsize``-byte items (an empty axis counted as
+    length 1)."""
     strides, step = [], itemsize
     for s in reversed(shape):
         strides.append(step)
@@ -48,7 +51,7 @@ def c_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
-def extent(offset, shape, strides, itemsize):
+def extent(offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> Tuple[int, int]:
     """[lo, hi) byte range an array of this layout touches."""
     if any(s == 0 for s in shape):
         return offset, offset
