@@ -20,23 +20,25 @@ change here is journaled (:mod:`pagedrt.blocks.transaction`).
 import hashlib
 from collections import OrderedDict
 from functools import partial
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import InvalidTokenIdsError
+from .transaction import Transaction
 
 ROOT = 0                # the parent name of a sequence's first block
 MAX_TOKEN_ID = 1 << 31  # token ids are int32 >= 0
 
 
-def chain_hash(parent, tokens):
+def chain_hash(parent: int, tokens: np.ndarray) -> int:
     """The name of a full block holding ``tokens`` (int32) after the prefix named ``parent``."""
     h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
     h.update(tokens.tobytes())
     return int.from_bytes(h.digest(), "little")
 
 
-def check_token_ids(token_ids, length, what):
+def check_token_ids(token_ids: Any, length: Optional[int], what: str) -> np.ndarray:
     """``token_ids`` as a flat int32 array of ``length`` ids (None: any length), or InvalidTokenIdsError."""
     try:
         ids = np.asarray(token_ids)
@@ -58,7 +60,7 @@ def check_token_ids(token_ids, length, what):
 class PrefixIndex:
     """Names of cached blocks: name -> block id, block id -> name, and each cached block's token ids."""
 
-    def __init__(self, max_blocks, tx):
+    def __init__(self, max_blocks: int, tx: Transaction) -> None:
         self.tx = tx                               # the journal (pagedrt.blocks.transaction)
         self.block_of = {}                         # name -> block id
         self.name = np.zeros(max_blocks, np.uint64)
@@ -68,20 +70,20 @@ class PrefixIndex:
     def __len__(self):
         return len(self.block_of)
 
-    def register(self, block, name, tokens):
+    def register(self, block: int, name: int, tokens: np.ndarray) -> None:
         """Name a full ``block``; a name already taken keeps its first block (that block stays unnamed)."""
         if name in self.block_of or self.cached[block]:
             return
         self.tx.undo(partial(self._unname, block, name))
         self._name(block, name, tokens.copy())
 
-    def forget(self, block):
+    def forget(self, block: int) -> None:
         """Drop ``block``'s name (it is being evicted)."""
         name = int(self.name[block])
         self.tx.undo(partial(self._name, block, name, self.tokens[block]))
         self._unname(block, name)
 
-    def move(self, src, dst):
+    def move(self, src: int, dst: int) -> None:
         """Give ``src``'s name and token ids to ``dst`` (its copy in the other tier); ``src`` is unnamed after."""
         name, tokens = int(self.name[src]), self.tokens[src]
         self.tx.undo(partial(self._moved_back, src, dst, name, tokens))
@@ -107,7 +109,7 @@ class PrefixIndex:
         self.cached[dst], self.name[dst] = False, 0
         self._name(src, name, tokens)
 
-    def match(self, prompt, block_size, most):
+    def match(self, prompt: np.ndarray, block_size: int, most: int) -> Tuple[np.ndarray, int]:
         """(block ids, last name): the longest chain of cached blocks equal to ``prompt``'s first ``most`` blocks."""
         parent, found = ROOT, []
         for i in range(most):
@@ -124,17 +126,17 @@ class PrefixIndex:
 class CachedFree(OrderedDict):
     """Cached-free blocks of one tier (named, held by none), least recently used first; changes journaled."""
 
-    def __init__(self, tx):
+    def __init__(self, tx: Transaction) -> None:
         super().__init__()
         self.tx = tx
 
-    def push(self, blocks):
+    def push(self, blocks: Sequence[int]) -> None:
         """Add ``blocks`` (none of them here), the last the most recent."""
         self.tx.undo(partial(self._drop, blocks))
         for block in blocks:
             self[block] = None
 
-    def take_oldest(self, n):
+    def take_oldest(self, n: int) -> List[int]:
         """Remove and return the ``n`` least recently used blocks, oldest first: the eviction rule."""
         taken = []
         self.tx.undo(partial(self._put_back, taken))
@@ -144,7 +146,7 @@ class CachedFree(OrderedDict):
             del self[block]
         return taken
 
-    def remove(self, blocks):
+    def remove(self, blocks: Sequence[int]) -> None:
         """Remove ``blocks`` (each here) wherever they are in the order."""
         if self.tx.open and blocks:
             self.tx.undo(partial(self._restore, list(self)))  # O(size), once per call: only prefix hits remove

@@ -11,13 +11,17 @@ then the appends (copy-on-write inside), all inside one transaction
 record of what was done: what the caller applies on the device.
 """
 
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from ..errors import InvalidTokenCountError, InvalidTokenIdsError, SwapStateError, UnknownSequenceError
 from . import prefix
 from .util import NO_ROWS, pairs
+
+if TYPE_CHECKING:  # pagedrt.protocols imports pagedrt.step, which imports this package
+    from ..protocols import Counts, Handles
+    from .tables import BlockTables
 
 
 class StepResult(NamedTuple):
@@ -66,7 +70,10 @@ class _Checked(NamedTuple):
     in_rows: np.ndarray
 
 
-def run(tables, seqs, counts, token_ids, arrivals, arrival_tokens, forks, frees, max_tokens, swap_out, swap_in):
+def run(tables: "BlockTables", seqs: Optional["Handles"], counts: "Counts", token_ids: Optional[Sequence[int]],
+        arrivals: Optional[Sequence[Sequence[int]]], arrival_tokens: Optional["Counts"], forks: Optional["Handles"],
+        frees: Optional["Handles"], max_tokens: int, swap_out: Optional["Handles"],
+        swap_in: Optional["Handles"]) -> StepResult:
     """:meth:`BlockTables.step <pagedrt.blocks.tables.BlockTables.step>` (its docstring says what each argument
     is): the arguments checked, then the operations as one transaction; a :class:`StepResult`."""
     if _empty(arrivals, forks, frees, swap_out, swap_in):

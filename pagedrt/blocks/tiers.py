@@ -35,6 +35,7 @@ class HostTier:
 
     @property
     def num_host_free(self) -> int:
+        """Host-tier blocks free now (those of offloaded cached blocks not counted)."""
         return self._host_free
 
     @property
