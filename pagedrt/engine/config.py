@@ -13,6 +13,7 @@ support (:mod:`pagedrt.supported`).
 """
 
 from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 from ..errors import UnsupportedModelError
 from ..supported import GROUPS, PREFILL_HEAD_DIMS
@@ -50,12 +51,13 @@ class ModelConfig:
     rms_eps: float
 
     @property
-    def group(self):
+    def group(self) -> int:
         """Query heads per KV head."""
         return self.q_heads // self.kv_heads
 
 
-def field(fields, key, kind, default=REQUIRED, *, low=None, high=None):
+def field(fields: Dict[str, Any], key: str, kind: str, default: Any = REQUIRED, *, low: Optional[float] = None,
+          high: Optional[float] = None) -> Any:
     """The value of GGUF metadata ``key``, checked; ``default`` when it is absent and not required.
 
     Parameters
@@ -103,7 +105,7 @@ def _described(types):
     return one
 
 
-def read_config(fields, vocab_size):
+def read_config(fields: Dict[str, Any], vocab_size: int) -> ModelConfig:
     """The checked :class:`ModelConfig` of a GGUF file's metadata ``fields`` (``GGUFReader.fields``), whose
     tokenizer has ``vocab_size`` tokens."""
     arch = field(fields, "general.architecture", "str")

@@ -190,8 +190,10 @@ class Engine:
     samples.
     """
 
-    def __init__(self, model_path, *, backend="auto", max_seqs=256, kv_tokens=DEFAULT_KV_TOKENS, block_size=16,
-                 step_tokens=2048, graphs=True, dtype="float16", kv_dtype=None, devices=None, overlap=True):
+    def __init__(self, model_path: str | os.PathLike, *, backend: str = "auto", max_seqs: int = 256,
+                 kv_tokens: int = DEFAULT_KV_TOKENS, block_size: int = 16, step_tokens: int = 2048, graphs: bool = True,
+                 dtype: str = "float16", kv_dtype: str | None = None, devices: Sequence[int] | None = None,
+                 overlap: bool = True) -> None:
         gguf = loader.load(model_path)
         self.config, self.path = gguf.config, gguf.path
         self.tokenizer = Tokenizer(gguf.vocab)
@@ -524,7 +526,7 @@ class Engine:
             s.decode_steps += 1
             s.decode_seconds += seconds
 
-    def warm_up(self):
+    def warm_up(self) -> None:
         """Run a prompt step and two decode steps of one short sequence through the model and the greedy
         sampler, then free it: the kernels of one sequence are compiled or loaded (on first use, by CuPy) and its
         decode step captured as a graph before the steps that are timed. Other batch sizes may still compile
@@ -540,7 +542,8 @@ class Engine:
             sampler.sample(logits, [0], [0.0], [1.0], [0.0])  # the greedy sampler's kernel
             self.cache.step([], frees=seq)
 
-    def close(self):
+    def close(self) -> None:
+        """Close the cache (its memory goes back)."""
         self.cache.close()
 
     def __enter__(self):

@@ -10,8 +10,11 @@ NumPy arrays and nothing waits.
 """
 
 from dataclasses import dataclass
+from typing import Any, Optional, Tuple
 
 import numpy as np
+
+from ..spec import Array
 
 
 class TokenBuffers:
@@ -23,12 +26,12 @@ class TokenBuffers:
         The most tokens a step draws (the cache's rows: every draw becomes a sequence).
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int) -> None:
         self.size = size
         self._pairs = None
         self._turn = 0
 
-    def next(self, logits):
+    def next(self, logits: Array) -> Array:
         """The device buffer (int64 [size], on ``logits``' device) the next step's sampler writes."""
         if self._pairs is None:
             self._pairs = [self._pair(logits) for _ in range(2)]
@@ -44,7 +47,7 @@ class TokenBuffers:
             return (cupy.zeros(self.size, np.int64), cupyx.empty_pinned(self.size, np.int64),
                     cupy.cuda.Event(disable_timing=True))
 
-    def send(self, count: int):
+    def send(self, count: int) -> Tuple[np.ndarray, Optional[Any]]:
         """Queue the copy of the current buffer's first ``count`` tokens to the host, on the current stream;
         returns (host array, event), the event None on the host backend."""
         device, host, event = self._pairs[self._turn]

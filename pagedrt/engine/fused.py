@@ -13,7 +13,7 @@ a layer ahead; the others stream their weights through registers.
 
 import functools
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,7 +23,8 @@ from ..errors import UnsupportedConfigError
 from ..kernels.args import ptr
 from ..kernels.configs import CUDA_TYPES
 from ..kernels.launch import launch_ex
-from ..spec import dtype_name
+from ..spec import KVSpec, dtype_name
+from .config import ModelConfig
 
 FILE = "fused_step.cu"
 THREADS, WARPS, TILE, MAX_GROUP_DIMS, MAX_SPLITS, STAGED = 256, 8, 64, 2048, 16, 2  # as cuda_src/fused_step.cu's
@@ -39,7 +40,8 @@ PER_LAYER = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")  # then the
 STAGED_PHASES = ("qkv", "o", "gate_up", "down")  # the phases whose weights may be staged: bit p of the kernel's mask
 
 
-def instances(dtypes=("float16", "bfloat16"), per=(3,)):
+def instances(dtypes: Sequence[str] = ("float16", "bfloat16"),
+              per: Sequence[int] = (3,)) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} of the fused step's instances (``per``: the NORM_PER of SmolLM2's hidden size)."""
     return {FILE: tuple(_name(d, h, r, v) for d in dtypes for h in HEAD_DIMS for r in ROWS for v in per)}
 
@@ -53,7 +55,7 @@ def norm_per(hidden: int) -> int:
     return next(v for v in NORM_PER if v * THREADS >= hidden)
 
 
-def smem_bytes(config, rows: int) -> int:
+def smem_bytes(config: ModelConfig, rows: int) -> int:
     """Dynamic shared memory of the instance for ``rows`` but the staged weights (:func:`staging`): the step's
     constants (each row's rotations and new K/V row, the staged phases' mbarriers), then the normalised or
     gathered rows of a GEMV phase, or the attention's STAGED buffers of a K and V tile (or its warps' outputs,
@@ -73,7 +75,7 @@ def staged_stride(k: int) -> int:
     return k if k % 64 else k + 32
 
 
-def staging(config, itemsize: int, grid: int, capability: int, smem_limit: int) -> Tuple[int, int]:
+def staging(config: ModelConfig, itemsize: int, grid: int, capability: int, smem_limit: int) -> Tuple[int, int]:
     """Which phases' weights the kernel stages in shared memory a layer ahead, and the bytes they take.
 
     Phase p (:data:`STAGED_PHASES`) is staged, in order, when its buffer (the most tiles a block takes, 16 weight
@@ -97,7 +99,7 @@ def staging(config, itemsize: int, grid: int, capability: int, smem_limit: int) 
     return (mask, used + table) if mask else (0, 0)
 
 
-def unsupported(config, spec, capability: int, smem_limit: int) -> Optional[str]:
+def unsupported(config: ModelConfig, spec: KVSpec, capability: int, smem_limit: int) -> Optional[str]:
     """Why the fused step cannot run a model of ``config`` over a cache of ``spec`` on a device of compute
     capability ``capability`` (e.g. 90) whose blocks may opt in to ``smem_limit`` bytes of shared memory
     (``layer_gemm.device_limits``), or None when it can."""

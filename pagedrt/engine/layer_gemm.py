@@ -17,7 +17,7 @@ SmolLM2-135M's shapes (docs/ENGINE.md, "Speed").
 """
 
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def kernel_name(dtype: str, prologue: int, epilogue: int, config: Config) -> str
     return f"pagedrt::layer_gemm<{CUDA_TYPES[dtype]}, {prologue}, {epilogue}, {', '.join(map(str, config))}>"
 
 
-def instances(dtypes=DTYPES):
+def instances(dtypes: Sequence[str] = DTYPES) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} of every variant and configuration for the activation dtypes ``dtypes``."""
     return {FILE: tuple(kernel_name(d, p, e, c) for d in dtypes for p, e in VARIANTS for c in configs((p, e)))}
 

@@ -23,6 +23,7 @@ one's padded data ends); NaN and infinity once per tensor as it is dequantised.
 
 import os
 from dataclasses import dataclass
+from typing import Any, Dict, Union
 
 import numpy as np
 
@@ -70,7 +71,7 @@ class GGUFModel:
     weights: Weights
 
 
-def open_gguf(path):
+def open_gguf(path: Union[str, os.PathLike]) -> Any:
     """A :class:`gguf.GGUFReader` over ``path``; ModelFileError when it is missing, not a regular file (a FIFO,
     a device, a directory), unreadable or not GGUF."""
     try:
@@ -89,7 +90,7 @@ def open_gguf(path):
                              "truncated or corrupt; fetch it again") from None
 
 
-def read_vocabulary(fields):
+def read_vocabulary(fields: Dict[str, Any]) -> Vocabulary:
     """The :class:`Vocabulary` of a GGUF file's metadata, every field checked (:func:`~.config.field`)."""
     key = "tokenizer.ggml."
     tokens = field(fields, key + "tokens", "str list")
@@ -115,7 +116,7 @@ def read_vocabulary(fields):
                       chat_template=field(fields, "tokenizer.chat_template", "str", ""))
 
 
-def check_layout(reader, size):
+def check_layout(reader: Any, size: int) -> None:
     """Refuse (ModelFileError, naming the tensor) tensor data that is not where its type and shape put it:
     each tensor at the alignment, where the one before it ends (padded), the last one ending the file
     (``size`` bytes). A tensor typed F16 over F32 data, or at a shifted offset, fails here."""
@@ -139,7 +140,7 @@ def check_layout(reader, size):
                              "corrupt")
 
 
-def load(path):
+def load(path: Union[str, os.PathLike]) -> GGUFModel:
     """The :class:`GGUFModel` in ``path``: configuration, vocabulary and float32 weights."""
     reader = open_gguf(path)
     check_layout(reader, os.path.getsize(path))

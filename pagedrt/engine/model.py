@@ -32,14 +32,22 @@ cuBLAS.
 import contextlib
 from collections import OrderedDict
 from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 
 from .. import attention, kernels
 from ..errors import UnsupportedModelError
+from ..protocols import KVPlanes
+from ..spec import Array
+from ..step import Step
 from . import fused as fused_step
 from . import layer_gemm, ops
+from .loader import GGUFModel
 from .rope_write import RopeWritePlan
+
+if TYPE_CHECKING:  # pagedrt.engine.parallel imports this module
+    from .parallel import _ShardModel
 
 MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used dropped first
 
@@ -47,7 +55,8 @@ MAX_GRAPHS = 8  # decode graphs kept (one per batch size), least recently used d
 class LlamaModel:
     """The weights of a :class:`~pagedrt.engine.loader.GGUFModel` on the cache's device, and its forward pass."""
 
-    def __init__(self, model, cache, *, graphs=True, fused=True):
+    def __init__(self, model: Union[GGUFModel, "_ShardModel"], cache: KVPlanes, *, graphs: bool = True,
+                 fused: bool = True) -> None:
         c = self.config = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (c.num_layers, c.kv_heads, c.head_dim):
             raise UnsupportedModelError(
@@ -81,17 +90,17 @@ class LlamaModel:
             self.stream.wait_event(self.xp.cuda.get_current_stream().record())
 
     @property
-    def weight_bytes(self):
+    def weight_bytes(self) -> int:
         """Bytes of weights one step reads (the output projection's once, even when tied to the embedding)."""
         arrays = [self.output, self.output_norm] + [a for layer in self.layers for a in layer.values()]
         return sum(int(a.nbytes) for a in arrays)
 
-    def graph(self, batch):
+    def graph(self, batch: int) -> Optional["_Graph"]:
         """The captured decode step of batch size ``batch`` (its ``graph``, ``stream``, input ``ids``, ``buffers``
         and ``plans``), or None."""
         return None if self._graphs is None else self._graphs.get(batch)
 
-    def forward(self, step, ids):
+    def forward(self, step: Step, ids: Array) -> Array:
         """Logits (float32 [batch, vocab], valid until the next call) of each batch row's last new token.
 
         ``ids``: the step's new token ids (int64 [step.num_tokens], on the cache's device), batch row by batch
@@ -114,7 +123,7 @@ class LlamaModel:
         self._run(step, ids, buffers, *self.plans(step, buffers, decode))
         return buffers["logits"]
 
-    def buffers(self, n, batch):
+    def buffers(self, n: int, batch: int) -> Dict[str, Array]:
         """Every activation of a step of ``n`` tokens in ``batch`` rows."""
         c, xp, act, kv = self.config, self.xp, self.act_dtype, self.qkv_dtype
         d = c.head_dim
@@ -125,7 +134,8 @@ class LlamaModel:
                   "last": ((batch, c.hidden), act), "logits": ((batch, c.vocab_size), np.float32)}
         return {name: xp.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
-    def plans(self, step, buffers, decode):
+    def plans(self, step: Step, buffers: Dict[str, Array],
+              decode: bool) -> Tuple[Union[attention.DecodePlan, attention.PrefillPlan], RopeWritePlan]:
         """The step's attention plan and rotary + K/V write plan (checked once, run per layer)."""
         q, k0 = buffers["q"], self.cache.k(0)
         if decode:
@@ -141,7 +151,9 @@ class LlamaModel:
         for _, launch in self.launches(step, ids, b, plan, writer):
             launch()
 
-    def launches(self, step, ids, b, plan, writer):
+    def launches(self, step: Step, ids: Array, b: Dict[str, Array],
+                 plan: Union[attention.DecodePlan, attention.PrefillPlan],
+                 writer: RopeWritePlan) -> Iterator[Tuple[str, Callable[[], Any]]]:
         """The step's launches in order, as (kind, call) pairs: what :meth:`forward` runs, and what the benchmark
         times kind by kind. ``b``: the step's buffers; ``plan``, ``writer``: its attention and rotary + write plans."""
         c = self.config

@@ -18,6 +18,7 @@ tests compare the kernels with.
 
 import functools
 import re
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from .. import source
 from ..errors import CudaError
 from ..kernels.args import NULL, ptr
 from ..kernels.configs import CUDA_TYPES
-from ..spec import dtype_name
+from ..spec import Array, dtype_name
 
 FILE = "engine.cu"
 THREADS = 256
@@ -36,7 +37,7 @@ WORKSPACE_BYTES = 32 << 20  # cuBLAS's workspace (Hopper's recommendation)
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read by cuBLAS from the host
 
 
-def instances(dtypes=("float16", "bfloat16")):
+def instances(dtypes: Sequence[str] = ("float16", "bfloat16")) -> Dict[str, Tuple[str, ...]]:
     """{file: name expressions} of every kernel here for the activation dtypes ``dtypes``."""
     return {FILE: tuple(f"pagedrt::{k}<{CUDA_TYPES[d]}>" for k in KERNELS for d in dtypes)}
 
@@ -50,7 +51,7 @@ def _host(*arrays):
     return all(isinstance(a, np.ndarray) for a in arrays if a is not None)
 
 
-def embed(ids, table, out):
+def embed(ids: Array, table: Array, out: Array) -> Array:
     """``out[t] = table[ids[t]]``: ids int64 [n], table [vocab, hidden], out float32 [n, hidden]."""
     if _host(ids, table, out):
         out[...] = table[ids]
@@ -60,7 +61,8 @@ def embed(ids, table, out):
     return out
 
 
-def add_rms_norm(residual, delta, weight, out, eps, rows=None):
+def add_rms_norm(residual: Array, delta: Optional[Array], weight: Array, out: Array, eps: float,
+                 rows: Optional[Array] = None) -> Array:
     """``residual += delta`` (when given), then ``out[r] = x / sqrt(mean(x**2) + eps) * weight`` of residual row
     ``rows[r + 1] - 1`` (``rows``: the step's query offsets [batch + 1], so each batch row's last token) or of
     row ``r`` (``rows`` None). residual float32 [n, hidden], delta [n, hidden], weight float32 [hidden],
@@ -79,7 +81,7 @@ def add_rms_norm(residual, delta, weight, out, eps, rows=None):
     return out
 
 
-def silu_mul(gate_up, out):
+def silu_mul(gate_up: Array, out: Array) -> Array:
     """``out = silu(gate) * up`` where gate_up [n, 2 ffn] is gate then up; out [n, ffn]."""
     if _host(gate_up, out):
         ffn = out.shape[1]
@@ -116,7 +118,7 @@ def _check(call, status):
         raise CudaError(call, f"cublasStatus_t {status}", "see cublas_api.h")
 
 
-def gemm(a, w, out):
+def gemm(a: Array, w: Array, out: Array) -> Array:
     """``out = a @ w.T``: a [m, k], w [n, k] (a weight, ``[out, in]``), out [m, n], all C-contiguous. On the device
     a and w share a dtype and out has it or float32; cuBLAS accumulates in float32. On the host, float32 (or float64
     if out is)."""

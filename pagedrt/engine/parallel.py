@@ -17,18 +17,22 @@ the all-reduces between launches).
 """
 
 from dataclasses import dataclass, replace
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
 from .. import kernels
 from ..errors import BackendUnavailableError, CommunicatorError, ShardError
-from ..shard import peer_copy
+from ..shard import ShardedKVCache, ShardedStep, peer_copy
+from ..spec import Array
+from .config import ModelConfig
+from .loader import GGUFModel, Weights
 from .model import LlamaModel
 
 REDUCED = ("gemm_o", "gemm_down")  # the launches whose outputs are partial sums over the shards
 
 
-def shard_weights(weights, config, shards):
+def shard_weights(weights: Weights, config: ModelConfig, shards: int) -> Tuple[List[Weights], ModelConfig]:
     """The :class:`~pagedrt.engine.loader.Weights` of each of ``shards`` shards (NumPy, views where they can be),
     and the config each runs with (its query and KV heads and SwiGLU width). ShardError unless the query heads,
     KV heads and SwiGLU width divide among the shards."""
@@ -56,8 +60,8 @@ def shard_weights(weights, config, shards):
 @dataclass(frozen=True)
 class _ShardModel:
     """What LlamaModel reads of a model: its config and weights (a shard's)."""
-    config: object
-    weights: object
+    config: ModelConfig
+    weights: Weights
 
 
 class AllReduce:
@@ -72,7 +76,7 @@ class AllReduce:
     a device.
     """
 
-    def __init__(self, devices, host=False):
+    def __init__(self, devices: Sequence[int], host: bool = False) -> None:
         self.devices, self.comm = list(devices), None
         if host or len(set(self.devices)) == 1:
             return
@@ -120,7 +124,7 @@ class TensorParallelModel:
     :class:`~pagedrt.engine.model.LlamaModel`'s forward.
     """
 
-    def __init__(self, model, cache):
+    def __init__(self, model: GGUFModel, cache: ShardedKVCache) -> None:
         self.cache, self.config = cache, model.config
         parts, config = shard_weights(model.weights, model.config, len(cache.shards))
         self.shards = []
@@ -130,7 +134,7 @@ class TensorParallelModel:
         self.reduce = AllReduce([s.device for s in cache.shards], host=cache.shards[0].xp is np)
         self.stream = self.shards[0].stream  # shard 0's model's
 
-    def forward(self, step, ids):
+    def forward(self, step: ShardedStep, ids: Array) -> Array:
         """Logits (float32 [batch, vocab] on shard 0's device) of each batch row's last new token."""
         steps = getattr(step, "shards", ())
         if len(steps) != len(self.shards):

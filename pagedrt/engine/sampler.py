@@ -7,7 +7,11 @@ vectorised over the batch, on the logits' device: the tokens stay there (the nex
 read from them), and the engine copies them to the host asynchronously.
 """
 
+from typing import Optional, Sequence, Union
+
 import numpy as np
+
+from ..spec import Array
 
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -21,20 +25,22 @@ def _mix(z):
     return z ^ (z >> np.uint64(31))
 
 
-def seeds(seed, count):
+def seeds(seed: int, count: int) -> np.ndarray:
     """``count`` independent uint64 stream seeds from one request seed (one per parallel sample)."""
     with np.errstate(over="ignore"):
         return _mix(np.uint64(seed % 2**64) + _GOLDEN * (np.arange(count, dtype=np.uint64) + np.uint64(1)))
 
 
-def uniforms(stream_seeds, counters):
+def uniforms(stream_seeds: Union[Sequence[int], np.ndarray], counters: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     """One float64 in [0, 1) per (stream seed, counter): the counter-th draw of that stream."""
     with np.errstate(over="ignore"):
         bits = _mix(np.asarray(stream_seeds, np.uint64) + _GOLDEN * np.asarray(counters, np.uint64))
     return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def sample(logits, rows, temperature, top_p, draws, out=None):
+def sample(logits: Array, rows: Union[Sequence[int], np.ndarray], temperature: Union[Sequence[float], np.ndarray],
+           top_p: Union[Sequence[float], np.ndarray], draws: Union[Sequence[float], np.ndarray],
+           out: Optional[Array] = None) -> Array:
     """The chosen token of logits row ``rows[i]`` for each i: int64 [len(rows)] on the logits' device, nothing
     copied to the host (``out[:len(rows)]`` when given, a buffer of that device).
 

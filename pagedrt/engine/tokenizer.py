@@ -27,10 +27,12 @@ import heapq
 import re
 import sys
 import unicodedata
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import InvalidPromptError, RequestError, UnsupportedModelError
+from .loader import Vocabulary
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -42,7 +44,7 @@ PRE_TOKENIZERS = {"gpt2": (GPT2,), "smollm": (r"\pN", GPT2), "llama-bpe": (LLAMA
 
 
 @functools.lru_cache(maxsize=None)
-def byte_alphabet():
+def byte_alphabet() -> Dict[int, str]:
     """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for themselves, the others are
     shifted past 255 in order."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -57,7 +59,7 @@ def byte_alphabet():
 
 
 @functools.lru_cache(maxsize=None)
-def category_class(letter):
+def category_class(letter: str) -> str:
     """The body of a ``re`` character class matching every code point of Unicode general category ``letter``
     (``"L"``: letters, ``"N"``: numbers), as ranges."""
     ranges, start, last = [], None, None
@@ -75,7 +77,7 @@ def category_class(letter):
     return "".join(escape(a) if a == b else f"{escape(a)}-{escape(b)}" for a, b in ranges)
 
 
-def compile_pattern(expression):
+def compile_pattern(expression: str) -> re.Pattern[str]:
     """``expression`` with ``\\pL`` and ``\\pN`` written out for ``re``, in and out of brackets."""
     letters, numbers = category_class("L"), category_class("N")
     out, inside, i = [], False, 0
@@ -99,7 +101,7 @@ def compile_pattern(expression):
     return re.compile("".join(out))
 
 
-def split(text, patterns):
+def split(text: str, patterns: Iterable[re.Pattern[str]]) -> List[str]:
     """``text`` cut by each compiled pattern in turn: every match of a pattern in a piece becomes a piece, and so
     does what lies between matches (as llama.cpp splits)."""
     pieces = [text]
@@ -122,7 +124,7 @@ def split(text, patterns):
 class Tokenizer:
     """Byte-level BPE over a :class:`~pagedrt.engine.loader.Vocabulary`."""
 
-    def __init__(self, vocab):
+    def __init__(self, vocab: Vocabulary) -> None:
         if vocab.model != "gpt2":
             raise UnsupportedModelError(f"tokenizer model {vocab.model!r} (tokenizer.ggml.model) is not supported: "
                                         "the engine tokenizes byte-level BPE (\"gpt2\")")
@@ -148,11 +150,13 @@ class Tokenizer:
         self._piece = functools.lru_cache(maxsize=1 << 16)(self._bpe)
 
     @property
-    def bos(self):
+    def bos(self) -> int:
+        """The begin-of-sequence token's id."""
         return self.vocab.bos
 
     @property
-    def stop(self):
+    def stop(self) -> Tuple[int, ...]:
+        """The token ids that end a generation: eos, and end-of-turn or end-of-message where the model names them."""
         return self.vocab.stop
 
     def _bytes(self, i):
@@ -166,7 +170,8 @@ class Tokenizer:
         except KeyError:  # not byte-level text: written as is
             return text.encode()
 
-    def encode(self, text, *, special=False, bos=None, limit=None):
+    def encode(self, text: str, *, special: bool = False, bos: Optional[bool] = None,
+               limit: Optional[int] = None) -> np.ndarray:
         """Token ids of ``text`` (int64, 1-D). ``special``: special tokens' texts become those tokens; ``bos``:
         put the begin-of-sequence token first (default: as the model's metadata says); ``limit``: refuse (a
         RequestError) a text of more tokens than this, before splitting it when its length in bytes says so.
@@ -198,7 +203,7 @@ class Tokenizer:
         if fewest > limit:
             raise RequestError(f"the text has at least {fewest} tokens, but at most {limit} fit: shorten it")
 
-    def pieces(self, text):
+    def pieces(self, text: str) -> List[str]:
         """The pre-tokenizer's pieces of ``text``."""
         return split(text, self.patterns)
 
@@ -223,17 +228,18 @@ class Tokenizer:
                                      "has no token for: leave it out")
         return i
 
-    def decode(self, ids, *, special=False):
+    def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
         """The text of ``ids`` (invalid UTF-8 replaced); ``special``: control tokens as their texts."""
         return self.decode_bytes(ids, special=special).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, ids, *, special=False):
+    def decode_bytes(self, ids: Iterable[int], *, special: bool = False) -> bytes:
+        """The bytes ``ids`` stand for (control tokens for none); ``special``: control tokens as their texts."""
         tokens = self.vocab.tokens
         return b"".join(tokens[i].encode() if special and self.special[i] else self.token_bytes[i]
                         for i in map(int, ids))
 
 
-def merge(parts, ranks):
+def merge(parts: Sequence[str], ranks: Dict[Tuple[str, str], int]) -> List[str]:
     """``parts`` (strs) merged as BPE does: while any adjacent pair is in ``ranks`` (pair -> rank), the pair of
     the lowest rank, leftmost among equals, becomes one part. Returns the parts left, in order.
 
