@@ -53,7 +53,7 @@ class Growth:
     """
 
     def __init__(self, allocator: BlockAllocator, *, low_blocks: int, high_blocks: int, release_after: int,
-                 background: bool = True):
+                 background: bool = True) -> None:
         for name, value, least in (("low_blocks", low_blocks, 0), ("high_blocks", high_blocks, 1),
                                    ("release_after", release_after, 1)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:

@@ -21,13 +21,19 @@ step, runs its model (or the demo's synthetic K/V) and reports back (:meth:`Sche
 """
 
 import enum
+import typing
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
 from .blocks import ceil_div
+
+if TYPE_CHECKING:
+    from .protocols import KVCache
+    from .step import Step
 
 
 class Status(enum.Enum):
@@ -109,7 +115,7 @@ class ScheduledStep:
         """The batch's rows as cache handles, int64 [rows]."""
         return np.array([s.handle for s in self.seqs], np.int64)
 
-    def token_ids(self, decode_ids) -> np.ndarray:
+    def token_ids(self, decode_ids: Union[typing.Sequence[int], np.ndarray]) -> np.ndarray:
         """The batch's new token ids, int64 [counts.sum()]: the decoding rows' and the prompt chunks,
         interleaved as the rows are.
 
@@ -130,7 +136,7 @@ class ScheduledStep:
                 parts.append(seq.request.prompt[seq.prefilled:seq.prefilled + count])
         return np.concatenate(parts)
 
-    def cache_args(self, decode_ids) -> dict:
+    def cache_args(self, decode_ids: Union[typing.Sequence[int], np.ndarray]) -> dict:
         """``cache.step()``'s keyword arguments.
 
         Parameters
@@ -155,7 +161,7 @@ class Scheduler:
         The cache the steps run on; read, never changed here.
     """
 
-    def __init__(self, config: SchedulerConfig, cache):
+    def __init__(self, config: SchedulerConfig, cache: "KVCache") -> None:
         self.config, self.cache = config, cache
         self.waiting = deque()   # requests, in order
         self.running = {}        # handle -> Sequence, in arrival order
@@ -296,7 +302,7 @@ class Scheduler:
         while len(self._firsts) > c.max_seqs:
             del self._firsts[next(iter(self._firsts))]
 
-    def update(self, plan: ScheduledStep, step) -> list:
+    def update(self, plan: ScheduledStep, step: "Step") -> list:
         """Take in a step made: the freed go, the children and the arrivals (``plan.arrived``) join, prompt
         chunks advance.
 

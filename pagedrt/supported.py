@@ -6,6 +6,8 @@ is supported everywhere or nowhere. A failed check raises
 Dtypes and K/V dtypes are interpreted in one place, :mod:`pagedrt.spec`.
 """
 
+from typing import Any, Optional, Sequence, TypeVar
+
 import numpy as np
 
 from .errors import UnsupportedConfigError
@@ -31,8 +33,10 @@ MAX_SEQS = 2**20                # block-table rows
 MAX_TABLE_ENTRIES = 2**30       # max_seqs x blocks per row (4 GiB of int32)
 MAX_POOL_BYTES = 2**46          # one reservation: within a 47-bit user address space, and a GPU's
 
+Choice = TypeVar("Choice", str, int)  # what a list of choices holds, and so what check() returns
 
-def check(what, value, supported):
+
+def check(what: str, value: Any, supported: Sequence[Choice]) -> Choice:
     """``value`` if it is one of ``supported`` (and of their type: 64.0 is not a head_dim), else raise
     UnsupportedConfigError. NumPy integers come back as ints."""
     expected_type = str if isinstance(supported[0], str) else (int, np.integer)
@@ -42,7 +46,7 @@ def check(what, value, supported):
     return value if isinstance(value, str) else int(value)
 
 
-def check_positive(what, value, limit=None):
+def check_positive(what: str, value: Any, limit: Optional[int] = None) -> int:
     """``value`` as an int if it is a positive int (not a bool; at most ``limit`` when given), else raise
     UnsupportedConfigError."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:

@@ -168,7 +168,7 @@ class BlockTransfer:
         Planes in a closed pool.
     """
 
-    def __init__(self, src_planes: Sequence[Array], dst_planes: Sequence[Array], *, mapped: bool = False):
+    def __init__(self, src_planes: Sequence[Array], dst_planes: Sequence[Array], *, mapped: bool = False) -> None:
         self.src_planes, self.dst_planes, self.mapped = tuple(src_planes), tuple(dst_planes), bool(mapped)
         xp, self.block_bytes, self._limits, (self.src_device, self.dst_device) = _transfer_planes(
             list(self.src_planes), list(self.dst_planes))

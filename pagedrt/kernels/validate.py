@@ -82,7 +82,7 @@ class Spans:
         A plane in a closed pool.
     """
 
-    def __init__(self, planes: Sequence[Array], block_stride: int, block_bytes: int):
+    def __init__(self, planes: Sequence[Array], block_stride: int, block_bytes: int) -> None:
         self.spans: List[Tuple[Pool, int]] = []
         for a in planes:
             pool = find_pool(address(a))

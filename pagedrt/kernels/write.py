@@ -4,7 +4,7 @@ Into FP8 planes (uint8, float8 e4m3 bits) the values are quantised on the way, e
 head's scale (:mod:`pagedrt.fp8` defines the rounding, the saturation and what a NaN becomes).
 """
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def instances(configs: Optional[Sequence[Config]] = None) -> Dict[str, Tuple[str
     return {FILE: tuple(dict.fromkeys(kernel_name(c) for c in (configs or sweep() + fp8_sweep())))}
 
 
-def check_planes(plan, k_cache: Array, v_cache: Array, k_scale: Optional[Array], v_scale: Optional[Array]) -> None:
+def check_planes(plan: Any, k_cache: Array, v_cache: Array, k_scale: Optional[Array], v_scale: Optional[Array]) -> None:
     """A write plan's run-time checks of the planes it stores into: the plan's layout (``plan._plane``), the
     scales FP8 planes need (``plan._kv_heads``, ``plan._type``), and pools still open (``plan._spans``);
     WritePlan's and RopeWritePlan's."""
@@ -60,7 +60,7 @@ class WritePlan:
     """
 
     def __init__(self, k: Array, k_cache: Array, slot_mapping: Array, *, validate: bool = True,
-                 _v_cache: Optional[Array] = None):
+                 _v_cache: Optional[Array] = None) -> None:
         # _v_cache: write_kv's V plane, checked with the K plane (a plan over many layers is given only K)
         xp = array_module(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
         pk = plane("k_cache", k_cache)
