@@ -13,13 +13,14 @@ written, after the whole run).
 import math
 import os
 import stat
+from typing import Any, List, Optional, Tuple, Union
 
 import click
 
 MAX_BATCH_BYTES = 16 << 20   # a --batch file: far more prompts than a cache holds sequences at once
 
 
-def utf8_failure(text):
+def utf8_failure(text: str) -> Optional[Tuple[int, Optional[int]]]:
     """Where ``text`` (a str from the command line) is not UTF-8: ``(index, byte)`` of its first surrogate escape
     (the byte it stands for, or None for a lone surrogate of another origin), or None when it is valid."""
     try:
@@ -41,7 +42,8 @@ class Utf8Text(click.ParamType):
 
     name = "text"
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: str, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        """``value`` itself; a usage error where it is not UTF-8."""
         failure = utf8_failure(value)
         if failure:
             self.fail(_not_utf8("the prompt", failure), param, ctx)
@@ -54,7 +56,10 @@ class PromptFile(click.ParamType):
 
     name = "file"
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Union[str, List[str]], param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> List[str]:
+        """The prompts of the file named ``value`` (a list, already converted, as it is); a usage error for a
+        file that is missing, not regular, too large, not UTF-8 or without a prompt."""
         if isinstance(value, list):
             return value
         try:
@@ -89,14 +94,15 @@ class Seconds(click.FloatRange):
 
     name = "seconds"
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> float:
+        """``value`` (a str or a number) as a float within the range; a usage error for NaN."""
         seconds = super().convert(value, param, ctx)
         if math.isnan(seconds):
             self.fail(f"{value} is not a number of seconds", param, ctx)
         return seconds
 
 
-def check_output_path(path, option):
+def check_output_path(path: str, option: str) -> None:
     """Refuse (a usage error for ``option``) a file path whose directory is missing or not writable."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

@@ -23,6 +23,7 @@ check also proves that shared and cached blocks hold the right data.
 """
 
 from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -80,10 +81,11 @@ class DemoResult:
     peak: dict = field(default_factory=lambda: {"mapped_bytes": 0, "token_bytes": 0, "contiguous_bytes": 0})
 
     @property
-    def tolerance(self):
+    def tolerance(self) -> float:
+        """The largest relative attention error the checks allow for the cache's dtype (TOLERANCE)."""
         return TOLERANCE[self.cache.layout.dtype]
 
-    def figures(self):
+    def figures(self) -> Dict[str, Any]:
         """Fragmentation, sharing and growth figures now, and the run's peaks and events."""
         cache = self.cache
         stats, prefix, growth = cache.stats(), cache.prefix_stats(), cache.growth.stats()
@@ -142,7 +144,8 @@ class _Values:
         return self.xp.cos(angle).astype(self.dtype)
 
 
-def features(ids, counts, lengths, sums):
+def features(ids: Union[np.ndarray, Sequence[int]], counts: Union[np.ndarray, Sequence[int]],
+             lengths: Union[np.ndarray, Sequence[int]], sums: Union[np.ndarray, Sequence[int]]) -> np.ndarray:
     """Two features in [0, 1) per token, a hash of its id, its position and the sum of the ids before it.
 
     ``ids`` are the new tokens of sequences that hold ``lengths`` tokens whose ids sum
@@ -304,7 +307,7 @@ class _Workload:
         return errors
 
 
-def attention64(q, k, v):
+def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Decode attention in float64 over contiguous K/V: q [Hq, D], k/v [n, Hkv, D] -> [Hq, D]."""
     kv_heads, dim = k.shape[1], q.shape[-1]
     q = q.reshape(kv_heads, -1, dim)  # the query heads of each KV head, as np.repeat(k, group, axis=1) pairs them
@@ -317,7 +320,7 @@ def _host64(a):
     return (a.get() if hasattr(a, "get") else np.asarray(a)).astype(np.float64)
 
 
-def run_demo(config, progress=None):
+def run_demo(config: DemoConfig, progress: Optional[Callable[[int], Any]] = None) -> DemoResult:
     """Run the workload, one ``cache.step()`` per step; ``progress(n)`` is called after each step.
     Returns a DemoResult (cache open)."""
     c = config
@@ -355,12 +358,13 @@ DEMO_MAX_PROMPT = 256          # the longest prompt, and the most prompt tokens 
 MIN_DECODE = 4                 # the fewest tokens a demo sequence decodes after its prompt (_Workload.plan)
 
 
-def shortest_request(max_prompt=DEMO_MAX_PROMPT):
+def shortest_request(max_prompt: int = DEMO_MAX_PROMPT) -> int:
     """The fewest tokens a demo request can need: the shortest system prompt, one user token, MIN_DECODE."""
     return max(1, max_prompt // 4) + 1 + MIN_DECODE
 
 
-def make_config(preset, layers=None, q_heads=None, kv_heads=None, head_dim=None, **rest):
+def make_config(preset: str, layers: Optional[int] = None, q_heads: Optional[int] = None,
+                kv_heads: Optional[int] = None, head_dim: Optional[int] = None, **rest: Any) -> DemoConfig:
     """The :class:`DemoConfig` of ``preset`` (a PRESETS name) with the given overrides; ``rest``: DemoConfig's
     other fields but ``max_prompt``. Raises UnsupportedConfigError, saying which bound, beyond the demo's."""
     from .errors import UnsupportedConfigError

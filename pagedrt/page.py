@@ -13,7 +13,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from .layout import Layout
-from .picture import _geometry, svg
+from .picture import Picture, _geometry, svg
+from .snapshot import PathLike
 
 SCRIPT = r"""
 function translation(d, row, pos, layer, kv, head) {
@@ -69,7 +70,7 @@ if (typeof document !== "undefined") {
 """
 
 
-def html(pic, snap):
+def html(pic: Picture, snap: dict) -> str:
     """The page (a str): the picture's SVG, the chain panel and the data and script that fill it.
 
     Parameters
@@ -104,6 +105,6 @@ def html(pic, snap):
             f"</body></html>\n")
 
 
-def write_html(pic, snap, path):
+def write_html(pic: Picture, snap: dict, path: PathLike) -> None:
     """Write :func:`html` to ``path`` (an OSError names the path)."""
     Path(path).write_text(html(pic, snap), encoding="utf-8")

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import UnsupportedConfigError
 from .render import plural
+from .snapshot import PathLike
 
 MAX_COLS, MAX_ROWS = 128, 128  # cells across, rows of chunks down: at most 16,384 cells before merging runs
 MAX_TABLE_ROWS, POINTERS = 32, 4  # block-table rows drawn; blocks of each row pointed at in the grid
@@ -143,7 +144,7 @@ def _cell_counts(snap, chunk_state, per_row, cell, cols):
     return counts, colours, rows
 
 
-def picture(snap):
+def picture(snap: dict) -> Picture:
     """The :class:`Picture` of a checked snapshot (``load_snapshot`` or ``validate_snapshot`` first).
 
     Parameters
@@ -206,7 +207,7 @@ def _geometry(pic):
     return px, 120, 56, rows, cols  # cell size, grid left, grid top
 
 
-def svg(pic):
+def svg(pic: Picture) -> str:
     """The picture as an SVG document (a str): in ``<g id="blocks">`` one ``<rect>`` a run of equal cells in a
     row, one ``<rect class="chunk">`` a row of chunks (with a ``<title>`` of its counts), a legend and the block
     tables.
@@ -297,7 +298,7 @@ def _svg_legend(x, y):
     return out
 
 
-def write_svg(pic, path):
+def write_svg(pic: Picture, path: PathLike) -> None:
     """Write :func:`svg` of ``pic`` to ``path`` (an OSError names the path)."""
     Path(path).write_text(svg(pic), encoding="utf-8")
 
@@ -310,7 +311,7 @@ def _rgb(colours):
     return np.array([[int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)] for c in colours])
 
 
-def write_png(pic, path, dpi=100):
+def write_png(pic: Picture, path: PathLike, dpi: float = 100) -> None:
     """Draw ``pic`` as a PNG at ``path`` through matplotlib (the ``plot`` extra): the same grid, row marks,
     block tables and legend as :func:`svg`. UnsupportedConfigError without matplotlib; an OSError names ``path``."""
     try:

@@ -7,32 +7,37 @@ written by another process as on a live cache.
 
 import math
 from dataclasses import replace
+from typing import Any, Callable, Dict, List, Tuple
 
-from .layout import Layout, translate
+from .layout import Layout, Translation, translate
 from .errors import InvalidPositionError, UnknownSequenceError, UnsupportedConfigError
 
 SYMBOLS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 COLOURS = ("red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
            "bright_yellow", "bright_blue", "bright_magenta", "bright_cyan")
 MAP_WIDTH, MAP_ROWS = 64, 24
+Style = Callable[..., str]  # click.style or plain: (text, fg=..., bold=...) -> the text, styled or not
 
 
-def plain(text, **_):
+def plain(text: str, **_: Any) -> str:
+    """``text`` as it is: the style of uncoloured output (click.style's keywords ignored)."""
     return text
 
 
-def size(n):
+def size(n: float) -> str:
+    """A byte count for a person to read, in the unit (B to TiB) that keeps it below 1024: "512 B", "2 MiB", "1.5 GiB"."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
 
 
-def seq_symbol(seq, style=plain):
+def seq_symbol(seq: int, style: Style = plain) -> str:
+    """The letter (and colour) that stands for sequence ``seq`` in the tables and the pool map."""
     return style(SYMBOLS[seq % len(SYMBOLS)], fg=COLOURS[seq % len(COLOURS)], bold=True)
 
 
-def where(record):
+def where(record: dict) -> str:
     """Where a chunk record's memory lives, in words: "device 0", "host node 1", or the bare tier."""
     location, node = record["location"], record["location_id"]
     if node is None:
@@ -40,21 +45,21 @@ def where(record):
     return f"device {node}" if location == "device" else f"host node {node}"
 
 
-def shard_line(shard):
+def shard_line(shard: dict) -> str:
     """What a sharded cache's snapshot describes: one device's pool, under the tables every shard shares."""
     first, end = shard["kv_heads"]
     return (f"shard  {shard['index']} of {shard['of']}, on device {shard['device']}: KV heads {first}..{end - 1} of "
             f"{shard['num_kv_heads']} in this pool; the block tables below are every shard's")
 
 
-def chunk_table(snap, style=plain):
+def chunk_table(snap: dict, style: Style = plain) -> List[str]:
     """One line per allocator chunk ever mapped: place, VA range, size, state, (with a host tier) where its memory
     lives, blocks held."""
     lay, pool, blocks = Layout(**snap["layout"]), snap["pool"], snap["blocks"]
     planes, per_plane = lay.num_planes, blocks["num_chunks"]
     records = {c["chunk"]: c for c in pool["chunks"]}
     bpc = blocks["blocks_per_chunk"]
-    held_in_chunk = {}
+    held_in_chunk: Dict[int, int] = {}
     for b in _block_owners(snap):
         held_in_chunk[b // bpc] = held_in_chunk.get(b // bpc, 0) + 1
     lines = [] if "shard" not in snap else [shard_line(snap["shard"])]
@@ -83,7 +88,7 @@ def chunk_table(snap, style=plain):
     return lines
 
 
-def block_tables(snap, limit=8, per_line=12, style=plain):
+def block_tables(snap: dict, limit: int = 8, per_line: int = 12, style: Style = plain) -> List[str]:
     """Sequence, length, and logical -> block id for up to ``limit`` sequences."""
     seqs = snap["sequences"]
     lines = [f"block tables ({min(limit, len(seqs))} of {len(seqs)} sequences; block size "
@@ -104,7 +109,7 @@ def _block_owners(snap):
     return owners
 
 
-def pool_map(snap, style=plain, width=MAP_WIDTH, max_rows=MAP_ROWS):
+def pool_map(snap: dict, style: Style = plain, width: int = MAP_WIDTH, max_rows: int = MAP_ROWS) -> List[str]:
     """A grid of blocks up to the frontier: owner letter, '*' shared, '+' cached-free, '.' free, blank unmapped."""
     blocks = snap["blocks"]
     bpc, mapped = blocks["blocks_per_chunk"], blocks["chunk_mapped"]
@@ -149,7 +154,7 @@ def _cell(block_range, owners, idle, mapped, bpc, style):
     return seq_symbol(max(counts, key=counts.get), style)
 
 
-def chain(snap, seq, pos, layer=0, kv="k", head=0):
+def chain(snap: dict, seq: int, pos: Any, layer: Any = 0, kv: Any = "k", head: Any = 0) -> Translation:
     """The Translation of token ``pos`` of ``seq`` from a snapshot."""
     entry = next((e for e in snap["sequences"] if e["seq"] == seq), None)
     if entry is None:
@@ -171,7 +176,7 @@ def chain(snap, seq, pos, layer=0, kv="k", head=0):
     return replace(tr, kv_head=head, shard=shard["index"], device=shard["device"])
 
 
-def chain_lines(snap, tr, style=plain):
+def chain_lines(snap: dict, tr: Translation, style: Style = plain) -> List[str]:
     """One line per step, token -> physical memory (HBM on the GPU, host memory on the host backend)."""
     lay = Layout(**snap["layout"])
     gpu = snap["pool"]["backend"] == "cuda"
@@ -204,11 +209,13 @@ def chain_lines(snap, tr, style=plain):
     ]
 
 
-def plural(count, noun):
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural (an "s" added) unless ``count`` is 1: "1 block", "3 blocks"."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def demo_report(figures, steps, growth, seq_tokens, dtype, style=plain):
+def demo_report(figures: Dict[str, Any], steps: int, growth: Tuple[int, int, int], seq_tokens: int, dtype: str,
+                style: Style = plain) -> List[str]:
     """The demo's figures (``DemoResult.figures()``) in words, a line per topic; the last says whether
     attention through the block tables agreed with contiguous attention (``figures["max_error"]`` within
     ``figures["tolerance"]``). ``steps``: the demo's; ``growth``: (low_blocks, high_blocks, release_after) of
