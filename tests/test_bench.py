@@ -276,6 +276,16 @@ def test_partition_of_var_and_skew_on_the_h200():
     assert forced["segment_tokens"] == 512 and forced["live_blocks"] > skew["live_blocks"]
 
 
+def test_partition_of_one_long_sequence_streams_at_the_whole_ceiling():
+    """long-1's 8 KV heads x 16 equal segments fill half the H200's 264 resident slots (the split plan's one
+    block an SM at head_dim 128): those 128 blocks share the whole ceiling, so one wave ends a start after the
+    floor, and the busiest slot holds what every slot that ran holds."""
+    long1 = partition.partition(cases.BENCH_DECODE_CASES["long-1"])
+    assert (long1["num_splits"], long1["live_blocks"], long1["resident_blocks"]) == (16, 128, 264)
+    assert long1["model_us"] == pytest.approx(long1["floor_us"] + 1.0)
+    assert long1["critical_over_mean"] == pytest.approx(1.0)
+
+
 # --- the 32-layer step's pure parts ---------------------------------------------------------------------------
 
 def test_step_layers_writes_each_sequences_newest_token_and_counts_its_bytes():

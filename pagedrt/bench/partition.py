@@ -14,11 +14,13 @@ longest segment against the mean of the live ones, and the waves (live blocks / 
 model, not a measurement: the blocks are handed out in launch order (kv head fastest, then sequence, then
 split) to whichever resident slot frees first; a live block costs ``--start-us`` (its start: table window,
 q, pipeline fill, as far as another resident block's streaming does not hide it) plus its K/V bytes at an
-equal share of ``--stream-tb-s`` per slot, an empty block ``--empty-us``. The model leaves out a single
+equal share of ``--stream-tb-s`` among the blocks that run at once (every resident slot, or every live block
+when there are fewer, as in a split of one long sequence), an empty block ``--empty-us``. The model leaves out a single
 wave's exposed start and the split merge, and a block in the tail streams faster than its equal share: it is
 for comparing cuts of one batch, not for predicting times (docs/KERNELS.md, "Skewed batches", sets it beside
-the measured times). It gives the busiest slot's K/V bytes against the mean per slot (the critical path),
-the modelled time against the floor (all K/V bytes at the ceiling) and that floor as a share of it.
+the measured times). It gives the busiest slot's K/V bytes against the mean
+over the slots that ran a live block (the critical path), the modelled time against the floor (all K/V bytes
+at the ceiling) and that floor as a share of it.
 ``--splits N`` forces a split count as ``DecodePlan(num_splits=N)`` does, to compare cuts.
 """
 
@@ -51,7 +53,8 @@ COLUMNS = (
 )
 LEGEND = ("grid: thread blocks launched; live: those holding tokens; waves: live / resident blocks; max/mean seg: "
           "the longest segment's tokens over the live segments' mean;\ncrit/mean slot: K/V bytes of the busiest "
-          "resident slot over the mean per slot, blocks handed out in launch order; model us: that schedule's "
+          "resident slot over the mean of the slots that ran a live block, blocks handed out in launch order; model us: "
+          "that schedule's "
           "end\n(a model, not a measurement); floor us: all K/V bytes at the ceiling; %floor: floor / model")
 
 
@@ -84,12 +87,13 @@ def schedule(block_us, slots):
 def describe(lengths, split, resident, token_bytes, stream_tb_s=4.54, start_us=1.0, empty_us=0.2):
     """The partition of a batch of ``lengths`` under ``split`` (a SplitPlan) and its modelled schedule, as a
     row of :data:`COLUMNS` (less the case's name). ``resident``: {geometry name: thread blocks the device
-    holds at once}; ``token_bytes``: K and V bytes of one token and KV head."""
+    holds at once}; ``token_bytes``: K and V bytes of one token and KV head. The ceiling is shared by the
+    blocks running at once: the resident slots, or the live blocks where fewer."""
     lens = np.asarray(lengths, np.int64)
     slots = resident[split.geometry]
     tokens = segments(lens, split).ravel()
     live = tokens[tokens > 0]
-    slot_bytes_per_us = stream_tb_s * 1e6 / slots
+    slot_bytes_per_us = stream_tb_s * 1e6 / min(slots, live.size)
     block_us = np.where(tokens > 0, start_us + tokens * token_bytes / slot_bytes_per_us, empty_us)
     ends, where = schedule(block_us, slots)
     per_slot = np.bincount(where, weights=tokens * token_bytes, minlength=slots)
@@ -100,7 +104,7 @@ def describe(lengths, split, resident, token_bytes, stream_tb_s=4.54, start_us=1
         "segment_tokens": split.segment_tokens, "geometry": split.geometry, "grid_blocks": int(tokens.size),
         "live_blocks": int(live.size), "waves": live.size / slots, "resident_blocks": slots,
         "longest_over_mean": float(live.max() / live.mean()),
-        "critical_over_mean": float(per_slot[np.argmax(ends)] / per_slot.mean()),
+        "critical_over_mean": float(per_slot[np.argmax(ends)] / per_slot[per_slot > 0].mean()),
         "model_us": float(ends.max()), "floor_us": floor_us, "model_pct": 100 * floor_us / float(ends.max()),
     }
 
@@ -159,7 +163,7 @@ def main(argv=None):
     rows = [partition(BENCH_DECODE_CASES[n], args.sms, {"standard": args.per_sm, "short": 2 * args.per_sm},
                       args.splits, **model) for n in names]
     text = (f"{args.sms} SMs x {args.per_sm} resident blocks (standard geometry; short: twice as many); model: "
-            f"{args.stream_tb_s} TB/s shared by the resident blocks, {args.start_us} us a live block's start, "
+            f"{args.stream_tb_s} TB/s shared by the blocks running at once, {args.start_us} us a live block's start, "
             f"{args.empty_us} us an empty block\n" + harness.format_table(COLUMNS, rows) + "\n" + LEGEND)
     print(text)
     if args.out:
