@@ -15,12 +15,12 @@ model, not a measurement: the blocks are handed out in launch order (kv head fas
 split) to whichever resident slot frees first; a live block costs ``--start-us`` (its start: table window,
 q, pipeline fill, as far as another resident block's streaming does not hide it) plus its K/V bytes at an
 equal share of ``--stream-tb-s`` among the blocks that run at once (every resident slot, or every live block
-when there are fewer, as in a split of one long sequence), an empty block ``--empty-us``. The model leaves out a single
-wave's exposed start and the split merge, and a block in the tail streams faster than its equal share: it is
-for comparing cuts of one batch, not for predicting times (docs/KERNELS.md, "Skewed batches", sets it beside
-the measured times). It gives the busiest slot's K/V bytes against the mean
-over the slots that ran a live block (the critical path), the modelled time against the floor (all K/V bytes
-at the ceiling) and that floor as a share of it.
+when there are fewer, as in a split of one long sequence), an empty block ``--empty-us``. The model leaves out
+a single wave's exposed start and the split merge, and a block in the tail streams faster than its equal
+share: it is for comparing cuts of one batch, not for predicting times (docs/KERNELS.md, "Skewed batches", sets
+it beside the measured times). It gives the busiest slot's K/V bytes against the mean over the slots that ran
+a live block (the critical path), the modelled time against the floor (all K/V bytes at the ceiling) and that
+floor as a share of it.
 ``--splits N`` forces a split count as ``DecodePlan(num_splits=N)`` does, to compare cuts.
 """
 
@@ -53,9 +53,9 @@ COLUMNS = (
 )
 LEGEND = ("grid: thread blocks launched; live: those holding tokens; waves: live / resident blocks; max/mean seg: "
           "the longest segment's tokens over the live segments' mean;\ncrit/mean slot: K/V bytes of the busiest "
-          "resident slot over the mean of the slots that ran a live block, blocks handed out in launch order; model us: "
-          "that schedule's "
-          "end\n(a model, not a measurement); floor us: all K/V bytes at the ceiling; %floor: floor / model")
+          "resident slot over the mean of the slots that ran a live block, blocks handed out in launch order; "
+          "model us: that schedule's end\n(a model, not a measurement); floor us: all K/V bytes at the ceiling; "
+          "%floor: floor / model")
 
 
 def segments(lengths, split):
