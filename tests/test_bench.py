@@ -276,6 +276,24 @@ def test_partition_of_var_and_skew_on_the_h200():
     assert forced["segment_tokens"] == 512 and forced["live_blocks"] > skew["live_blocks"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--splits", "0"], "--sms, --per-sm and --splits must be at least 1"),
+    (["--splits", "-3"], "--sms, --per-sm and --splits must be at least 1"),
+    (["--sms", "0"], "--sms, --per-sm and --splits must be at least 1"),
+    (["--per-sm", "-1"], "--sms, --per-sm and --splits must be at least 1"),
+    (["--stream-tb-s", "0"], "--stream-tb-s must be positive"),
+    (["--start-us", "-1"], "--start-us and --empty-us not negative"),
+    (["--empty-us", "-0.5"], "--start-us and --empty-us not negative"),
+    (["--cases", "long-1,nope"], "unknown cases ['nope']")])
+def test_partition_refuses_bad_arguments_with_a_usage_error(argv, message, capsys):
+    """bench.partition's numbers that would divide by zero or index nothing stop with a usage error naming
+    them, not a traceback."""
+    with pytest.raises(SystemExit) as stop:
+        partition.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_partition_of_one_long_sequence_streams_at_the_whole_ceiling():
     """long-1's 8 KV heads x 16 equal segments fill half the H200's 264 resident slots (the split plan's one
     block an SM at head_dim 128): those 128 blocks share the whole ceiling, so one wave ends a start after the

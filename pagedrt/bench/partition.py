@@ -158,6 +158,10 @@ def parser():
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
+    if min(args.sms, args.per_sm) < 1 or (args.splits is not None and args.splits < 1):
+        ap.error("--sms, --per-sm and --splits must be at least 1")
+    if args.stream_tb_s <= 0 or min(args.start_us, args.empty_us) < 0:
+        ap.error("--stream-tb-s must be positive, --start-us and --empty-us not negative")
     names = harness.case_names(ap, args.cases, BENCH_DECODE_CASES)
     model = dict(stream_tb_s=args.stream_tb_s, start_us=args.start_us, empty_us=args.empty_us)
     rows = [partition(BENCH_DECODE_CASES[n], args.sms, {"standard": args.per_sm, "short": 2 * args.per_sm},
